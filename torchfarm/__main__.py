@@ -1,0 +1,3 @@
+from torchfarm.cli import main
+
+main()

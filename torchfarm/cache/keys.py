@@ -1,0 +1,36 @@
+"""Every Redis key torchfarm uses, and nothing else. The prefix carries the format version,
+so an upgrade never reads old data as new."""
+
+FORMAT = "tf1"
+
+
+def blob(digest: str) -> str:        # zstd(artifact bytes), content-addressed by sha256
+    return f"{FORMAT}:blob:{digest}"
+
+
+def index(key: str) -> str:          # hash: artifact digest -> entry metadata (JSON)
+    return f"{FORMAT}:index:{key}"
+
+
+def claim(key: str) -> str:          # single-flight: who compiles this key now
+    return f"{FORMAT}:claim:{key}"
+
+
+def job(key: str) -> str:            # the payload a worker compiles (short-lived)
+    return f"{FORMAT}:job:{key}"
+
+
+def status(key: str) -> str:         # queued / compiling, for progress
+    return f"{FORMAT}:status:{key}"
+
+
+def error(key: str) -> str:          # why the last compile of this key failed (short-lived)
+    return f"{FORMAT}:error:{key}"
+
+
+def pool(name: str) -> str:          # a live pool's description, kept alive by its workers
+    return f"{FORMAT}:pool:{name}"
+
+
+POOL_PATTERN = f"{FORMAT}:pool:*"
+STATS = f"{FORMAT}:stats"            # hash of counters

@@ -1,0 +1,71 @@
+"""`torchfarm` command line: up (embedded farm), gateway, worker."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="torchfarm: a remote compilation farm for torch.compile")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def up(grpc_port: int = typer.Option(0, help="gateway port (0 picks a free one)"),
+       redis_port: int = typer.Option(0, help="redis-server port (0 picks a free one)"),
+       host: str = typer.Option("127.0.0.1", help="address the gateway listens on"),
+       workers: int = typer.Option(1, help="CPU workers to start"),
+       sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)")) -> None:
+    """Start an embedded local farm; prints TORCHFARM_ADDR=host:port when ready."""
+    from torchfarm.local_farm import LocalFarm
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalFarm(grpc_port=grpc_port, redis_port=redis_port, host=host, workers=workers,
+                   sandbox=sandbox) as farm:
+        print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
+        typer.echo(f"redis {farm.redis_url}; logs in {farm.log_dir}; Ctrl-C stops the farm",
+                   err=True)
+        stop.wait()
+    typer.echo("farm stopped", err=True)
+
+
+@app.command()
+def gateway(host: str = typer.Option(None, help="[TORCHFARM_GATEWAY_HOST]"),
+            port: int = typer.Option(None, help="[TORCHFARM_GATEWAY_PORT]"),
+            redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
+            log_level: str = "info") -> None:
+    """Run the gRPC gateway."""
+    from torchfarm.gateway.server import serve
+    from torchfarm.settings import GatewaySettings
+
+    _logging(log_level)
+    serve(GatewaySettings.from_env(host=host, port=port, redis_url=redis_url))
+
+
+@app.command()
+def worker(pool: str = typer.Option(None, help="[TORCHFARM_POOL] queue to serve; auto = this machine"),
+           device: str = typer.Option(None, help="[TORCHFARM_DEVICE] cpu or cuda"),
+           redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
+           concurrency: int = typer.Option(None, help="[TORCHFARM_WORKER_CONCURRENCY]"),
+           sandbox: str = typer.Option(None, help="[TORCHFARM_SANDBOX] bwrap, or none (insecure)"),
+           log_level: str = "info") -> None:
+    """Run a Celery compile worker for one hardware pool."""
+    from torchfarm.settings import WorkerSettings
+    from torchfarm.workers.app import run_worker
+
+    _logging(log_level)
+    run_worker(WorkerSettings.from_env(pool=pool, device=device, redis_url=redis_url,
+                                       concurrency=concurrency, sandbox=sandbox))
+
+
+def main() -> None:
+    app()

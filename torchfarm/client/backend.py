@@ -1,0 +1,95 @@
+"""The Dynamo backend `torchfarm`: every graph Dynamo captures goes through the farm.
+
+Registered through the `torch_dynamo_backends` entry point, so `torch.compile(m,
+backend="torchfarm")` needs no import. A farm that is unset, down, slow or failing never
+breaks the job: the graph is compiled locally (then run eagerly), with one warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from torchfarm.client import remote
+from torchfarm.client.progress import ProgressLine
+from torchfarm.compiler import guards, serialize
+from torchfarm.compiler.inductor import config_patches, load_artifact
+from torchfarm.compiler.target import local_target
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+
+log = logging.getLogger("torchfarm")
+_graph_numbers = itertools.count(1)
+_warned: set[str] = set()
+
+
+def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
+                      options: dict | None = None, *, addr: str | None = None,
+                      token: str | None = None) -> Callable:
+    """Compile one Dynamo graph on the farm; `options` are Inductor config patches."""
+    settings = ClientSettings.from_env(addr=addr, token=token)
+    farm_options = pb.Options(mode=mode or "default",
+                              config_patches_json=json.dumps(options, sort_keys=True)
+                              if options else "")
+    label = f"graph {next(_graph_numbers)}"
+    started = time.perf_counter()
+    if not settings.addr:
+        _warn_once("TORCHFARM_ADDR is not set: compiling locally")
+        return _compile_locally(gm, example_inputs, farm_options)
+    try:
+        compiled, header = _compile_on_farm(gm, settings, farm_options, label)
+    except Exception as e:  # the farm must never break training
+        log.info("%s: fallback to local compile after %.2f s (%s)", label,
+                 time.perf_counter() - started, e)
+        _warn_once(f"farm unavailable ({e}); compiling locally")
+        return _compile_locally(gm, example_inputs, farm_options)
+    log.info("%s: farm %s in %.2f s, %d bytes, key %s", label, header.source,
+             time.perf_counter() - started, header.size, header.key[:16])
+    return compiled
+
+
+def _device_of(gm: torch.fx.GraphModule) -> str:
+    for value in serialize.example_inputs(gm):
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return str(value.device)
+    return "cpu"
+
+
+def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.ArtifactHeader]:
+    request = pb.CompileRequest(graph=serialize.dumps(gm), target=local_target(_device_of(gm)),
+                                options=options, label=label)
+    progress = ProgressLine(label, settings.progress)
+    try:
+        header, data = remote.fetch(request, settings, on_progress=progress)
+    finally:
+        progress.close()
+    artifact = pb.Artifact.FromString(data)
+    if not guards.install(artifact.guards_expr, serialize.example_inputs(gm)):
+        raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
+    compiled = load_artifact(artifact)
+    return (lambda *args: compiled(*args)), header
+
+
+def _compile_locally(gm, example_inputs, options: pb.Options) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    try:
+        patches = config_patches(options)
+        if options.mode in ("reduce-overhead", "max-autotune"):
+            patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    except Exception as e:
+        _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
+        return gm.forward
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"torchfarm: {message}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,60 @@
+"""The gRPC side of the client: one Compile call, streamed progress, verified artifact bytes."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+
+import grpc
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import ClientSettings
+
+MAX_MESSAGE = 256 << 20
+
+
+class FarmError(RuntimeError):
+    """The farm could not provide an artifact; the message says why."""
+
+
+@functools.cache
+def _channel(addr: str) -> grpc.Channel:
+    return grpc.insecure_channel(addr, options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.max_receive_message_length", MAX_MESSAGE)])
+
+
+def fetch(request: pb.CompileRequest, settings: ClientSettings,
+          on_progress: Callable[[pb.Progress], None] | None = None
+          ) -> tuple[pb.ArtifactHeader, bytes]:
+    """Send one graph; returns the header and the artifact bytes (digest verified)."""
+    channel = _channel(settings.addr)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
+    except grpc.FutureTimeoutError:
+        raise FarmError(f"farm at {settings.addr} unreachable within "
+                        f"{settings.connect_timeout_s:g} s") from None
+    metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
+    header, chunks = None, []
+    try:
+        for event in pb_grpc.FarmStub(channel).Compile(
+                request, timeout=settings.compile_timeout_s, metadata=metadata):
+            kind = event.WhichOneof("event")
+            if kind == "progress" and on_progress:
+                on_progress(event.progress)
+            elif kind == "header":
+                header = event.header
+                if on_progress:
+                    on_progress(pb.Progress(stage=pb.Progress.DOWNLOADING))
+            elif kind == "chunk":
+                chunks.append(event.chunk)
+    except grpc.RpcError as e:
+        raise FarmError(f"{e.code().name}: {e.details()}") from None
+    if header is None:
+        raise FarmError("the farm ended the stream without an artifact")
+    data = b"".join(chunks)
+    if len(data) != header.size or hashlib.sha256(data).hexdigest() != header.digest:
+        raise FarmError("artifact failed its digest check; not loading it")
+    return header, data

@@ -1,0 +1,40 @@
+"""The cache key, computed by the gateway from content alone (never taken from a client).
+
+key = sha256(key format, payload bytes, canonical target, canonical options). The payload
+already holds the graph, its input metadata and the ShapeEnv (size hints included), so the
+same model traced anywhere gives the same key; see docs/cache.md for what goes in and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from google.protobuf import json_format
+
+from torchfarm.proto import torchfarm_pb2 as pb
+
+KEY_FORMAT = b"torchfarm-key-v1"
+
+
+def _canonical(message) -> bytes:
+    fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def canonical_options(options: pb.Options) -> pb.Options:
+    """Options with the config patches re-encoded canonically (sorted, compact JSON)."""
+    patches = json.loads(options.config_patches_json) if options.config_patches_json else {}
+    if not isinstance(patches, dict):
+        raise ValueError("config_patches_json must be a JSON object")
+    return pb.Options(mode=options.mode or "default",
+                      config_patches_json=json.dumps(patches, sort_keys=True,
+                                                     separators=(",", ":")) if patches else "")
+
+
+def cache_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:
+    h = hashlib.sha256(KEY_FORMAT)
+    for part in (payload, _canonical(target), _canonical(canonical_options(options))):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()

@@ -1,0 +1,80 @@
+"""Ship Inductor's compiled C++ objects with the artifact, so that a hit runs no compiler.
+
+On CPU a CompiledArtifact holds C++ source; loading it runs g++ (seconds) and Inductor's
+ISA probe. The worker records every object it builds, keyed by the sha256 of its source;
+the client serves those objects to Inductor's loader instead of compiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+
+from torch._inductor import codecache
+
+
+class MissingNativeObject(RuntimeError):
+    """The artifact lacks an object its code needs; the caller falls back to compiling."""
+
+
+def _source_digest(main_code: str) -> str:
+    return hashlib.sha256(main_code.encode()).hexdigest()
+
+
+def _library_path(lib: object) -> str:
+    return getattr(lib, "__file__", None) or lib._name  # module or ctypes.CDLL
+
+
+@contextlib.contextmanager
+def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
+    """Worker side: record every C++ library Inductor builds and loads into `objects`."""
+    original = codecache.CppCodeCache.load_async.__func__
+
+    def load_async(cls, main_code, *args, **kwargs):
+        load = original(cls, main_code, *args, **kwargs)
+
+        def load_and_record():
+            lib = load()
+            with open(_library_path(lib), "rb") as f:
+                objects[_source_digest(main_code)] = f.read()
+            return lib
+
+        return load_and_record
+
+    with _patched_load_async(load_async):
+        yield objects
+
+
+@contextlib.contextmanager
+def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
+    """Client side: load C++ libraries from `objects` (written under `directory`), never g++."""
+    os.makedirs(directory, exist_ok=True)
+
+    def load_async(cls, main_code, *args, **kwargs):
+        digest = _source_digest(main_code)
+        binary = objects.get(digest)
+        if binary is None:
+            raise MissingNativeObject(f"artifact has no object for C++ source {digest[:12]}")
+        path = os.path.join(directory, f"{digest}.so")
+        if not os.path.exists(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(binary)
+            os.replace(tmp, path)
+        lib = cls._load_library(path, f"torchfarm_{digest[:32]}")
+        return lambda: lib
+
+    with _patched_load_async(load_async):
+        yield
+
+
+@contextlib.contextmanager
+def _patched_load_async(replacement) -> Iterator[None]:
+    saved = codecache.CppCodeCache.__dict__["load_async"]
+    codecache.CppCodeCache.load_async = classmethod(replacement)
+    try:
+        yield
+    finally:
+        codecache.CppCodeCache.load_async = saved

@@ -1,0 +1,94 @@
+"""Graph <-> payload bytes.
+
+The client turns Dynamo's FX graph into bytes that hold FakeTensor metadata and the ShapeEnv,
+never weights, and that are the same for the same model in any process, path or rank (the
+cache key is their hash). Only a sandboxed worker child ever calls `loads`: it unpickles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._guards import ShapeGuard, SLoc
+from torch._subclasses import FakeTensorMode
+from torch.fx._graph_pickler import GraphPickler, _ShapeEnvPickleData
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
+
+# Node metadata the compiler needs; everything else (stack traces, module paths, and
+# "grapharg", which holds the real weights) stays home.
+_KEPT_NODE_META = ("example_value",)
+
+# ShapeEnv fields that are debugging state, per-process ids or source locations.
+_DROPPED_SHAPE_ENV_FIELDS = frozenset({
+    "var_to_stack", "specialization_stacks", "events", "log", "tracked_fakes",
+    "fake_tensor_cache", "co_fields", "fx_node_cache", "_equality_graph", "dim_constraints",
+    "source_name_to_debug_name", "_expr_sym_node_id", "_prev_cache_key", "_version_counter",
+    "counter", "symbol_guard_counter", "_replacements_version_counter",
+})
+_NO_SLOC = SLoc(None, None)
+
+
+class _PortableShapeEnv(_ShapeEnvPickleData):
+    """ShapeEnv state without source locations or per-process ids."""
+
+    def __init__(self, env: ShapeEnv) -> None:
+        data = {k: v for k, v in env.__dict__.items() if k not in _DROPPED_SHAPE_ENV_FIELDS}
+        data["guards"] = [ShapeGuard(g.expr, _NO_SLOC, g.size_oblivious) for g in env.guards]
+        data["deferred_runtime_asserts"] = {}
+        if "var_to_range_sloc" in data:
+            data["var_to_range_sloc"] = {
+                k: ValueRangesSLoc(_NO_SLOC, _NO_SLOC) for k in env.var_to_range_sloc
+            }
+        if "replacements_slocs" in data:
+            data["replacements_slocs"] = {k: _NO_SLOC for k in env.replacements_slocs}
+        self.data = data
+
+
+class _PortablePickler(GraphPickler):
+    def reducer_override(self, obj: object):
+        if isinstance(obj, ShapeEnv):
+            return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
+            raise ValueError("refusing to serialize a real tensor: the farm takes metadata only")
+        return super().reducer_override(obj)
+
+
+def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
+        env[node] = new
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def dumps(gm: torch.fx.GraphModule) -> bytes:
+    """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without weights."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        raise ValueError("graph reads module attributes (get_attr); the farm needs lifted parameters")
+    return _PortablePickler.dumps(_metadata_only(gm))
+
+
+def loads(payload: bytes) -> torch.fx.GraphModule:
+    """Rebuild the graph with fresh FakeTensors and ShapeEnv. Runs pickle: sandbox only."""
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    gm = GraphPickler.loads(payload, fake_mode)
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise ValueError(f"payload holds {type(gm).__name__}, not a GraphModule")
+    return gm
+
+
+def example_inputs(gm: torch.fx.GraphModule) -> list:
+    """The placeholders' example values (FakeTensors and SymInts), in call order."""
+    return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """A readable summary of what the graph computes: call targets and how often."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            name = node.target if isinstance(node.target, str) else getattr(
+                node.target, "__name__", str(node.target))
+            counts[name] = counts.get(name, 0) + 1
+    return counts

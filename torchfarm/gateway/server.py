@@ -1,0 +1,167 @@
+"""The gRPC gateway: authenticate, validate and size, key, answer hits, single-flight misses.
+
+It never unpickles or evaluates anything a client sends: it hashes the payload, looks the
+key up in Redis, and on a miss queues a Celery task on the pool that matches the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from torchfarm.cache.store import Store
+from torchfarm.compiler.cache_key import cache_key, canonical_options
+from torchfarm.compiler.inductor import MODES
+from torchfarm.compiler.target import describe, pool_name
+from torchfarm.gateway import auth
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import GatewaySettings, parse_tenants
+from torchfarm.workers.app import TASK_NAME, make_celery
+
+log = logging.getLogger("torchfarm.gateway")
+POLL_S = 0.05
+PROGRESS_EVERY_S = 1.0
+
+
+class FarmServicer(pb_grpc.FarmServicer):
+    def __init__(self, settings: GatewaySettings, store: Store):
+        self.settings = settings
+        self.store = store
+        self.tenants = parse_tenants(settings.tenants)
+        self.celery = make_celery(settings.redis_url, settings.broker_url)
+
+    def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
+        tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), self.tenants)
+        if tenant is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+        options = self._validate(request, context)
+        key = cache_key(request.graph, request.target, options)
+        started = time.monotonic()
+
+        hit = self._cached(key)
+        if hit is not None:
+            self.store.count(hits=1, bytes_served=len(hit[1]))
+            yield from self._send(key, *hit, source="hit")
+            return
+
+        pool = pool_name(request.target)
+        pools = self.store.pools()
+        if pool not in pools:
+            served = "; ".join(f"{name} ({info.get('describe', '')})" for name, info in
+                               sorted(pools.items())) or "none"
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no pool serves target {describe(request.target)} (pool {pool}). "
+                          f"Pools available: {served}")
+        source = "miss" if self._claim_and_enqueue(key, request, options, pool, tenant) else "merged"
+        self.store.count(**{"misses" if source == "miss" else "merges": 1})
+        log.info("%s %s for %s: %s", source, key[:16], tenant, request.label)
+        yield from self._wait(key, request, options, pool, tenant, started, source, context)
+
+    def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
+        if not request.graph:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty graph payload")
+        if len(request.graph) > self.settings.max_payload_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"graph payload {len(request.graph)} bytes exceeds the limit of "
+                          f"{self.settings.max_payload_bytes}")
+        if request.target.device not in ("cpu", "cuda") or not request.target.torch_version:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "target needs device 'cpu' or 'cuda' and a torch_version")
+        if (request.options.mode or "default") not in MODES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown mode {request.options.mode!r}; one of {', '.join(MODES)}")
+        try:
+            return canonical_options(request.options)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad config patches: {e}")
+
+    def _cached(self, key: str) -> tuple[dict, bytes] | None:
+        for entry in self.store.entries(key):
+            data = self.store.read_blob(key, entry)
+            if data is not None:
+                return entry, data
+            log.warning("dropped corrupt or missing blob %s of %s", entry["digest"][:16], key[:16])
+        return None
+
+    def _claim_and_enqueue(self, key, request, options, pool, tenant) -> bool:
+        ttl = int(self.settings.compile_timeout_s) + 60
+        if not self.store.claim(key, ttl):
+            return False
+        self.store.put_job(key, request.graph)
+        job = {"target": json_format.MessageToDict(request.target),
+               "options": json_format.MessageToDict(options),
+               "tenant": tenant, "label": request.label}
+        self.celery.send_task(TASK_NAME, args=[key, job], queue=pool, routing_key=pool)
+        return True
+
+    def _wait(self, key, request, options, pool, tenant, started, source, context):
+        deadline = started + self.settings.compile_timeout_s
+        next_progress = 0.0
+        while context.is_active():
+            now = time.monotonic()
+            hit = self._cached(key)
+            if hit is not None:
+                yield from self._send(key, *hit, source=source)
+                self.store.count(bytes_served=len(hit[1]))
+                return
+            error = self.store.error(key)
+            if error is not None:
+                context.abort(grpc.StatusCode.ABORTED, f"compile failed on the farm: {error}")
+            if now > deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")
+            if not self.store.claimed(key):  # the compiler vanished: take over
+                self._claim_and_enqueue(key, request, options, pool, tenant)
+            if now >= next_progress:
+                stage = (pb.Progress.COMPILING if self.store.status(key) == "compiling"
+                         else pb.Progress.QUEUED)
+                yield pb.CompileEvent(progress=pb.Progress(stage=stage, elapsed_s=now - started))
+                next_progress = now + PROGRESS_EVERY_S
+            time.sleep(POLL_S)
+
+    def _send(self, key: str, entry: dict, data: bytes, source: str) -> Iterator[pb.CompileEvent]:
+        yield pb.CompileEvent(header=pb.ArtifactHeader(
+            key=key, digest=entry["digest"], size=len(data), source=source,
+            compile_seconds=entry.get("compile_seconds", 0.0)))
+        step = self.settings.chunk_bytes
+        for offset in range(0, len(data), step):
+            yield pb.CompileEvent(chunk=data[offset:offset + step])
+
+
+def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
+    """A started-ready server (call .start()) and the port it bound."""
+    store = Store.from_url(settings.redis_url)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.threads),
+                         options=[("grpc.max_receive_message_length",
+                                   settings.max_payload_bytes + (1 << 20))])
+    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("torchfarm.v1.Farm", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    return server, port
+
+
+def serve(settings: GatewaySettings, ready=None) -> None:
+    """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
+    import signal
+    import threading
+
+    server, port = build_server(settings)
+    server.start()
+    log.info("gateway listening on %s:%d", settings.host, port)
+    if ready:
+        ready(port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()

@@ -1,0 +1,151 @@
+"""An embedded farm as child processes: redis-server, the gateway and one CPU worker.
+
+What `torchfarm up`, the demo and the integration tests run. Every child lives in its own
+process group, so stopping the farm also ends the compile children it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+from torchfarm.cache.store import Store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalFarm:
+    """Start with `with LocalFarm() as farm:`; `farm.addr` is host:port of the gateway."""
+
+    def __init__(self, grpc_port: int = 0, redis_port: int = 0, tenants: str = "",
+                 sandbox: str = "bwrap", workers: int = 1, host: str = "127.0.0.1",
+                 log_dir: str | None = None, extra_env: dict | None = None):
+        self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
+        self.tenants, self.sandbox, self.workers = tenants, sandbox, workers
+        self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
+        self.log_dir = log_dir or self.workdir
+        self.extra_env = extra_env or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def __enter__(self) -> LocalFarm:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **self.extra_env, **(env or {})},
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 120) -> None:
+        self.start_redis()
+        self.start_gateway()
+        for i in range(self.workers):
+            self.start_worker(f"worker{i}")
+        self.wait_ready(timeout_s)
+
+    def start_redis(self) -> None:
+        server = shutil.which("redis-server")
+        if not server:
+            raise RuntimeError("redis-server not found: run `make deps` (apt-get install redis-server)")
+        self.redis_port = self.redis_port or free_port()
+        self._spawn("redis", [server, "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                              "--dir", self.workdir, "--save", "", "--appendonly", "yes",
+                              "--appendfsync", "everysec", "--protected-mode", "yes"])
+        client = redis.Redis(port=self.redis_port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.procs["redis"].poll() is not None:
+                    raise RuntimeError(f"redis-server did not start; see {self.log_dir}/redis.log")
+                time.sleep(0.05)
+
+    def start_gateway(self) -> None:
+        self.grpc_port = self.grpc_port or free_port()
+        self._spawn("gateway", [sys.executable, "-m", "torchfarm", "gateway", "--host", self.host,
+                                "--port", str(self.grpc_port), "--redis-url", self.redis_url],
+                    env={"TORCHFARM_TENANTS": self.tenants})
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
+                                  "--redis-url", self.redis_url, "--sandbox", self.sandbox])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway answers health checks and a worker has registered its pool."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        store = Store.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited ({proc.returncode}); see "
+                                           f"{self.log_dir}/{name}.log")
+                try:
+                    ok = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    ok = False
+                if ok and store.pools():
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"farm not ready in {timeout_s:.0f} s; logs in {self.log_dir}")
+                time.sleep(0.2)
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        try:  # anything the process left in its group (compile children)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n not in ("redis",)] + ["redis"]:
+            self.stop_process(name)
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""Every setting torchfarm reads from the environment, one typed object per service.
+
+The README's configuration table lists the same variables; nothing else reads os.environ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    addr: str = ""                 # TORCHFARM_ADDR host:port; empty = compile locally
+    token: str = ""                # TORCHFARM_TOKEN
+    connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
+    compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
+    progress: bool = True          # TORCHFARM_PROGRESS=0 turns the stderr progress line off
+
+    @classmethod
+    def from_env(cls, **overrides) -> ClientSettings:
+        values = dict(
+            addr=_env("TORCHFARM_ADDR", ""),
+            token=_env("TORCHFARM_TOKEN", ""),
+            connect_timeout_s=float(_env("TORCHFARM_CONNECT_TIMEOUT", "2")),
+            compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
+            progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def parse_tenants(spec: str) -> dict[str, str]:
+    """`tenant:sha256hex,...` -> {sha256hex: tenant}. Tokens are stored only as hashes."""
+    tenants = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, digest = item.partition(":")
+        if len(digest) != 64:
+            raise ValueError(f"TORCHFARM_TENANTS entry {name!r}: expected tenant:<sha256 hex>")
+        tenants[digest.lower()] = name
+    return tenants
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"          # TORCHFARM_GATEWAY_HOST
+    port: int = 8470                 # TORCHFARM_GATEWAY_PORT (0 = any free port)
+    redis_url: str = "redis://127.0.0.1:6379/0"   # TORCHFARM_REDIS_URL
+    broker_url: str = ""             # TORCHFARM_BROKER_URL (default: redis_url's db 1)
+    tenants: str = ""                # TORCHFARM_TENANTS tenant:sha256(token),...; empty = open farm
+    max_payload_bytes: int = 64 << 20  # TORCHFARM_MAX_PAYLOAD_BYTES
+    compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
+    threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
+    chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
+
+    @classmethod
+    def from_env(cls, **overrides) -> GatewaySettings:
+        values = dict(
+            host=_env("TORCHFARM_GATEWAY_HOST", cls.host),
+            port=int(_env("TORCHFARM_GATEWAY_PORT", str(cls.port))),
+            redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
+            broker_url=_env("TORCHFARM_BROKER_URL", ""),
+            tenants=_env("TORCHFARM_TENANTS", ""),
+            max_payload_bytes=int(_env("TORCHFARM_MAX_PAYLOAD_BYTES", str(cls.max_payload_bytes))),
+            compile_timeout_s=float(_env("TORCHFARM_GATEWAY_COMPILE_TIMEOUT", "1800")),
+            threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
+            chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    redis_url: str = "redis://127.0.0.1:6379/0"   # TORCHFARM_REDIS_URL
+    broker_url: str = ""             # TORCHFARM_BROKER_URL
+    pool: str = "auto"               # TORCHFARM_POOL: "auto" = this machine's own target
+    device: str = "cpu"              # TORCHFARM_DEVICE: cpu or cuda
+    concurrency: int = 1             # TORCHFARM_WORKER_CONCURRENCY: compiles at once
+    sandbox: str = "bwrap"           # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
+    compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
+    memory_limit_mb: int = 0         # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
+
+    @classmethod
+    def from_env(cls, **overrides) -> WorkerSettings:
+        values = dict(
+            redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
+            broker_url=_env("TORCHFARM_BROKER_URL", ""),
+            pool=_env("TORCHFARM_POOL", "auto"),
+            device=_env("TORCHFARM_DEVICE", "cpu"),
+            concurrency=int(_env("TORCHFARM_WORKER_CONCURRENCY", "1")),
+            sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
+            compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
+            memory_limit_mb=int(_env("TORCHFARM_COMPILE_MEMORY_MB", "0")),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def broker_url(redis_url: str, broker: str) -> str:
+    """Celery's broker: given explicitly, or the cache's Redis server on database 1."""
+    if broker:
+        return broker
+    base, _, db = redis_url.rpartition("/")
+    return f"{base}/1" if db.isdigit() else f"{redis_url.rstrip('/')}/1"

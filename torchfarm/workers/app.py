@@ -1,0 +1,109 @@
+"""Celery app and the compile task: one queue per hardware pool.
+
+Tasks carry JSON only (never pickle). acks_late + reject_on_worker_lost: a worker killed
+mid-compile leaves its message unacknowledged, and the broker hands it to another worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import logging
+import socket
+import threading
+import time
+
+from celery import Celery
+from google.protobuf import json_format
+
+from torchfarm.cache.store import Store
+from torchfarm.compiler.target import describe, local_target, pool_name
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import WorkerSettings, broker_url
+from torchfarm.workers import sandbox
+
+log = logging.getLogger("torchfarm.worker")
+TASK_NAME = "torchfarm.compile"
+
+
+def make_celery(redis_url: str, broker: str = "", visibility_timeout_s: float = 3600) -> Celery:
+    app = Celery("torchfarm", broker=broker_url(redis_url, broker))
+    app.conf.update(
+        task_serializer="json", accept_content=["json"], result_backend=None,
+        task_ignore_result=True, task_acks_late=True, task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": visibility_timeout_s},
+        worker_hijack_root_logger=False,
+    )
+    app.task(name=TASK_NAME, bind=True)(compile_graph)
+    return app
+
+
+@functools.cache
+def _store(redis_url: str) -> Store:
+    return Store.from_url(redis_url)
+
+
+def compile_graph(task, key: str, job: dict) -> str:
+    """Compile the queued payload of `key` in the sandbox and store the artifact."""
+    settings = WorkerSettings(**task.app.conf.torchfarm_worker)
+    store = _store(settings.redis_url)
+    if store.entries(key):  # a redelivered task whose first run finished
+        store.finish_job(key)
+        return "cached"
+    payload = store.job_payload(key)
+    if payload is None:
+        store.finish_job(key, error="the job's payload expired before a worker took it")
+        return "expired"
+    store.set_status(key, "compiling")
+    target = json_format.ParseDict(job["target"], pb.Target())
+    options = json_format.ParseDict(job["options"], pb.Options())
+    log.info("compiling %s (%s) for tenant %s", key[:16], job.get("label", ""), job["tenant"])
+    try:
+        data = sandbox.run_compile(payload, target, options, settings)
+    except sandbox.CompileFailed as e:
+        log.warning("compile of %s failed: %s", key[:16], str(e)[-500:])
+        store.count(compile_failures=1)
+        store.finish_job(key, error=str(e))
+        return "failed"
+    artifact = pb.Artifact.FromString(data)
+    store.put_artifact(key, data, {
+        "guards_expr": artifact.guards_expr,
+        "compile_seconds": round(artifact.compile_seconds, 3),
+        "tenant": job["tenant"], "mode": options.mode or "default",
+        "pool": task.request.delivery_info.get("routing_key", ""),
+        "target": describe(target), "torch_version": target.torch_version,
+        "natives": len(artifact.natives), "nodes": sum(artifact.op_counts.values()),
+        "worker": socket.gethostname(),
+    })
+    store.count(compiles=1, compile_seconds=artifact.compile_seconds)
+    store.finish_job(key)
+    log.info("stored %s: %d bytes, %.1f s", key[:16], len(data), artifact.compile_seconds)
+    return "compiled"
+
+
+def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None:
+    while True:
+        try:
+            store.register_pool(pool, info)
+        except Exception as e:  # Redis restarting: keep trying, the worker stays up
+            log.warning("pool heartbeat failed: %s", e)
+        time.sleep(every_s)
+
+
+def run_worker(settings: WorkerSettings) -> None:
+    """Serve this machine's pool (or settings.pool) until stopped."""
+    sandbox.check_available(settings)
+    target = local_target(settings.device)
+    pool = pool_name(target) if settings.pool == "auto" else settings.pool
+    app = make_celery(settings.redis_url, settings.broker_url,
+                      visibility_timeout_s=settings.compile_timeout_s + 300)
+    app.conf.torchfarm_worker = dataclasses.asdict(settings)
+    info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
+    threading.Thread(target=_heartbeat, args=(Store.from_url(settings.redis_url), pool, info),
+                     daemon=True, name="pool-heartbeat").start()
+    log.info("worker serving pool %s (%s)", pool, describe(target))
+    app.worker_main(["worker", "-Q", pool, "-c", str(settings.concurrency), "-n",
+                     f"{pool}@{socket.gethostname()}.{os.getpid()}", "--without-gossip", "--without-mingle",
+                     "--without-heartbeat", "--loglevel", "INFO"])

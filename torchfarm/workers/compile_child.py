@@ -1,0 +1,31 @@
+"""Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child DIR`.
+
+Reads DIR/payload.bin and DIR/request.json, writes DIR/artifact.pb. Everything it reads is
+hostile; it runs with no network, no secrets and no access to the cache.
+"""
+
+import sys
+
+
+def main(workdir: str) -> int:
+    import os
+
+    from google.protobuf import json_format
+
+    from torchfarm.compiler.inductor import compile_payload
+    from torchfarm.proto import torchfarm_pb2 as pb
+
+    with open(os.path.join(workdir, "request.json")) as f:
+        request = json_format.Parse(f.read(), pb.CompileRequest())
+    with open(os.path.join(workdir, "payload.bin"), "rb") as f:
+        payload = f.read()
+    artifact = compile_payload(payload, request.options, request.target.threads)
+    tmp = os.path.join(workdir, "artifact.pb.tmp")
+    with open(tmp, "wb") as f:
+        f.write(artifact.SerializeToString())
+    os.replace(tmp, os.path.join(workdir, "artifact.pb"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

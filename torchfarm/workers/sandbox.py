@@ -1,0 +1,109 @@
+"""Run one compile in a child process that can do nothing else.
+
+The child gets a fresh private directory (its Inductor and Triton caches live there), no
+network (bubblewrap `--unshare-net`), a read-only view of the system, an empty environment
+apart from what compiling needs, resource limits and a wall-clock timeout. It hands back an
+Artifact as protobuf bytes; the parent parses them as protobuf only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from google.protobuf import json_format
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import WorkerSettings
+
+log = logging.getLogger("torchfarm.worker")
+
+
+class CompileFailed(RuntimeError):
+    """The compile child failed, crashed or ran out of time; the message says which."""
+
+
+def check_available(settings: WorkerSettings) -> None:
+    """Refuse to run without a sandbox unless the operator asked for that explicitly."""
+    if settings.sandbox == "bwrap":
+        if not shutil.which("bwrap"):
+            raise SystemExit("torchfarm worker: bubblewrap (bwrap) not found. Install it "
+                             "(apt-get install bubblewrap) or run with --sandbox none "
+                             "(compiles untrusted graphs unconfined).")
+    elif settings.sandbox == "none":
+        log.warning("!!! SANDBOX DISABLED: untrusted graphs are unpickled and compiled without "
+                    "isolation. Use only with clients you trust. !!!")
+    else:
+        raise SystemExit(f"torchfarm worker: unknown sandbox {settings.sandbox!r}")
+
+
+def _bwrap(workdir: str, device: str) -> list[str]:
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+           "--tmpfs", "/tmp", "--bind", workdir, workdir,
+           "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+           "--die-with-parent", "--new-session"]
+    if device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
+        for node in sorted(os.listdir("/dev")):
+            if node.startswith("nvidia"):
+                cmd += ["--dev-bind", f"/dev/{node}", f"/dev/{node}"]
+    return cmd
+
+
+def _limits(memory_mb: int):
+    def apply() -> None:
+        if memory_mb > 0:
+            limit = memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def _environment(workdir: str) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": workdir,
+        "TMPDIR": os.path.join(workdir, "tmp"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(workdir, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(workdir, "triton"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    for name in ("PYTHONPATH", "CXX", "CC", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
+                settings: WorkerSettings) -> bytes:
+    """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes."""
+    with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as workdir:
+        os.makedirs(os.path.join(workdir, "tmp"))
+        with open(os.path.join(workdir, "payload.bin"), "wb") as f:
+            f.write(payload)
+        with open(os.path.join(workdir, "request.json"), "w") as f:
+            f.write(json_format.MessageToJson(pb.CompileRequest(target=target, options=options)))
+        cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
+        if settings.sandbox == "bwrap":
+            cmd = _bwrap(workdir, settings.device) + cmd
+        try:
+            proc = subprocess.run(cmd, env=_environment(workdir), capture_output=True,
+                                  timeout=settings.compile_timeout_s,
+                                  preexec_fn=_limits(settings.memory_limit_mb))
+        except subprocess.TimeoutExpired as e:
+            raise CompileFailed(f"compile exceeded {settings.compile_timeout_s:.0f} s") from e
+        out_path = os.path.join(workdir, "artifact.pb")
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = proc.stderr.decode(errors="replace")[-3000:]
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            raise CompileFailed(f"compile child failed ({how}):\n{tail}")
+        with open(out_path, "rb") as f:
+            data = f.read()
+    artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
+    if not artifact.inductor:
+        raise CompileFailed("compile child returned an empty artifact")
+    return data
