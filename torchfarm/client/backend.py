@@ -7,6 +7,7 @@ breaks the job: the graph is compiled locally (then run eagerly), with one warni
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -29,6 +30,20 @@ _graph_numbers = itertools.count(1)
 _warned: set[str] = set()
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphRecord:
+    """What happened to one graph: source is hit, miss, merged, local or eager."""
+
+    label: str
+    source: str
+    seconds: float
+    bytes: int = 0
+
+
+# Every graph this process compiled, in order; for logs, the demo and tests.
+history: list[GraphRecord] = []
+
+
 def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
                       options: dict | None = None, *, addr: str | None = None,
                       token: str | None = None) -> Callable:
@@ -41,16 +56,17 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
     started = time.perf_counter()
     if not settings.addr:
         _warn_once("TORCHFARM_ADDR is not set: compiling locally")
-        return _compile_locally(gm, example_inputs, farm_options)
+        return _compile_locally(gm, example_inputs, farm_options, label, started)
     try:
         compiled, header = _compile_on_farm(gm, settings, farm_options, label)
     except Exception as e:  # the farm must never break training
-        log.info("%s: fallback to local compile after %.2f s (%s)", label,
-                 time.perf_counter() - started, e)
+        log.info("%s: farm failed after %.2f s (%s)", label, time.perf_counter() - started, e)
         _warn_once(f"farm unavailable ({e}); compiling locally")
-        return _compile_locally(gm, example_inputs, farm_options)
-    log.info("%s: farm %s in %.2f s, %d bytes, key %s", label, header.source,
-             time.perf_counter() - started, header.size, header.key[:16])
+        return _compile_locally(gm, example_inputs, farm_options, label, started)
+    record = GraphRecord(label, header.source, time.perf_counter() - started, header.size)
+    history.append(record)
+    log.info("%s: farm %s in %.2f s, %d bytes, key %s", label, record.source, record.seconds,
+             record.bytes, header.key[:16])
     return compiled
 
 
@@ -76,17 +92,21 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     return (lambda *args: compiled(*args)), header
 
 
-def _compile_locally(gm, example_inputs, options: pb.Options) -> Callable:
+def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
+                     started: float) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     try:
         patches = config_patches(options)
         if options.mode in ("reduce-overhead", "max-autotune"):
             patches["triton.cudagraphs"] = True
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled, source = compile_fx(gm, example_inputs, config_patches=patches), "local"
     except Exception as e:
         _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
-        return gm.forward
+        compiled, source = gm.forward, "eager"
+    history.append(GraphRecord(label, source, time.perf_counter() - started))
+    log.info("%s: %s compile in %.2f s", label, source, time.perf_counter() - started)
+    return compiled
 
 
 def _warn_once(message: str) -> None:

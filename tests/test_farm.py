@@ -1,0 +1,219 @@
+"""The farm end to end: real redis-server, Celery worker, gRPC gateway and Inductor.
+
+Tolerances: float32 outputs and gradients must match eager within 1e-4 absolute (Inductor
+may reorder reductions; PyTorch's own benchmarks accept far more for float32).
+"""
+
+import concurrent.futures
+import socket
+import time
+import warnings
+
+import grpc
+import pytest
+import torch
+
+import torchfarm
+from torchfarm.client import backend, remote
+from torchfarm.compiler import serialize
+from torchfarm.compiler.target import local_target
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import ClientSettings
+
+from conftest import TOKENS, run_client
+from models import build
+
+pytestmark = pytest.mark.integration
+ATOL = 1e-4
+
+
+def _farm_compile(model, farm, tenant="alice", **kwargs):
+    return torchfarm.compile(model, addr=farm.addr, token=TOKENS[tenant], **kwargs)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_outputs_and_gradients_match_eager(farm, name, train):
+    model, x = build(name)
+    model.train(train)
+    compiled = _farm_compile(model, farm)
+    if train:
+        expected = model(x)
+        expected.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        out = compiled(x)
+        out.sum().backward()
+        for p, g in zip(model.parameters(), grads):
+            torch.testing.assert_close(p.grad, g, atol=ATOL, rtol=1e-4)
+    else:
+        with torch.no_grad():
+            expected, out = model(x), compiled(x)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-4)
+    assert [r.source for r in backend.history] and all(
+        r.source in ("miss", "hit", "merged") for r in backend.history)
+
+
+def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, compiler_log):
+    compiles_before = store.stats().get("compiles", 0)
+    first = run_client(farm, "model_client.py", "transformer", "train", tenant="alice")
+    assert first["sources"] == ["miss"]
+    bindir, log = compiler_log
+    second = run_client(farm, "model_client.py", "transformer", "train", tenant="bob",
+                        path_prefix=bindir)
+    assert second["sources"] == ["hit"]  # another tenant, the same artifact
+    assert store.stats().get("compiles", 0) == compiles_before + 1
+    assert second["local_inductor_compiles"] == 0
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert not [c for c in calls if ".cpp" in c or " -c " in c or " -o " in c], calls
+    for result in (first, second):
+        assert result["out_err"] < ATOL and result["grad_err"] < ATOL
+
+
+def test_every_graph_of_a_program_with_a_graph_break_goes_to_the_farm(farm):
+    def program(x):
+        y = torch.sin(x) * 2
+        torch._dynamo.graph_break()
+        return torch.cos(y) + 1
+
+    x = torch.randn(6, 6)
+    out = _farm_compile(program, farm)(x)
+    torch.testing.assert_close(out, program(x))
+    assert len(backend.history) == 2
+    assert all(r.source in ("miss", "hit", "merged") for r in backend.history)
+
+
+def test_dynamic_shapes_guards_force_recompile_outside_them(farm):
+    model, _ = build("mlp")
+    compiled = _farm_compile(model, farm, dynamic=True)
+    with torch.no_grad():
+        for batch in (8, 16, 100):
+            x = torch.randn(batch, 32)
+            torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=1e-4)
+        assert len(backend.history) == 1  # one dynamic graph served every batch size
+        # C++ codegen guarded the batch at <= 4096; the farm returned that guard and the
+        # client installed it, so a larger batch recompiles instead of running that code.
+        x = torch.randn(5000, 32)
+        torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=1e-4)
+    assert len(backend.history) == 2
+
+
+def _payload_of(model, x) -> bytes:
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["payload"] = serialize.dumps(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture)(x)
+    return captured["payload"]
+
+
+def test_eight_concurrent_identical_requests_compile_once(farm, store):
+    torch.manual_seed(3)
+    payload = _payload_of(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
+                          torch.randn(5, 24))
+    request = pb.CompileRequest(graph=payload, target=local_target(), options=pb.Options())
+    settings = ClientSettings(addr=farm.addr, token=TOKENS["alice"])
+    before = store.stats().get("compiles", 0)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: remote.fetch(request, settings), range(8)))
+    assert store.stats().get("compiles", 0) == before + 1
+    assert len({header.digest for header, _ in results}) == 1
+    sources = sorted(header.source for header, _ in results)
+    assert sources.count("miss") == 1 and set(sources) <= {"miss", "merged", "hit"}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_farm_down_compiles_locally_with_one_warning():
+    def program(x):
+        y = torch.relu(x) + 1
+        torch._dynamo.graph_break()
+        return y * 3
+
+    compiled = torchfarm.compile(program, addr=f"127.0.0.1:{_closed_port()}")
+    backend._warned.clear()
+    x = torch.randn(4, 4)
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+    torch.testing.assert_close(out, program(x))
+    farm_warnings = [w for w in caught if "torchfarm" in str(w.message)]
+    assert len(farm_warnings) == 1, [str(w.message) for w in farm_warnings]
+    assert "unreachable" in str(farm_warnings[0].message)
+    assert [r.source for r in backend.history] == ["local", "local"]
+    assert time.monotonic() - started < 60
+
+
+def _call(farm, request, token=TOKENS["alice"]):
+    with grpc.insecure_channel(farm.addr) as channel:
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        return list(pb_grpc.FarmStub(channel).Compile(request, metadata=metadata, timeout=30))
+
+
+@pytest.mark.parametrize("token,status", [(None, grpc.StatusCode.UNAUTHENTICATED),
+                                          ("wrong", grpc.StatusCode.UNAUTHENTICATED)])
+def test_gateway_refuses_unknown_tokens(farm, token, status):
+    request = pb.CompileRequest(graph=b"x", target=local_target(), options=pb.Options())
+    with pytest.raises(grpc.RpcError) as e:
+        _call(farm, request, token=token)
+    assert e.value.code() == status
+
+
+def test_gateway_refuses_bad_requests_precisely(farm):
+    target = local_target()
+    cases = [
+        (pb.CompileRequest(graph=b"", target=target), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=target, options=pb.Options(mode="turbo")),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=target,
+                           options=pb.Options(config_patches_json="{not json")),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=pb.Target(device="tpu", torch_version="1")),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    unknown = pb.Target()
+    unknown.CopyFrom(target)
+    unknown.cpu_capability = "NEON"
+    cases.append((pb.CompileRequest(graph=b"x", target=unknown), grpc.StatusCode.FAILED_PRECONDITION))
+    for request, status in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            _call(farm, request)
+        assert e.value.code() == status, (request, e.value.details())
+    assert "Pools available" in e.value.details()
+
+
+def test_hostile_payload_fails_cleanly_and_farm_keeps_serving(farm):
+    request = pb.CompileRequest(graph=b"\x80\x04not a pickle at all", target=local_target())
+    with pytest.raises(grpc.RpcError) as e:
+        _call(farm, request)
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    model, x = build("mlp", seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(_farm_compile(model, farm)(x), model(x), atol=ATOL, rtol=1e-4)
+
+
+def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
+    torch.manual_seed(5)
+    payload = _payload_of(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
+                          torch.randn(3, 12))
+    request = pb.CompileRequest(graph=payload, target=local_target(), options=pb.Options())
+    settings = ClientSettings(addr=farm.addr, token=TOKENS["alice"])
+    header, data = remote.fetch(request, settings)
+    from torchfarm.cache import keys
+
+    blob_key = keys.blob(header.digest)
+    stored = bytearray(store.redis.get(blob_key))
+    stored[len(stored) // 2] ^= 0xFF
+    store.redis.set(blob_key, bytes(stored))
+    compiles = store.stats().get("compiles", 0)
+    header2, data2 = remote.fetch(request, settings)
+    assert header2.source == "miss" and data2  # detected, never served, rebuilt
+    assert store.stats().get("compiles", 0) == compiles + 1
