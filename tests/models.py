@@ -48,6 +48,8 @@ MODELS = {
     "mlp": (MLP, lambda: torch.randn(8, 32)),
     "cnn": (SmallCNN, lambda: torch.randn(4, 3, 16, 16)),
     "transformer": (TransformerBlock, lambda: torch.randn(2, 16, 64)),
+    # compiled only by fresh-process tests, so that their first run is a farm miss
+    "transformer96": (lambda: TransformerBlock(dim=96), lambda: torch.randn(2, 16, 96)),
 }
 
 

@@ -57,10 +57,10 @@ def test_outputs_and_gradients_match_eager(farm, name, train):
 
 def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, compiler_log):
     compiles_before = store.stats().get("compiles", 0)
-    first = run_client(farm, "model_client.py", "transformer", "train", tenant="alice")
+    first = run_client(farm, "model_client.py", "transformer96", "train", tenant="alice")
     assert first["sources"] == ["miss"]
     bindir, log = compiler_log
-    second = run_client(farm, "model_client.py", "transformer", "train", tenant="bob",
+    second = run_client(farm, "model_client.py", "transformer96", "train", tenant="bob",
                         path_prefix=bindir)
     assert second["sources"] == ["hit"]  # another tenant, the same artifact
     assert store.stats().get("compiles", 0) == compiles_before + 1

@@ -7,10 +7,12 @@ cache key is their hash). Only a sandboxed worker child ever calls `loads`: it u
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch._guards import ShapeGuard, SLoc
 from torch._subclasses import FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler, _ShapeEnvPickleData
+from torch.fx._graph_pickler import GraphPickler, _ShapeEnvPickleData, _TensorPickleData
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
 
 # Node metadata the compiler needs; everything else (stack traces, module paths, and
@@ -43,8 +45,23 @@ class _PortableShapeEnv(_ShapeEnvPickleData):
         self.data = data
 
 
+class _PortableTensor(_TensorPickleData):
+    """A FakeTensor's description; also drops the fake mode of a view's base (torch 2.13
+    clears it only on the view itself, and a FakeTensorMode cannot be pickled)."""
+
+    def __init__(self, describer, t) -> None:
+        super().__init__(describer, t)
+        base = self.metadata.base
+        if base is not None and base.fake_mode is not None:
+            self.metadata = dataclasses.replace(
+                self.metadata, base=dataclasses.replace(base, fake_mode=None))
+
+
 class _PortablePickler(GraphPickler):
     def reducer_override(self, obj: object):
+        if isinstance(obj, torch._subclasses.FakeTensor):
+            return _PortableTensor.unpickle, (
+                _PortableTensor(self._meta_tensor_describer, obj), self._unpickle_state)
         if isinstance(obj, ShapeEnv):
             return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
         if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
