@@ -67,12 +67,15 @@ class Store:
         pipe.execute()
 
     def put_artifact(self, key: str, data: bytes, meta: dict) -> str:
-        """Worker only: store a blob, then the index entry that names it."""
+        """Worker only: store the blob and the index entry that names it, then end the job
+        (in one transaction, so waiters never see the claim gone without the entry)."""
         digest = digest_of(data)
         entry = dict(meta, size=len(data), created=time.time())
-        compressed = zstandard.ZstdCompressor(level=3).compress(data)
-        self.redis.set(keys.blob(digest), compressed)
-        self.redis.hset(keys.index(key), digest, json.dumps(entry, sort_keys=True))
+        pipe = self.redis.pipeline()
+        pipe.set(keys.blob(digest), zstandard.ZstdCompressor(level=3).compress(data))
+        pipe.hset(keys.index(key), digest, json.dumps(entry, sort_keys=True))
+        pipe.delete(keys.job(key), keys.status(key), keys.claim(key))
+        pipe.execute()
         return digest
 
     # ---- single flight and jobs --------------------------------------------------------

@@ -106,6 +106,9 @@ class FarmServicer(pb_grpc.FarmServicer):
         next_progress = 0.0
         while context.is_active():
             now = time.monotonic()
+            # Read the claim first: a worker sets the entry (or error) and drops the claim in
+            # one step, so a claim seen gone here means the checks below see its outcome.
+            claimed = self.store.claimed(key)
             hit = self._cached(key)
             if hit is not None:
                 yield from self._send(key, *hit, source=source)
@@ -117,7 +120,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             if now > deadline:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")
-            if not self.store.claimed(key):  # the compiler vanished: take over
+            if not claimed:  # the compiler vanished without a result: take over
                 self._claim_and_enqueue(key, request, options, pool, tenant)
             if now >= next_progress:
                 stage = (pb.Progress.COMPILING if self.store.status(key) == "compiling"

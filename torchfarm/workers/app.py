@@ -68,6 +68,7 @@ def compile_graph(task, key: str, job: dict) -> str:
         store.finish_job(key, error=str(e))
         return "failed"
     artifact = pb.Artifact.FromString(data)
+    store.count(compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
     store.put_artifact(key, data, {
         "guards_expr": artifact.guards_expr,
         "compile_seconds": round(artifact.compile_seconds, 3),
@@ -77,8 +78,6 @@ def compile_graph(task, key: str, job: dict) -> str:
         "natives": len(artifact.natives), "nodes": sum(artifact.op_counts.values()),
         "worker": socket.gethostname(),
     })
-    store.count(compiles=1, compile_seconds=artifact.compile_seconds)
-    store.finish_job(key)
     log.info("stored %s: %d bytes, %.1f s", key[:16], len(data), artifact.compile_seconds)
     return "compiled"
 
