@@ -42,11 +42,23 @@ def check_available(settings: WorkerSettings) -> None:
         raise SystemExit(f"torchfarm worker: unknown sandbox {settings.sandbox!r}")
 
 
+def _code_paths_under_tmp() -> list[str]:
+    """Python and torchfarm may live under /tmp (a CI clone); keep them visible, read-only."""
+    import torchfarm
+
+    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.dirname(os.path.abspath(torchfarm.__file__))),
+             *(p for p in sys.path if p and os.path.isdir(p))}
+    return sorted(p for p in paths if p.startswith("/tmp/"))
+
+
 def _bwrap(workdir: str, device: str) -> list[str]:
-    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-           "--tmpfs", "/tmp", "--bind", workdir, workdir,
-           "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-           "--die-with-parent", "--new-session"]
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for path in _code_paths_under_tmp():
+        cmd += ["--ro-bind", path, path]
+    cmd += ["--bind", workdir, workdir,
+            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--die-with-parent", "--new-session"]
     if device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
         for node in sorted(os.listdir("/dev")):
             if node.startswith("nvidia"):
