@@ -5,6 +5,7 @@ may reorder reductions; PyTorch's own benchmarks accept far more for float32).
 """
 
 import concurrent.futures
+import dataclasses
 import socket
 import time
 import warnings
@@ -99,7 +100,8 @@ def test_dynamic_shapes_guards_force_recompile_outside_them(farm):
     assert len(backend.history) == 2
 
 
-def _payload_of(model, x) -> bytes:
+def _direct_request(model, x) -> pb.CompileRequest:
+    """A raw CompileRequest for `model` (captured from Dynamo), for calls without the backend."""
     captured = {}
 
     def capture(gm, example_inputs):
@@ -107,15 +109,17 @@ def _payload_of(model, x) -> bytes:
         return gm.forward
 
     torch.compile(model, backend=capture)(x)
-    return captured["payload"]
+    return pb.CompileRequest(graph=captured["payload"], target=local_target(),
+                             options=pb.Options())
+
+
+ALICE = ClientSettings(addr="", token=TOKENS["alice"])
 
 
 def test_eight_concurrent_identical_requests_compile_once(farm, store):
-    torch.manual_seed(3)
-    payload = _payload_of(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
-                          torch.randn(5, 24))
-    request = pb.CompileRequest(graph=payload, target=local_target(), options=pb.Options())
-    settings = ClientSettings(addr=farm.addr, token=TOKENS["alice"])
+    request = _direct_request(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
+                              torch.randn(5, 24))
+    settings = dataclasses.replace(ALICE, addr=farm.addr)
     before = store.stats().get("compiles", 0)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: remote.fetch(request, settings), range(8)))
@@ -201,11 +205,9 @@ def test_hostile_payload_fails_cleanly_and_farm_keeps_serving(farm):
 
 
 def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
-    torch.manual_seed(5)
-    payload = _payload_of(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
-                          torch.randn(3, 12))
-    request = pb.CompileRequest(graph=payload, target=local_target(), options=pb.Options())
-    settings = ClientSettings(addr=farm.addr, token=TOKENS["alice"])
+    request = _direct_request(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
+                              torch.randn(3, 12))
+    settings = dataclasses.replace(ALICE, addr=farm.addr)
     header, data = remote.fetch(request, settings)
     from torchfarm.cache import keys
 
