@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._inductor import config as inductor_config
 
-from torchfarm.compiler import guards, native, serialize
+from torchfarm.compiler import files, guards, native, serialize
 from torchfarm.proto import torchfarm_pb2 as pb
 
 ARTIFACT_FORMAT = 1
@@ -71,10 +73,25 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int) -> pb.Art
     )
 
 
-def native_dir() -> str:
+@contextlib.contextmanager
+def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
+    """An Inductor cache dir that holds this artifact alone, reused when it loads again.
+
+    `CompiledArtifact.load` looks the graph up in the local FX cache with its shape guards
+    switched off, so the first entry under the graph's key wins. Two artifacts of one
+    dynamic graph (say batch <= 4096 and batch > 4096) share that key: loaded into one
+    directory, the second would silently run the first one's code.
+    """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return os.path.join(cache_dir(), "torchfarm-native")
+    digest = hashlib.sha256(artifact.inductor).hexdigest()
+    directory = os.path.join(cache_dir(), "torchfarm", digest[:32])
+    saved = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        yield directory
+    finally:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 def load_artifact(artifact: pb.Artifact) -> Callable:
@@ -82,11 +99,11 @@ def load_artifact(artifact: pb.Artifact) -> Callable:
     if artifact.format != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {artifact.format}, this client reads {ARTIFACT_FORMAT}")
     objects = {n.source_sha256: n.binary for n in artifact.natives}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "artifact.bin")
-        with open(path, "wb") as f:
-            f.write(artifact.inductor)
-        with inductor_config.patch(_LOAD_CONFIG), native.provide(objects, native_dir()):
-            compiled = torch._inductor.CompiledArtifact.load(path=path, format="binary")
-    return compiled
+    with _artifact_cache_dir(artifact) as directory:
+        path = os.path.join(directory, "artifact.bin")
+        if not os.path.exists(path):
+            files.write_atomically(path, artifact.inductor)
+        with (inductor_config.patch(_LOAD_CONFIG),
+              native.provide(objects, os.path.join(directory, "native"))):
+            return torch._inductor.CompiledArtifact.load(path=path, format="binary")
 

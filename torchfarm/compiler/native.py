@@ -14,13 +14,18 @@ from collections.abc import Iterator
 
 from torch._inductor import codecache
 
+from torchfarm.compiler import files
+
 
 class MissingNativeObject(RuntimeError):
     """The artifact lacks an object its code needs; the caller falls back to compiling."""
 
 
-def _source_digest(main_code: str) -> str:
-    return hashlib.sha256(main_code.encode()).hexdigest()
+def _source_digest(main_code: str, optimized_code: str | None) -> str:
+    """Names one library: its main source plus the kernel source linked into it."""
+    h = hashlib.sha256(main_code.encode())
+    h.update(b"\0" + (optimized_code or "").encode())
+    return h.hexdigest()
 
 
 def _library_path(lib: object) -> str:
@@ -32,13 +37,13 @@ def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
     """Worker side: record every C++ library Inductor builds and loads into `objects`."""
     original = codecache.CppCodeCache.load_async.__func__
 
-    def load_async(cls, main_code, *args, **kwargs):
-        load = original(cls, main_code, *args, **kwargs)
+    def load_async(cls, main_code, *args, optimized_code=None, **kwargs):
+        load = original(cls, main_code, *args, optimized_code=optimized_code, **kwargs)
 
         def load_and_record():
             lib = load()
             with open(_library_path(lib), "rb") as f:
-                objects[_source_digest(main_code)] = f.read()
+                objects[_source_digest(main_code, optimized_code)] = f.read()
             return lib
 
         return load_and_record
@@ -50,19 +55,15 @@ def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
 @contextlib.contextmanager
 def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
     """Client side: load C++ libraries from `objects` (written under `directory`), never g++."""
-    os.makedirs(directory, exist_ok=True)
 
-    def load_async(cls, main_code, *args, **kwargs):
-        digest = _source_digest(main_code)
+    def load_async(cls, main_code, *args, optimized_code=None, **kwargs):
+        digest = _source_digest(main_code, optimized_code)
         binary = objects.get(digest)
         if binary is None:
             raise MissingNativeObject(f"artifact has no object for C++ source {digest[:12]}")
         path = os.path.join(directory, f"{digest}.so")
         if not os.path.exists(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(binary)
-            os.replace(tmp, path)
+            files.write_atomically(path, binary)
         lib = cls._load_library(path, f"torchfarm_{digest[:32]}")
         return lambda: lib
 
