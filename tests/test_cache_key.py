@@ -63,3 +63,27 @@ def test_local_target_describes_this_machine():
     target = local_target()
     assert target.device == "cpu" and target.threads > 0 and target.cpu_capability
     assert target.torch_version.startswith(__import__("torch").__version__)
+
+
+@pytest.mark.parametrize("state", [
+    pb.TraceState(grad_enabled=True), pb.TraceState(autocast=["cuda:bfloat16"]),
+    pb.TraceState(float32_matmul_precision="high"), pb.TraceState(deterministic_algorithms=True),
+])
+def test_trace_state_changes_the_key(state):
+    assert cache_key(PAYLOAD, _target(), pb.Options()) != \
+        cache_key(PAYLOAD, _target(), pb.Options(state=state))
+
+
+def test_autocast_order_does_not_change_the_key():
+    a = pb.Options(state=pb.TraceState(autocast=["cuda:bfloat16", "cpu:bfloat16"]))
+    b = pb.Options(state=pb.TraceState(autocast=["cpu:bfloat16", "cuda:bfloat16"]))
+    assert cache_key(PAYLOAD, _target(), a) == cache_key(PAYLOAD, _target(), b)
+
+
+@pytest.mark.parametrize("state", [
+    pb.TraceState(autocast=["cuda:int8"]), pb.TraceState(autocast=["__import__('os')"]),
+    pb.TraceState(float32_matmul_precision="fastest"),
+])
+def test_unknown_trace_state_is_refused(state):
+    with pytest.raises(ValueError):
+        canonical_options(pb.Options(state=state))

@@ -21,7 +21,8 @@ def _logging(level: str) -> None:
 def up(grpc_port: int = typer.Option(0, help="gateway port (0 picks a free one)"),
        redis_port: int = typer.Option(0, help="redis-server port (0 picks a free one)"),
        host: str = typer.Option("127.0.0.1", help="address the gateway listens on"),
-       workers: int = typer.Option(1, help="CPU workers to start"),
+       workers: int = typer.Option(1, help="workers to start"),
+       device: str = typer.Option("cpu", help="what the workers compile for: cpu or cuda"),
        sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)")) -> None:
     """Start an embedded local farm; prints TORCHFARM_ADDR=host:port when ready."""
     from torchfarm.local_farm import LocalFarm
@@ -30,7 +31,7 @@ def up(grpc_port: int = typer.Option(0, help="gateway port (0 picks a free one)"
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with LocalFarm(grpc_port=grpc_port, redis_port=redis_port, host=host, workers=workers,
-                   sandbox=sandbox) as farm:
+                   sandbox=sandbox, device=device) as farm:
         print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
         typer.echo(f"redis {farm.redis_url}; logs in {farm.log_dir}; Ctrl-C stops the farm",
                    err=True)

@@ -1,4 +1,4 @@
-"""An embedded farm as child processes: redis-server, the gateway and one CPU worker.
+"""An embedded farm as child processes: redis-server, the gateway and its workers.
 
 What `torchfarm up`, the demo and the integration tests run. Every child lives in its own
 process group, so stopping the farm also ends the compile children it started.
@@ -31,9 +31,11 @@ class LocalFarm:
 
     def __init__(self, grpc_port: int = 0, redis_port: int = 0, tenants: str = "",
                  sandbox: str = "bwrap", workers: int = 1, host: str = "127.0.0.1",
-                 log_dir: str | None = None, extra_env: dict | None = None):
+                 log_dir: str | None = None, extra_env: dict | None = None,
+                 device: str = "cpu"):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
         self.tenants, self.sandbox, self.workers = tenants, sandbox, workers
+        self.device = device  # what the workers compile for: cpu or cuda
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
         self.log_dir = log_dir or self.workdir
         self.extra_env = extra_env or {}
@@ -101,7 +103,8 @@ class LocalFarm:
 
     def start_worker(self, name: str) -> subprocess.Popen:
         return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
-                                  "--redis-url", self.redis_url, "--sandbox", self.sandbox])
+                                  "--redis-url", self.redis_url, "--sandbox", self.sandbox,
+                                  "--device", self.device])
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the gateway answers health checks and a worker has registered its pool."""

@@ -19,7 +19,7 @@ import torch
 
 from torchfarm.client import remote
 from torchfarm.client.progress import ProgressLine
-from torchfarm.compiler import guards, serialize
+from torchfarm.compiler import guards, serialize, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -51,7 +51,7 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
     settings = ClientSettings.from_env(addr=addr, token=token)
     farm_options = pb.Options(mode=mode or "default",
                               config_patches_json=json.dumps(options, sort_keys=True)
-                              if options else "")
+                              if options else "", state=trace_state.capture())
     label = f"graph {next(_graph_numbers)}"
     started = time.perf_counter()
     if not settings.addr:
@@ -88,7 +88,8 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     artifact = pb.Artifact.FromString(data)
     if not guards.install(artifact.guards_expr, serialize.example_inputs(gm)):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
-    compiled = load_artifact(artifact)
+    compiled = load_artifact(artifact, cudagraphs=bool(
+        config_patches(options).get("triton.cudagraphs")))
     return (lambda *args: compiled(*args)), header
 
 
@@ -97,10 +98,8 @@ def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
     from torch._inductor.compile_fx import compile_fx
 
     try:
-        patches = config_patches(options)
-        if options.mode in ("reduce-overhead", "max-autotune"):
-            patches["triton.cudagraphs"] = True
-        compiled, source = compile_fx(gm, example_inputs, config_patches=patches), "local"
+        compiled = compile_fx(gm, example_inputs, config_patches=config_patches(options))
+        source = "local"
     except Exception as e:
         _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
         compiled, source = gm.forward, "eager"

@@ -12,6 +12,7 @@ import json
 
 from google.protobuf import json_format
 
+from torchfarm.compiler import trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
 
 KEY_FORMAT = b"torchfarm-key-v1"
@@ -23,13 +24,19 @@ def _canonical(message) -> bytes:
 
 
 def canonical_options(options: pb.Options) -> pb.Options:
-    """Options with the config patches re-encoded canonically (sorted, compact JSON)."""
+    """Options with the config patches re-encoded canonically (sorted, compact JSON) and
+    the trace state checked; raises ValueError on anything malformed."""
     patches = json.loads(options.config_patches_json) if options.config_patches_json else {}
     if not isinstance(patches, dict):
         raise ValueError("config_patches_json must be a JSON object")
+    trace_state.validate(options.state)
+    state = pb.TraceState()
+    state.CopyFrom(options.state)
+    state.autocast[:] = sorted(set(options.state.autocast))
     return pb.Options(mode=options.mode or "default",
                       config_patches_json=json.dumps(patches, sort_keys=True,
-                                                     separators=(",", ":")) if patches else "")
+                                                     separators=(",", ":")) if patches else "",
+                      state=state)
 
 
 def cache_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:

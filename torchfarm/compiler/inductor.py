@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 
-from torchfarm.compiler import files, guards, native, serialize
+from torchfarm.compiler import files, guards, native, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
 
 ARTIFACT_FORMAT = 1
@@ -22,6 +24,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 # Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
 # they only save time when many kernels share one header.
 _WORKER_CONFIG = {"cpp_cache_precompile_headers": False}
+# Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
+# backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
+_WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}
 # Loading must not start a compile-worker pool or probe the ISA.
 _LOAD_CONFIG = {"cpp_cache_precompile_headers": False, "compile_threads": 1}
 
@@ -32,8 +37,6 @@ def config_patches(options: pb.Options) -> dict:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
-    # CUDA graphs wrap the loaded code on the client; a loaded artifact runs without them.
-    patches.pop("triton.cudagraphs", None)
     if options.config_patches_json:
         user = json.loads(options.config_patches_json)
         if not isinstance(user, dict):
@@ -51,16 +54,21 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int) -> pb.Art
     inputs = serialize.example_inputs(gm)
     fake_mode = torch._guards.detect_fake_mode(inputs)
     objects: dict[str, bytes] = {}
-    with (inductor_config.patch(_WORKER_CONFIG),
+    with (inductor_config.patch(_WORKER_CONFIG), functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
           torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
-          native.capture(objects)):
+          trace_state.applied(options.state),
+          native.capture(objects), _AutogradCacheLog() as cache_log):
         compiled = torch._inductor.standalone_compile(
             gm, inputs, dynamic_shapes="from_graph",
             options={"config_patches": config_patches(options)})
     guards_expr = guards.produce(fake_mode.shape_env, inputs)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "artifact.bin")
-        compiled.save(path=path, format="binary")
+        try:
+            compiled.save(path=path, format="binary")
+        except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
+            raise RuntimeError(f"Inductor compiled the graph but cannot save it: "
+                               f"{'; '.join(cache_log.messages) or e}") from e
         with open(path, "rb") as f:
             inductor_bytes = f.read()
     return pb.Artifact(
@@ -71,6 +79,33 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int) -> pb.Art
         compile_seconds=time.perf_counter() - started,
         op_counts=serialize.op_counts(gm),
     )
+
+
+class _AutogradCacheLog(logging.Handler):
+    """Collects why AOTAutograd bypassed its cache: an artifact is saved from that cache."""
+
+    _LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "Bypassing" in message or "unable to" in message:
+            self.messages.append(message[:2000])
+
+    def __enter__(self) -> _AutogradCacheLog:
+        logger = logging.getLogger(self._LOGGER)
+        self._saved_level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._saved_level)
 
 
 @contextlib.contextmanager
@@ -94,8 +129,12 @@ def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
-def load_artifact(artifact: pb.Artifact) -> Callable:
-    """Load an Artifact into a callable taking the graph's inputs; compiles no C++."""
+def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
+    """Load an Artifact into a callable taking the graph's inputs; compiles no C++.
+
+    `cudagraphs` (reduce-overhead, max-autotune): the client records and replays CUDA graphs
+    (Inductor's cudagraph trees) around the loaded code, as a local compile would.
+    """
     if artifact.format != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {artifact.format}, this client reads {ARTIFACT_FORMAT}")
     objects = {n.source_sha256: n.binary for n in artifact.natives}
@@ -104,6 +143,30 @@ def load_artifact(artifact: pb.Artifact) -> Callable:
         if not os.path.exists(path):
             files.write_atomically(path, artifact.inductor)
         with (inductor_config.patch(_LOAD_CONFIG),
-              native.provide(objects, os.path.join(directory, "native"))):
+              native.provide(objects, os.path.join(directory, "native")),
+              _post_compile_cudagraphs(cudagraphs)):
             return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+
+
+@contextlib.contextmanager
+def _post_compile_cudagraphs(enabled: bool) -> Iterator[None]:
+    """Make `CompiledArtifact.load` run Inductor's cudagraph post-compile step.
+
+    The loader hard-codes `cudagraphs=BoxedBool(False)` in the post-compile kwargs; the
+    artifact itself was compiled with `triton.cudagraphs` on, so it carries what cudagraph
+    trees need. Patch the one name the loader builds that flag from.
+    """
+    if not enabled:
+        yield
+        return
+    from torch._inductor import standalone_compile as loader
+    from torch._inductor.utils import BoxedBool
+
+    saved = loader.BoxedBool
+    loader.BoxedBool = lambda _value: BoxedBool(True)
+    try:
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            yield
+    finally:
+        loader.BoxedBool = saved
 

@@ -26,7 +26,7 @@ _DROPPED_SHAPE_ENV_FIELDS = frozenset({
     "source_name_to_debug_name", "_expr_sym_node_id", "_prev_cache_key", "_version_counter",
     "counter", "symbol_guard_counter", "_replacements_version_counter",
 })
-_NO_SLOC = SLoc(None, None)
+_NO_SLOC = SLoc("", None)  # a str location: torch 2.11 cannot print a None one
 
 
 class _PortableShapeEnv(_ShapeEnvPickleData):

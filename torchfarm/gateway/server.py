@@ -80,7 +80,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         try:
             return canonical_options(request.options)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad config patches: {e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
 
     def _cached(self, key: str) -> tuple[dict, bytes] | None:
         for entry in self.store.entries(key):

@@ -63,7 +63,7 @@ def compile_graph(task, key: str, job: dict) -> str:
     try:
         data = sandbox.run_compile(payload, target, options, settings)
     except sandbox.CompileFailed as e:
-        log.warning("compile of %s failed: %s", key[:16], str(e)[-500:])
+        log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
         store.count(compile_failures=1)
         store.finish_job(key, error=str(e))
         return "failed"

@@ -66,7 +66,13 @@ def _bwrap(workdir: str, device: str) -> list[str]:
     return cmd
 
 
-def _limits(memory_mb: int):
+def _limits(memory_mb: int, device: str):
+    # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
+    if memory_mb > 0 and device == "cuda":
+        log.warning("TORCHFARM_COMPILE_MEMORY_MB is ignored on CUDA workers (address-space "
+                    "limits break CUDA); limit the worker's container memory instead")
+        memory_mb = 0
+
     def apply() -> None:
         if memory_mb > 0:
             limit = memory_mb << 20
@@ -105,7 +111,7 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         try:
             proc = subprocess.run(cmd, env=_environment(workdir), capture_output=True,
                                   timeout=settings.compile_timeout_s,
-                                  preexec_fn=_limits(settings.memory_limit_mb))
+                                  preexec_fn=_limits(settings.memory_limit_mb, settings.device))
         except subprocess.TimeoutExpired as e:
             raise CompileFailed(f"compile exceeded {settings.compile_timeout_s:.0f} s") from e
         out_path = os.path.join(workdir, "artifact.pb")

@@ -1,0 +1,110 @@
+"""One GPU measurement in a fresh process; prints one JSON line.
+
+    client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR) or local
+
+Runs the model eagerly (the reference), then compiled: time of the first compiled step
+(compile or fetch included), errors against eager, steady-state step times of both, and
+what the first step cost in Triton compiles (ptxas calls, logged by a wrapper that
+TRITON_PTXAS_PATH points at) and autotuning benchmarks (Inductor's benchmarking counters).
+Outputs and gradients go to OUTFILE so that the runner can compare farm with local.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import build  # noqa: E402
+
+
+def make_step(fn, model, spec):
+    def step(x):
+        if spec["train"]:
+            model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]), \
+                torch.set_grad_enabled(spec["train"]):
+            out = fn(x)
+            if spec["train"]:
+                if out.dim() == 3 and x.dtype == torch.long:  # GPT logits: next-token loss
+                    loss = F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
+                else:
+                    loss = out.float().square().mean()
+                loss.backward()
+        out = out.detach().float().clone()  # CUDA graphs reuse their output buffers
+        grads = [p.grad.float().clone() for p in model.parameters()] if spec["train"] else []
+        return out, grads
+    return step
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def step_ms(step, x, iters: int = 20) -> float:
+    for _ in range(3):
+        step(x)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ptxas_calls() -> int:
+    path = os.environ.get("TF_PTXAS_LOG", "")
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if "--version" not in line)
+
+
+def main(name: str, mode: str, backend: str, outfile: str) -> None:
+    model, (x,), spec = build(name)
+    eager = make_step(model, model, spec)
+    ref_out, ref_grads = eager(x)
+    if "dynamic_dim" in spec:
+        torch._dynamo.mark_dynamic(x, spec["dynamic_dim"])
+    compiled_model = torch.compile(model, backend="torchfarm" if backend == "farm" else "inductor",
+                                   mode=None if mode == "default" else mode)
+    compiled = make_step(compiled_model, model, spec)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    out, grads = compiled(x)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - started
+    ptxas_first = ptxas_calls()
+    bench_first = sum(v for k, v in torch._dynamo.utils.counters["inductor"].items()
+                      if k.startswith("benchmarking."))
+    errors = [rel_err(out, ref_out)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+    for other in spec.get("others", []):  # dynamic shapes: other sizes, same graph
+        o_out, o_grads = compiled(other)
+        r_out, r_grads = eager(other)
+        errors += [rel_err(o_out, r_out)] + [rel_err(g, r) for g, r in zip(o_grads, r_grads)]
+    torch.save({"out": out.cpu(), "grads": [g.cpu() for g in grads]}, outfile)
+    steady = os.environ.get("BENCH_STEADY", "1") == "1"
+    compiled_ms, eager_ms = (step_ms(compiled, x), step_ms(eager, x)) if steady else (0.0, 0.0)
+    from torchfarm.client.backend import history
+
+    print(json.dumps({
+        "model": name, "mode": mode, "backend": backend, "first_step_s": round(first_s, 2),
+        "max_rel_err": max(errors), "compiled_ms": round(compiled_ms, 3),
+        "eager_ms": round(eager_ms, 3), "ptxas_calls": ptxas_first,
+        "autotune_benchmarks": bench_first,
+        "graphs": [r.source for r in history],
+        "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fetch what bench/gpu/run.sh carries to the GPU machine (no internet there): CPython 3.12
+# x86-64 wheels of the server extra's packages into .whl/, and Debian's redis-server and
+# bubblewrap packages into .debs/. Both folders are ignored by git (.git/info/exclude).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .whl .debs
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform any -d .whl \
+    celery==5.7.0 kombu==5.7.0 billiard==4.3.2 vine==5.1.0 amqp==5.4.2 redis==8.1.0 \
+    zstandard==0.25.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 protobuf==7.36.2 \
+    click==8.5.1 click-didyoumean==0.3.1 click-plugins==1.1.1.2 click-repl==0.4.1 \
+    prompt_toolkit==3.0.53 wcwidth==0.9.4 tzlocal
+(cd .debs && apt-get download redis-server redis-tools liblzf1 libjemalloc2 bubblewrap)
+for p in /.whl/ /.debs/; do
+    grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
+done

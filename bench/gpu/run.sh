@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run the GPU checks on a lent H100/H200 in one call: installs the carried wheels (.whl) and
+# Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
+# part of bench/gpu/run.py. Results and farm logs land in $OUT.
+#
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh default|autotune|smoke
+# Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
+set -euo pipefail
+PART=${1:?usage: run.sh default|autotune|smoke}
+OUT=${OUT:-/tmp/torchfarm-bench}
+mkdir -p "$OUT"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
+export PYTHONPATH=/tmp/site
+
+mkdir -p /tmp/debs
+for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/debs; done
+export PATH=/tmp/debs/usr/bin:$PATH
+export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+
+# Count real Triton compiles in the clients: every kernel compile runs ptxas once.
+REAL_PTXAS=$(python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))')
+mkdir -p /tmp/tf-bin
+printf '#!/bin/sh\n[ -n "$TF_PTXAS_LOG" ] && echo "$*" >> "$TF_PTXAS_LOG"\nexec %s "$@"\n' "$REAL_PTXAS" > /tmp/tf-bin/ptxas
+chmod +x /tmp/tf-bin/ptxas
+export TRITON_PTXAS_PATH=/tmp/tf-bin/ptxas
+
+if bwrap --ro-bind / / --dev /dev --unshare-net true; then
+    export TORCHFARM_SANDBOX=bwrap
+else
+    echo "!!! bwrap cannot run here: this run uses --sandbox none" >&2
+    export TORCHFARM_SANDBOX=none
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+PYTHONUNBUFFERED=1 python3 bench/gpu/run.py --part "$PART" --out "$OUT"
