@@ -56,6 +56,17 @@ def test_outputs_and_gradients_match_eager(farm, name, train):
         r.source in ("miss", "hit", "merged") for r in backend.history)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_modes_go_through_the_farm(farm, mode):
+    # On CPU, reduce-overhead exercises the client's CUDA-graph post-compile path (Inductor
+    # declines it for CPU code); the GPU script runs it with real CUDA graphs.
+    model, x = build("mlp")
+    with torch.no_grad():
+        out = _farm_compile(model, farm, mode=mode)(x)
+        torch.testing.assert_close(out, model(x), atol=ATOL, rtol=1e-4)
+    assert [r.source for r in backend.history] == ["miss"]
+
+
 def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, compiler_log):
     compiles_before = store.stats().get("compiles", 0)
     first = run_client(farm, "model_client.py", "transformer96", "train", tenant="alice")

@@ -8,9 +8,10 @@ default:  correctness and warm start (local cold, local warm, farm miss, farm hi
           default for a GPT-style training step and ResNet-50 inference; an SDPA block with
           a dynamic sequence length; runtime parity.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
-autotune: the same warm-start rows for max-autotune-no-cudagraphs (GPT-small inference),
-          reduce-overhead through the farm (CUDA graphs on the client),
-          and a storm of 16 client processes started at once on one uncompiled model.
+autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
+          parity of farm vs local compile in one process; reduce-overhead through the farm
+          (CUDA graphs on the client); the warm-start rows for max-autotune-no-cudagraphs
+          (GPT-small inference).
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class Runner:
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
+    def parity(self, model: str) -> None:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "parity.py"), model],
+                              env=self.env(tempfile.mkdtemp(prefix="parity-"), self.farm.addr),
+                              capture_output=True, text=True, timeout=400)
+        try:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            row = {"model": model, "case": "parity (one process)", "error": proc.stderr[-2000:]}
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+
     def storm(self, clients: int = 16) -> None:
         store = Store.from_url(self.farm.redis_url)
         before = store.stats().get("compiles", 0)
@@ -142,10 +154,11 @@ def main() -> None:
                        tempfile.mkdtemp(prefix="dyn-"))
             runner.compare("sdpa-dynamic", "default", "farm miss", "local cold")
         else:
-            runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
+            runner.storm()
+            runner.parity("gpt")
             runner.run("gpt-small", "reduce-overhead", "farm", "farm miss", tempfile.mkdtemp())
             runner.run("gpt-small", "reduce-overhead", "farm", "farm hit", tempfile.mkdtemp())
-            runner.storm()
+            runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
         stats = Store.from_url(farm.redis_url).stats()
     result = {"part": args.part, "device": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -159,8 +160,10 @@ def _post_compile_cudagraphs(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from torch._inductor import standalone_compile as loader
     from torch._inductor.utils import BoxedBool
+
+    # The module, not the function of the same name that torch._inductor exports.
+    loader = importlib.import_module("torch._inductor.standalone_compile")
 
     saved = loader.BoxedBool
     loader.BoxedBool = lambda _value: BoxedBool(True)
