@@ -1,4 +1,4 @@
-"""`torchfarm` command line: up (embedded farm), gateway, worker."""
+"""`torchfarm` command line: up (embedded farm), gateway, worker, cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import threading
 
 import typer
 
+from torchfarm.cache.cli import app as cache_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="torchfarm: a remote compilation farm for torch.compile")
+app.add_typer(cache_app, name="cache")
 
 
 def _logging(level: str) -> None:

@@ -84,6 +84,8 @@ class WorkerSettings:
     sandbox: str = "bwrap"           # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
     compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
     memory_limit_mb: int = 0         # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
+    cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
+    cache_ttl_s: float = 0           # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
 
     @classmethod
     def from_env(cls, **overrides) -> WorkerSettings:
@@ -96,6 +98,8 @@ class WorkerSettings:
             sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
             memory_limit_mb=int(_env("TORCHFARM_COMPILE_MEMORY_MB", "0")),
+            cache_max_bytes=int(_env("TORCHFARM_CACHE_MAX_BYTES", str(cls.cache_max_bytes))),
+            cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -12,6 +12,10 @@ def index(key: str) -> str:          # hash: artifact digest -> entry metadata (
     return f"{FORMAT}:index:{key}"
 
 
+def usage(key: str) -> str:          # hash: "{digest}:hits" / "{digest}:last_hit" per entry
+    return f"{FORMAT}:usage:{key}"
+
+
 def claim(key: str) -> str:          # single-flight: who compiles this key now
     return f"{FORMAT}:claim:{key}"
 
@@ -32,5 +36,11 @@ def pool(name: str) -> str:          # a live pool's description, kept alive by 
     return f"{FORMAT}:pool:{name}"
 
 
+def pool_stats(name: str) -> str:    # hash of one pool's counters
+    return f"{FORMAT}:poolstats:{name}"
+
+
 POOL_PATTERN = f"{FORMAT}:pool:*"
-STATS = f"{FORMAT}:stats"            # hash of counters
+POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
+STATS = f"{FORMAT}:stats"            # hash of farm-wide counters
+RECENT = f"{FORMAT}:recent"          # sorted set: key -> last use (stored or hit), for LRU

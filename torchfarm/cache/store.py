@@ -39,10 +39,18 @@ class Store:
                                         health_check_interval=30, retry_on_timeout=True))
 
     # ---- entries and blobs -------------------------------------------------------------
+    def keys(self) -> list[tuple[str, float]]:
+        """Every cached key with the time of its last use, least recently used first."""
+        return [(k.decode(), t) for k, t in self.redis.zrange(keys.RECENT, 0, -1, withscores=True)]
+
     def entries(self, key: str) -> list[dict]:
-        """Entries for a key, newest first: {"digest", "size", "guards_expr", ...}."""
+        """Entries for a key, newest first: {"digest", "size", "guards_expr", "hits", ...}."""
         raw = self.redis.hgetall(keys.index(key))
-        found = [dict(json.loads(v), digest=d.decode()) for d, v in raw.items()]
+        usage = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.usage(key)).items()}
+        found = [dict(json.loads(v), digest=d.decode(),
+                      hits=int(usage.get(f"{d.decode()}:hits", 0)),
+                      last_hit=usage.get(f"{d.decode()}:last_hit", 0.0))
+                 for d, v in raw.items()]
         return sorted(found, key=lambda e: e.get("created", 0), reverse=True)
 
     def read_blob(self, key: str, entry: dict) -> bytes | None:
@@ -56,27 +64,89 @@ class Store:
             except zstandard.ZstdError:
                 data = None
         if data is None or len(data) != entry.get("size") or digest_of(data) != digest:
-            self.drop(key, digest)
+            self.drop(key, [digest])
             return None
         return data
 
-    def drop(self, key: str, digest: str) -> None:
-        pipe = self.redis.pipeline()
-        pipe.hdel(keys.index(key), digest)
-        pipe.delete(keys.blob(digest))
-        pipe.execute()
+    def drop(self, key: str, digests: list[str] | None = None) -> int:
+        """Remove entries of `key` (all if `digests` is None) with their blobs, in one
+        transaction; the number removed. The key leaves the LRU order once it has none."""
+        def remove(pipe: redis.client.Pipeline) -> int:
+            raw = pipe.hgetall(keys.index(key))
+            chosen = {d.decode(): json.loads(v) for d, v in raw.items()
+                      if digests is None or d.decode() in digests}
+            pipe.multi()
+            if chosen:
+                pipe.hdel(keys.index(key), *chosen)
+                pipe.hdel(keys.usage(key), *(f"{d}:{f}" for d in chosen for f in ("hits", "last_hit")))
+                pipe.delete(*(keys.blob(d) for d in chosen))
+                pipe.hincrbyfloat(keys.STATS, "stored_bytes",
+                                  -sum(e.get("stored_bytes", 0) for e in chosen.values()))
+                pipe.hincrbyfloat(keys.STATS, "entries", -len(chosen))
+            if len(chosen) == len(raw):
+                pipe.zrem(keys.RECENT, key)
+                pipe.delete(keys.index(key), keys.usage(key))
+            return len(chosen)
+
+        return self.redis.transaction(remove, keys.index(key), value_from_callable=True)
+
+    def _put_entry(self, pipe, key: str, data: bytes, meta: dict) -> str:
+        digest = digest_of(data)
+        compressed = zstandard.ZstdCompressor(level=3).compress(data)
+        entry = dict(meta, size=len(data), stored_bytes=len(compressed),
+                     created=meta.get("created") or time.time())
+        pipe.set(keys.blob(digest), compressed)
+        pipe.hset(keys.index(key), digest, json.dumps(entry, sort_keys=True))
+        pipe.zadd(keys.RECENT, {key: time.time()})
+        pipe.hincrbyfloat(keys.STATS, "stored_bytes", len(compressed))
+        pipe.hincrbyfloat(keys.STATS, "entries", 1)
+        return digest
 
     def put_artifact(self, key: str, data: bytes, meta: dict) -> str:
         """Worker only: store the blob and the index entry that names it, then end the job
         (in one transaction, so waiters never see the claim gone without the entry)."""
-        digest = digest_of(data)
-        entry = dict(meta, size=len(data), created=time.time())
         pipe = self.redis.pipeline()
-        pipe.set(keys.blob(digest), zstandard.ZstdCompressor(level=3).compress(data))
-        pipe.hset(keys.index(key), digest, json.dumps(entry, sort_keys=True))
+        digest = self._put_entry(pipe, key, data, meta)
         pipe.delete(keys.job(key), keys.status(key), keys.claim(key))
         pipe.execute()
         return digest
+
+    def import_entry(self, key: str, data: bytes, meta: dict) -> str:
+        """Operator only (`torchfarm cache import`): store a verified entry from a bundle."""
+        if any(e["digest"] == digest_of(data) for e in self.entries(key)):
+            return digest_of(data)
+        pipe = self.redis.pipeline()
+        digest = self._put_entry(pipe, key, data, meta)
+        pipe.execute()
+        return digest
+
+    def record_hit(self, key: str, entry: dict, nbytes: int) -> None:
+        """Gateway: an entry was served; it becomes the most recently used."""
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hincrby(keys.usage(key), f"{entry['digest']}:hits", 1)
+        pipe.hset(keys.usage(key), f"{entry['digest']}:last_hit", now)
+        pipe.zadd(keys.RECENT, {key: now}, xx=True)
+        pipe.execute()
+        self.count(entry.get("pool", ""), hits=1, bytes_served=nbytes,
+                   compile_seconds_saved=entry.get("compile_seconds", 0.0))
+
+    def evict(self, max_bytes: int, ttl_s: float = 0, now: float | None = None) -> list[str]:
+        """Drop keys unused for `ttl_s` (0: no TTL), then least recently used keys until the
+        stored bytes fit `max_bytes` (0: no budget). The keys dropped, oldest first."""
+        now = time.time() if now is None else now
+        dropped = []
+        if ttl_s > 0:
+            for key in self.redis.zrangebyscore(keys.RECENT, "-inf", now - ttl_s):
+                self.drop(key.decode())
+                dropped.append(key.decode())
+        while max_bytes > 0 and self.stats().get("stored_bytes", 0) > max_bytes:
+            oldest = self.redis.zrange(keys.RECENT, 0, 0)
+            if not oldest:
+                break
+            self.drop(oldest[0].decode())
+            dropped.append(oldest[0].decode())
+        return dropped
 
     # ---- single flight and jobs --------------------------------------------------------
     def claim(self, key: str, ttl_s: int) -> str | None:
@@ -128,11 +198,21 @@ class Store:
         values = self.redis.mget(names) if names else []
         return {n.decode().split(":", 2)[2]: json.loads(v) for n, v in zip(names, values) if v}
 
-    def count(self, **increments: float) -> None:
+    def count(self, pool: str = "", **increments: float) -> None:
+        """Add to the farm-wide counters, and to `pool`'s when given."""
         pipe = self.redis.pipeline()
         for name, amount in increments.items():
             pipe.hincrbyfloat(keys.STATS, name, amount)
+            if pool:
+                pipe.hincrbyfloat(keys.pool_stats(pool), name, amount)
         pipe.execute()
 
     def stats(self) -> dict[str, float]:
         return {k.decode(): float(v) for k, v in self.redis.hgetall(keys.STATS).items()}
+
+    def pool_stats(self) -> dict[str, dict[str, float]]:
+        found = {}
+        for name in self.redis.scan_iter(keys.POOL_STATS_PATTERN, count=100):
+            found[name.decode().split(":", 2)[2]] = {
+                k.decode(): float(v) for k, v in self.redis.hgetall(name).items()}
+        return found

@@ -8,6 +8,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -79,7 +80,18 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int) -> pb.Art
         guards_expr=guards_expr,
         compile_seconds=time.perf_counter() - started,
         op_counts=serialize.op_counts(gm),
+        graph_code=gm.code,
+        kernels=_kernels(inductor_bytes),
     )
+
+
+_KERNEL_DEFINITION = re.compile(rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(")
+
+
+def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
+    """The kernels the artifact's wrapper code defines (names as Inductor gave them)."""
+    found = dict.fromkeys(_KERNEL_DEFINITION.findall(inductor_bytes))
+    return [pb.Kernel(name=name.decode(), kind=kind.decode()) for name, kind in found]
 
 
 class _AutogradCacheLog(logging.Handler):

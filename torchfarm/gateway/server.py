@@ -47,7 +47,7 @@ class FarmServicer(pb_grpc.FarmServicer):
 
         hit = self._cached(key)
         if hit is not None:
-            self.store.count(hits=1, bytes_served=len(hit[1]))
+            self.store.record_hit(key, hit[0], len(hit[1]))
             yield from self._send(key, *hit, source="hit")
             return
 
@@ -60,7 +60,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                           f"no pool serves target {describe(request.target)} (pool {pool}). "
                           f"Pools available: {served}")
         source = "miss" if self._claim_and_enqueue(key, request, options, pool, tenant) else "merged"
-        self.store.count(**{"misses" if source == "miss" else "merges": 1})
+        self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
         log.info("%s %s for %s: %s", source, key[:16], tenant, request.label)
         yield from self._wait(key, request, options, pool, tenant, started, source, context)
 
@@ -112,7 +112,8 @@ class FarmServicer(pb_grpc.FarmServicer):
             hit = self._cached(key)
             if hit is not None:
                 yield from self._send(key, *hit, source=source)
-                self.store.count(bytes_served=len(hit[1]))
+                saved = hit[0].get("compile_seconds", 0.0) if source == "merged" else 0.0
+                self.store.count(pool, bytes_served=len(hit[1]), compile_seconds_saved=saved)
                 return
             error = self.store.error(key)
             if error is not None:

@@ -25,6 +25,7 @@ from torchfarm.workers import sandbox
 
 log = logging.getLogger("torchfarm.worker")
 TASK_NAME = "torchfarm.compile"
+_GRAPH_CODE_CHARS = 20_000  # the readable graph kept with an entry, for `torchfarm cache show`
 
 
 def make_celery(redis_url: str, broker: str = "", visibility_timeout_s: float = 3600) -> Celery:
@@ -46,9 +47,21 @@ def _store(redis_url: str) -> Store:
 
 
 def compile_graph(task, key: str, job: dict) -> str:
-    """Compile the queued payload of `key` in the sandbox and store the artifact."""
+    """Compile the queued payload of `key` in the sandbox and store the artifact; any
+    failure ends the job with an error, so that waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
     store = _store(settings.redis_url)
+    try:
+        return _compile_and_store(task, key, job, settings, store)
+    except Exception as e:
+        log.exception("worker error on %s", key[:16])
+        store.count(_pool_of(task), compile_failures=1)
+        store.finish_job(key, error=f"worker error: {type(e).__name__}: {e}")
+        return "error"
+
+
+def _compile_and_store(task, key: str, job: dict, settings: WorkerSettings,
+                       store: Store) -> str:
     if store.entries(key):  # a redelivered task whose first run finished
         store.finish_job(key)
         return "cached"
@@ -64,22 +77,31 @@ def compile_graph(task, key: str, job: dict) -> str:
         data = sandbox.run_compile(payload, target, options, settings)
     except sandbox.CompileFailed as e:
         log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
-        store.count(compile_failures=1)
+        store.count(_pool_of(task), compile_failures=1)
         store.finish_job(key, error=str(e))
         return "failed"
     artifact = pb.Artifact.FromString(data)
-    store.count(compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
+    pool = _pool_of(task)
+    store.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
     store.put_artifact(key, data, {
         "guards_expr": artifact.guards_expr,
         "compile_seconds": round(artifact.compile_seconds, 3),
-        "tenant": job["tenant"], "mode": options.mode or "default",
-        "pool": task.request.delivery_info.get("routing_key", ""),
+        "tenant": job["tenant"], "mode": options.mode or "default", "pool": pool,
         "target": describe(target), "torch_version": target.torch_version,
-        "natives": len(artifact.natives), "nodes": sum(artifact.op_counts.values()),
+        "nodes": sum(artifact.op_counts.values()), "op_counts": dict(artifact.op_counts),
+        "kernels": [{"name": k.name, "kind": k.kind} for k in artifact.kernels],
+        "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
         "worker": socket.gethostname(),
     })
     log.info("stored %s: %d bytes, %.1f s", key[:16], len(data), artifact.compile_seconds)
+    evicted = store.evict(settings.cache_max_bytes, settings.cache_ttl_s)
+    if evicted:
+        log.info("evicted %d keys to fit the cache budget", len(evicted))
     return "compiled"
+
+
+def _pool_of(task) -> str:
+    return task.request.delivery_info.get("routing_key", "")
 
 
 def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None:
