@@ -5,9 +5,9 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, out: int = 10):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, out))
 
     def forward(self, x):
         return self.net(x)
@@ -50,6 +50,7 @@ MODELS = {
     "transformer": (TransformerBlock, lambda: torch.randn(2, 16, 64)),
     # compiled only by fresh-process tests, so that their first run is a farm miss
     "transformer96": (lambda: TransformerBlock(dim=96), lambda: torch.randn(2, 16, 96)),
+    "mlp12": (lambda: MLP(out=12), lambda: torch.randn(8, 32)),
 }
 
 

@@ -97,20 +97,32 @@ def test_every_graph_of_a_program_with_a_graph_break_goes_to_the_farm(farm):
 
 
 def test_dynamic_shapes_guards_force_recompile_outside_them(farm):
+    # With grad enabled, Inductor's C++ codegen guards the batch at <= 4096 (no_grad code
+    # has no such guard). The farm returns that guard and the client installs it, so a
+    # larger batch recompiles instead of running code built for <= 4096.
     model, _ = build("mlp")
     compiled = _farm_compile(model, farm, dynamic=True)
-    with torch.no_grad():
-        for batch in (8, 16, 100):
-            x = torch.randn(batch, 32)
-            torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=1e-4)
-        assert len(backend.history) == 1  # one dynamic graph served every batch size
-        # C++ codegen guarded the batch at <= 4096; the farm returned that guard and the
-        # client installed it, so a larger batch recompiles instead of running that code.
-        x = torch.randn(5000, 32)
+    for batch in (8, 16, 100):
+        x = torch.randn(batch, 32)
         torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=1e-4)
+    assert len(backend.history) == 1  # one dynamic graph served every batch size
+    x = torch.randn(5000, 32)
+    torch.testing.assert_close(compiled(x), model(x), atol=ATOL, rtol=1e-4)
     # Both artifacts come from the farm; the second one's code, not the first one's, runs
     # (both sit under one Inductor FX key, which loading looks up without its guards).
     assert [r.source in ("hit", "miss") for r in backend.history] == [True, True]
+
+
+def test_one_key_serves_every_batch_size_its_guards_allow(farm, store):
+    # Fresh processes trace the same dynamic graph at different batch sizes: one key (the
+    # payload has no size hints), one entry per guard set, chosen by the client.
+    first, other, large = (run_client(farm, "dynamic_client.py", str(b)) for b in (8, 16, 5000))
+    assert first["sources"] == ["miss"] and other["sources"] == ["hit"]
+    assert large["sources"] == ["miss"]
+    assert first["keys"] == other["keys"] == large["keys"]
+    guards = sorted(e["guards_expr"] for e in store.entries(first["keys"][0]))
+    assert len(guards) == 2 and all(guards), guards  # <= 4096 and >= 4097, say
+    assert max(r["out_err"] for r in (first, other, large)) < 1e-4
 
 
 def _direct_request(model, x) -> pb.CompileRequest:
@@ -195,6 +207,12 @@ def test_gateway_refuses_bad_requests_precisely(farm):
          grpc.StatusCode.INVALID_ARGUMENT),
         (pb.CompileRequest(graph=b"x", target=pb.Target(device="tpu", torch_version="1")),
          grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=target, size_hints={"__import__('os')": 1}),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=target, digest="../../etc/passwd"),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.CompileRequest(graph=b"x", target=target, options=pb.Options(
+            state=pb.TraceState(autocast=["cuda:int3"]))), grpc.StatusCode.INVALID_ARGUMENT),
     ]
     unknown = pb.Target()
     unknown.CopyFrom(target)

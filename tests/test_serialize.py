@@ -76,3 +76,22 @@ def test_loads_refuses_non_graph_pickle():
 
     with pytest.raises(ValueError, match="not a GraphModule"):
         serialize.loads(pickle.dumps({"a": 1}))
+
+
+def test_size_hints_travel_beside_the_payload():
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((serialize.dumps(gm), serialize.size_hints(gm)))
+        return gm.forward
+
+    for batch in (8, 16):
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.ReLU())
+        torch.compile(model, backend=capture, dynamic=True)(torch.randn(batch, 32))
+    (first, first_hints), (second, second_hints) = captured
+    assert first == second  # one key for every batch size
+    assert sorted(first_hints.values()) == [8, 32] and sorted(second_hints.values()) == [16, 32]
+    gm = serialize.loads(second, second_hints)
+    sizes = [x for x in serialize.example_inputs(gm) if isinstance(x, torch.SymInt)]
+    assert sizes and {s.node.hint for s in sizes} <= {16, 32}

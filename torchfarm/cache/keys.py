@@ -16,20 +16,25 @@ def usage(key: str) -> str:          # hash: "{digest}:hits" / "{digest}:last_hi
     return f"{FORMAT}:usage:{key}"
 
 
-def claim(key: str) -> str:          # single-flight: who compiles this key now
-    return f"{FORMAT}:claim:{key}"
+# A job is one compile: a key plus the size hints of one trace (see cache_key.job_id).
+def claim(job: str) -> str:          # single-flight: who compiles this job now
+    return f"{FORMAT}:claim:{job}"
 
 
-def job(key: str) -> str:            # the payload a worker compiles (short-lived)
-    return f"{FORMAT}:job:{key}"
+def job(job: str) -> str:            # the payload a worker compiles (short-lived)
+    return f"{FORMAT}:job:{job}"
 
 
-def status(key: str) -> str:         # queued / compiling, for progress
-    return f"{FORMAT}:status:{key}"
+def status(job: str) -> str:         # queued / compiling, for progress
+    return f"{FORMAT}:status:{job}"
 
 
-def error(key: str) -> str:          # why the last compile of this key failed (short-lived)
-    return f"{FORMAT}:error:{key}"
+def error(job: str) -> str:          # why the job failed (short-lived)
+    return f"{FORMAT}:error:{job}"
+
+
+def done(job: str) -> str:           # the digest of the entry the job stored (short-lived)
+    return f"{FORMAT}:done:{job}"
 
 
 def pool(name: str) -> str:          # a live pool's description, kept alive by its workers

@@ -20,6 +20,7 @@ from torchfarm.cache import keys
 JOB_TTL_S = 3600
 STATUS_TTL_S = 3600
 ERROR_TTL_S = 60
+DONE_TTL_S = 3600
 POOL_TTL_S = 30
 
 
@@ -102,14 +103,23 @@ class Store:
         pipe.hincrbyfloat(keys.STATS, "entries", 1)
         return digest
 
-    def put_artifact(self, key: str, data: bytes, meta: dict) -> str:
+    def put_artifact(self, key: str, job: str, data: bytes, meta: dict) -> str:
         """Worker only: store the blob and the index entry that names it, then end the job
         (in one transaction, so waiters never see the claim gone without the entry)."""
         pipe = self.redis.pipeline()
         digest = self._put_entry(pipe, key, data, meta)
-        pipe.delete(keys.job(key), keys.status(key), keys.claim(key))
+        pipe.set(keys.done(job), digest, ex=DONE_TTL_S)
+        pipe.delete(keys.job(job), keys.status(job), keys.claim(job))
         pipe.execute()
         return digest
+
+    def done(self, job: str) -> str | None:
+        """The digest a finished job stored, while it is remembered."""
+        value = self.redis.get(keys.done(job))
+        return value.decode() if value else None
+
+    def entry(self, key: str, digest: str) -> dict | None:
+        return next((e for e in self.entries(key) if e["digest"] == digest), None)
 
     def import_entry(self, key: str, data: bytes, meta: dict) -> str:
         """Operator only (`torchfarm cache import`): store a verified entry from a bundle."""
@@ -149,44 +159,44 @@ class Store:
         return dropped
 
     # ---- single flight and jobs --------------------------------------------------------
-    def claim(self, key: str, ttl_s: int) -> str | None:
-        """Claim the compile of `key`; a token if this caller won, None if another holds it."""
+    def claim(self, job: str, ttl_s: int) -> str | None:
+        """Claim a compile job; a token if this caller won, None if another holds it."""
         token = uuid.uuid4().hex
-        return token if self.redis.set(keys.claim(key), token, nx=True, ex=ttl_s) else None
+        return token if self.redis.set(keys.claim(job), token, nx=True, ex=ttl_s) else None
 
-    def claimed(self, key: str) -> bool:
-        return bool(self.redis.exists(keys.claim(key)))
+    def claimed(self, job: str) -> bool:
+        return bool(self.redis.exists(keys.claim(job)))
 
-    def release(self, key: str) -> None:
-        self.redis.delete(keys.claim(key))
+    def release(self, job: str) -> None:
+        self.redis.delete(keys.claim(job))
 
-    def put_job(self, key: str, payload: bytes) -> None:
+    def put_job(self, job: str, payload: bytes) -> None:
         pipe = self.redis.pipeline()
-        pipe.set(keys.job(key), payload, ex=JOB_TTL_S)
-        pipe.set(keys.status(key), "queued", ex=STATUS_TTL_S)
-        pipe.delete(keys.error(key))
+        pipe.set(keys.job(job), payload, ex=JOB_TTL_S)
+        pipe.set(keys.status(job), "queued", ex=STATUS_TTL_S)
+        pipe.delete(keys.error(job), keys.done(job))
         pipe.execute()
 
-    def job_payload(self, key: str) -> bytes | None:
-        return self.redis.get(keys.job(key))
+    def job_payload(self, job: str) -> bytes | None:
+        return self.redis.get(keys.job(job))
 
-    def finish_job(self, key: str, error: str | None = None) -> None:
-        """Worker: the compile of `key` ended; waiters see an entry or this error."""
+    def finish_job(self, job: str, error: str | None = None) -> None:
+        """Worker: the job ended without storing an entry; waiters see this error."""
         pipe = self.redis.pipeline()
         if error is not None:
-            pipe.set(keys.error(key), error[-4000:], ex=ERROR_TTL_S)
-        pipe.delete(keys.job(key), keys.status(key), keys.claim(key))
+            pipe.set(keys.error(job), error[-4000:], ex=ERROR_TTL_S)
+        pipe.delete(keys.job(job), keys.status(job), keys.claim(job))
         pipe.execute()
 
-    def set_status(self, key: str, status: str) -> None:
-        self.redis.set(keys.status(key), status, ex=STATUS_TTL_S)
+    def set_status(self, job: str, status: str) -> None:
+        self.redis.set(keys.status(job), status, ex=STATUS_TTL_S)
 
-    def status(self, key: str) -> str:
-        value = self.redis.get(keys.status(key))
+    def status(self, job: str) -> str:
+        value = self.redis.get(keys.status(job))
         return value.decode() if value else ""
 
-    def error(self, key: str) -> str | None:
-        value = self.redis.get(keys.error(key))
+    def error(self, job: str) -> str | None:
+        value = self.redis.get(keys.error(job))
         return value.decode() if value else None
 
     # ---- pools and stats ---------------------------------------------------------------

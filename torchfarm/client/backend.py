@@ -38,6 +38,7 @@ class GraphRecord:
     source: str
     seconds: float
     bytes: int = 0
+    key: str = ""
 
 
 # Every graph this process compiled, in order; for logs, the demo and tests.
@@ -63,7 +64,8 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
         log.info("%s: farm failed after %.2f s (%s)", label, time.perf_counter() - started, e)
         _warn_once(f"farm unavailable ({e}); compiling locally")
         return _compile_locally(gm, example_inputs, farm_options, label, started)
-    record = GraphRecord(label, header.source, time.perf_counter() - started, header.size)
+    record = GraphRecord(label, header.source, time.perf_counter() - started, header.size,
+                         header.key)
     history.append(record)
     log.info("%s: farm %s in %.2f s, %d bytes, key %s", label, record.source, record.seconds,
              record.bytes, header.key[:16])
@@ -79,14 +81,19 @@ def _device_of(gm: torch.fx.GraphModule) -> str:
 
 def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.ArtifactHeader]:
     request = pb.CompileRequest(graph=serialize.dumps(gm), target=local_target(_device_of(gm)),
-                                options=options, label=label)
+                                options=options, label=label,
+                                size_hints=serialize.size_hints(gm))
+    inputs = serialize.example_inputs(gm)
+    # Entries of this key differ by their guards: take one that holds here, else compile.
+    request.digest = next((c.digest for c in remote.lookup(request, settings)
+                           if guards.hold(c.guards_expr, inputs)), "")
     progress = ProgressLine(label, settings.progress)
     try:
         header, data = remote.fetch(request, settings, on_progress=progress)
     finally:
         progress.close()
     artifact = pb.Artifact.FromString(data)
-    if not guards.install(artifact.guards_expr, serialize.example_inputs(gm)):
+    if not guards.install(artifact.guards_expr, inputs):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
     compiled = load_artifact(artifact, cudagraphs=bool(
         config_patches(options).get("triton.cudagraphs")))

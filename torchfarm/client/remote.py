@@ -1,4 +1,5 @@
-"""The gRPC side of the client: one Compile call, streamed progress, verified artifact bytes."""
+"""The gRPC side of the client: Lookup (entries and their guards), then one Compile call
+with streamed progress and verified artifact bytes."""
 
 from __future__ import annotations
 
@@ -26,21 +27,40 @@ def _channel(addr: str) -> grpc.Channel:
         ("grpc.max_receive_message_length", MAX_MESSAGE)])
 
 
-def fetch(request: pb.CompileRequest, settings: ClientSettings,
-          on_progress: Callable[[pb.Progress], None] | None = None
-          ) -> tuple[pb.ArtifactHeader, bytes]:
-    """Send one graph; returns the header and the artifact bytes (digest verified)."""
+def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
     channel = _channel(settings.addr)
     try:
         grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
     except grpc.FutureTimeoutError:
         raise FarmError(f"farm at {settings.addr} unreachable within "
                         f"{settings.connect_timeout_s:g} s") from None
-    metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
+    return pb_grpc.FarmStub(channel)
+
+
+def _metadata(settings: ClientSettings) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {settings.token}")] if settings.token else []
+
+
+def lookup(request: pb.CompileRequest, settings: ClientSettings) -> list[pb.Candidate]:
+    """The entries cached for this graph, with the guards under which each applies."""
+    stub = _stub(settings)
+    try:
+        reply = stub.Lookup(request, timeout=settings.connect_timeout_s + 30,
+                            metadata=_metadata(settings))
+    except grpc.RpcError as e:
+        raise FarmError(f"{e.code().name}: {e.details()}") from None
+    return list(reply.candidates)
+
+
+def fetch(request: pb.CompileRequest, settings: ClientSettings,
+          on_progress: Callable[[pb.Progress], None] | None = None
+          ) -> tuple[pb.ArtifactHeader, bytes]:
+    """Send one graph; returns the header and the artifact bytes (digest verified)."""
+    stub = _stub(settings)
     header, chunks = None, []
     try:
-        for event in pb_grpc.FarmStub(channel).Compile(
-                request, timeout=settings.compile_timeout_s, metadata=metadata):
+        for event in stub.Compile(
+                request, timeout=settings.compile_timeout_s, metadata=_metadata(settings)):
             kind = event.WhichOneof("event")
             if kind == "progress" and on_progress:
                 on_progress(event.progress)

@@ -1,8 +1,9 @@
 """The cache key, computed by the gateway from content alone (never taken from a client).
 
 key = sha256(key format, payload bytes, canonical target, canonical options). The payload
-already holds the graph, its input metadata and the ShapeEnv (size hints included), so the
-same model traced anywhere gives the same key; see docs/cache.md for what goes in and why.
+holds the graph, its input metadata and the ShapeEnv without size hints, so the same model
+traced anywhere, at any batch size that keeps its symbols, gives the same key; the entries
+under a key differ by their guards. See docs/cache.md for what goes in and why.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from google.protobuf import json_format
 from torchfarm.compiler import trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
 
-KEY_FORMAT = b"torchfarm-key-v1"
+KEY_FORMAT = b"torchfarm-key-v2"
 
 
 def _canonical(message) -> bytes:
@@ -37,6 +38,12 @@ def canonical_options(options: pb.Options) -> pb.Options:
                       config_patches_json=json.dumps(patches, sort_keys=True,
                                                      separators=(",", ":")) if patches else "",
                       state=state)
+
+
+def job_id(key: str, size_hints) -> str:
+    """One compile: the key plus one trace's size hints (an entry's guards come from them)."""
+    hints = json.dumps(sorted(size_hints.items()), separators=(",", ":"))
+    return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()
 
 
 def cache_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:

@@ -29,13 +29,22 @@ def produce(shape_env: ShapeEnv, example_inputs: Sequence[object]) -> str:
     return shape_env.produce_guards_expression(symints, guards=guards) or ""
 
 
-def install(guards_expr: str, example_inputs: Sequence[object]) -> bool:
-    """Client: False if the guards fail for these sizes; else record them in Dynamo's ShapeEnv."""
+def hold(guards_expr: str, example_inputs: Sequence[object]) -> bool:
+    """Client: whether the guards hold for these inputs' concrete sizes (records nothing)."""
     if not guards_expr:
         return True
     symints = _symbol_inputs(example_inputs)
-    shape_env = symints[0].node.shape_env
-    hints = [s.node.hint for s in symints]
-    if not shape_env.evaluate_guards_expression(guards_expr, hints):
+    if not symints:
         return False
-    return bool(shape_env.evaluate_guards_expression(guards_expr, symints))
+    shape_env = symints[0].node.shape_env
+    return bool(shape_env.evaluate_guards_expression(guards_expr, [s.node.hint for s in symints]))
+
+
+def install(guards_expr: str, example_inputs: Sequence[object]) -> bool:
+    """Client: False if the guards fail for these sizes; else record them in Dynamo's ShapeEnv."""
+    if not hold(guards_expr, example_inputs):
+        return False
+    if not guards_expr:
+        return True
+    symints = _symbol_inputs(example_inputs)
+    return bool(symints[0].node.shape_env.evaluate_guards_expression(guards_expr, symints))

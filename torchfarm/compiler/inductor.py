@@ -47,12 +47,13 @@ def config_patches(options: pb.Options) -> dict:
     return patches
 
 
-def compile_payload(payload: bytes, options: pb.Options, threads: int) -> pb.Artifact:
+def compile_payload(payload: bytes, options: pb.Options, threads: int,
+                    size_hints: dict[str, int] | None = None) -> pb.Artifact:
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
-    gm = serialize.loads(payload)
+    gm = serialize.loads(payload, size_hints)
     inputs = serialize.example_inputs(gm)
     fake_mode = torch._guards.detect_fake_mode(inputs)
     objects: dict[str, bytes] = {}

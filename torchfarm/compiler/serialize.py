@@ -2,17 +2,22 @@
 
 The client turns Dynamo's FX graph into bytes that hold FakeTensor metadata and the ShapeEnv,
 never weights, and that are the same for the same model in any process, path or rank (the
-cache key is their hash). Only a sandboxed worker child ever calls `loads`: it unpickles.
+cache key is their hash). Size hints (the concrete sizes behind each symbol) are left out of
+the bytes and travel beside them (`size_hints`), so one dynamic graph is one key whatever
+batch size a process traced it with. Only a sandboxed worker child ever calls `loads`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 
+import sympy
 import torch
 from torch._guards import ShapeGuard, SLoc
 from torch._subclasses import FakeTensorMode
 from torch.fx._graph_pickler import GraphPickler, _ShapeEnvPickleData, _TensorPickleData
+from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
 
 # Node metadata the compiler needs; everything else (stack traces, module paths, and
@@ -26,7 +31,18 @@ _DROPPED_SHAPE_ENV_FIELDS = frozenset({
     "source_name_to_debug_name", "_expr_sym_node_id", "_prev_cache_key", "_version_counter",
     "counter", "symbol_guard_counter", "_replacements_version_counter",
 })
-_NO_SLOC = SLoc("", None)  # a str location: torch 2.11 cannot print a None one
+_NO_SLOC = SLoc("", None)
+# Where the ShapeEnv keeps size hints (torch 2.11 / 2.13 name); "val_to_var" is its inverse.
+_HINT_FIELDS = ("var_to_val", "backed_var_to_val")
+# The hints `loads` puts back while it unpickles.
+_loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
+
+
+def _integer_hints(env: ShapeEnv) -> dict:
+    for field in _HINT_FIELDS:
+        if field in env.__dict__:
+            return {s: v for s, v in env.__dict__[field].items() if isinstance(v, sympy.Integer)}
+    return {}  # a str location: torch 2.11 cannot print a None one
 
 
 class _PortableShapeEnv(_ShapeEnvPickleData):
@@ -42,7 +58,35 @@ class _PortableShapeEnv(_ShapeEnvPickleData):
             }
         if "replacements_slocs" in data:
             data["replacements_slocs"] = {k: _NO_SLOC for k in env.replacements_slocs}
+        hinted = _integer_hints(env)
+        for field in _HINT_FIELDS:
+            if field in data:
+                data[field] = {s: v for s, v in data[field].items() if s not in hinted}
+        data["val_to_var"] = {}
         self.data = data
+
+    def unpickle(self, unpickle_state) -> ShapeEnv:
+        env = super().unpickle(unpickle_state)
+        symbols = {str(s): s for s in env.var_to_range}
+        values = {symbols[name]: sympy.Integer(v) for name, v in _loading_hints.get().items()
+                  if name in symbols}
+        for field in _HINT_FIELDS:
+            if field in env.__dict__:
+                env.__dict__[field].update(values)
+        env.val_to_var.update({int(v): s for s, v in values.items()})
+        return env
+
+
+class _PortableSymInt:
+    """A SymInt without its hint; `loads` recomputes the hint from the restored ShapeEnv."""
+
+    def __init__(self, node: SymNode) -> None:
+        self.expr, self.shape_env, self.pytype = node._expr, node.shape_env, node.pytype
+
+    def unpickle(self, unpickle_state) -> torch.SymInt:
+        hint = self.expr.xreplace(_integer_hints(self.shape_env))
+        return torch.SymInt(SymNode(self.expr, self.shape_env, self.pytype,
+                                    int(hint) if hint.is_number else None))
 
 
 class _PortableTensor(_TensorPickleData):
@@ -64,6 +108,8 @@ class _PortablePickler(GraphPickler):
                 _PortableTensor(self._meta_tensor_describer, obj), self._unpickle_state)
         if isinstance(obj, ShapeEnv):
             return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
+        if isinstance(obj, torch.SymInt):
+            return _PortableSymInt.unpickle, (_PortableSymInt(obj.node), self._unpickle_state)
         if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
             raise ValueError("refusing to serialize a real tensor: the farm takes metadata only")
         return super().reducer_override(obj)
@@ -86,10 +132,26 @@ def dumps(gm: torch.fx.GraphModule) -> bytes:
     return _PortablePickler.dumps(_metadata_only(gm))
 
 
-def loads(payload: bytes) -> torch.fx.GraphModule:
-    """Rebuild the graph with fresh FakeTensors and ShapeEnv. Runs pickle: sandbox only."""
+def size_hints(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """The concrete size behind each symbol of the graph's ShapeEnv (empty if static)."""
+    for value in example_inputs(gm):
+        node = getattr(value, "node", None)
+        env = node.shape_env if isinstance(value, torch.SymInt) else getattr(
+            getattr(value, "fake_mode", None), "shape_env", None)
+        if env is not None:
+            return {str(s): int(v) for s, v in _integer_hints(env).items()}
+    return {}
+
+
+def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.GraphModule:
+    """Rebuild the graph with fresh FakeTensors and a ShapeEnv holding `hints`. Runs pickle:
+    sandbox only."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    gm = GraphPickler.loads(payload, fake_mode)
+    token = _loading_hints.set(dict(hints or {}))
+    try:
+        gm = GraphPickler.loads(payload, fake_mode)
+    finally:
+        _loading_hints.reset(token)
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"payload holds {type(gm).__name__}, not a GraphModule")
     return gm

@@ -7,6 +7,7 @@ key up in Redis, and on a miss queues a Celery task on the pool that matches the
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -16,7 +17,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from torchfarm.cache.store import Store
-from torchfarm.compiler.cache_key import cache_key, canonical_options
+from torchfarm.compiler.cache_key import cache_key, canonical_options, job_id
 from torchfarm.compiler.inductor import MODES
 from torchfarm.compiler.target import describe, pool_name
 from torchfarm.gateway import auth
@@ -27,6 +28,9 @@ from torchfarm.workers.app import TASK_NAME, make_celery
 
 log = logging.getLogger("torchfarm.gateway")
 POLL_S = 0.05
+MAX_SIZE_HINTS = 4096
+_SYMBOL = re.compile(r"[a-z]{1,3}\d{1,9}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 PROGRESS_EVERY_S = 1.0
 
 
@@ -37,15 +41,28 @@ class FarmServicer(pb_grpc.FarmServicer):
         self.tenants = parse_tenants(settings.tenants)
         self.celery = make_celery(settings.redis_url, settings.broker_url)
 
-    def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
+    def _authenticate(self, context) -> str:
         tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), self.tenants)
         if tenant is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+        return tenant
+
+    def Lookup(self, request: pb.CompileRequest, context) -> pb.LookupReply:
+        self._authenticate(context)
         options = self._validate(request, context)
         key = cache_key(request.graph, request.target, options)
+        return pb.LookupReply(key=key, candidates=[
+            pb.Candidate(digest=e["digest"], guards_expr=e.get("guards_expr", ""))
+            for e in self.store.entries(key)])
+
+    def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
+        tenant = self._authenticate(context)
+        options = self._validate(request, context)
+        key = cache_key(request.graph, request.target, options)
+        job = job_id(key, request.size_hints)
         started = time.monotonic()
 
-        hit = self._cached(key)
+        hit = self._cached(key, request.digest)
         if hit is not None:
             self.store.record_hit(key, hit[0], len(hit[1]))
             yield from self._send(key, *hit, source="hit")
@@ -59,10 +76,11 @@ class FarmServicer(pb_grpc.FarmServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"no pool serves target {describe(request.target)} (pool {pool}). "
                           f"Pools available: {served}")
-        source = "miss" if self._claim_and_enqueue(key, request, options, pool, tenant) else "merged"
+        source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant) \
+            else "merged"
         self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
         log.info("%s %s for %s: %s", source, key[:16], tenant, request.label)
-        yield from self._wait(key, request, options, pool, tenant, started, source, context)
+        yield from self._wait(key, job, request, options, pool, tenant, started, source, context)
 
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
@@ -74,6 +92,13 @@ class FarmServicer(pb_grpc.FarmServicer):
         if request.target.device not in ("cpu", "cuda") or not request.target.torch_version:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "target needs device 'cpu' or 'cuda' and a torch_version")
+        if len(request.size_hints) > MAX_SIZE_HINTS or any(
+                not _SYMBOL.fullmatch(name) or value < 0
+                for name, value in request.size_hints.items()):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"size_hints: at most {MAX_SIZE_HINTS} entries of symbol -> size >= 0")
+        if request.digest and not _DIGEST.fullmatch(request.digest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")
         if (request.options.mode or "default") not in MODES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown mode {request.options.mode!r}; one of {', '.join(MODES)}")
@@ -82,49 +107,56 @@ class FarmServicer(pb_grpc.FarmServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
 
-    def _cached(self, key: str) -> tuple[dict, bytes] | None:
-        for entry in self.store.entries(key):
-            data = self.store.read_blob(key, entry)
-            if data is not None:
-                return entry, data
+    def _cached(self, key: str, digest: str) -> tuple[dict, bytes] | None:
+        """The entry the client chose (its guards hold there), or else an unguarded entry
+        (it holds everywhere), verified; None means compile."""
+        entry = (self.store.entry(key, digest) if digest else
+                 next((e for e in self.store.entries(key) if not e.get("guards_expr")), None))
+        if entry is None:
+            return None
+        data = self.store.read_blob(key, entry)
+        if data is None:
             log.warning("dropped corrupt or missing blob %s of %s", entry["digest"][:16], key[:16])
-        return None
+            return None
+        return entry, data
 
-    def _claim_and_enqueue(self, key, request, options, pool, tenant) -> bool:
+    def _claim_and_enqueue(self, key, job, request, options, pool, tenant) -> bool:
         ttl = int(self.settings.compile_timeout_s) + 60
-        if not self.store.claim(key, ttl):
+        if not self.store.claim(job, ttl):
             return False
-        self.store.put_job(key, request.graph)
-        job = {"target": json_format.MessageToDict(request.target),
-               "options": json_format.MessageToDict(options),
-               "tenant": tenant, "label": request.label}
-        self.celery.send_task(TASK_NAME, args=[key, job], queue=pool, routing_key=pool)
+        self.store.put_job(job, request.graph)
+        details = {"target": json_format.MessageToDict(request.target),
+                   "options": json_format.MessageToDict(options),
+                   "size_hints": dict(request.size_hints),
+                   "tenant": tenant, "label": request.label}
+        self.celery.send_task(TASK_NAME, args=[key, job, details], queue=pool, routing_key=pool)
         return True
 
-    def _wait(self, key, request, options, pool, tenant, started, source, context):
+    def _wait(self, key, job, request, options, pool, tenant, started, source, context):
         deadline = started + self.settings.compile_timeout_s
         next_progress = 0.0
         while context.is_active():
             now = time.monotonic()
             # Read the claim first: a worker sets the entry (or error) and drops the claim in
             # one step, so a claim seen gone here means the checks below see its outcome.
-            claimed = self.store.claimed(key)
-            hit = self._cached(key)
+            claimed = self.store.claimed(job)
+            digest = self.store.done(job)
+            hit = self._cached(key, digest) if digest else None
             if hit is not None:
                 yield from self._send(key, *hit, source=source)
                 saved = hit[0].get("compile_seconds", 0.0) if source == "merged" else 0.0
                 self.store.count(pool, bytes_served=len(hit[1]), compile_seconds_saved=saved)
                 return
-            error = self.store.error(key)
+            error = self.store.error(job)
             if error is not None:
                 context.abort(grpc.StatusCode.ABORTED, f"compile failed on the farm: {error}")
             if now > deadline:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")
             if not claimed:  # the compiler vanished without a result: take over
-                self._claim_and_enqueue(key, request, options, pool, tenant)
+                self._claim_and_enqueue(key, job, request, options, pool, tenant)
             if now >= next_progress:
-                stage = (pb.Progress.COMPILING if self.store.status(key) == "compiling"
+                stage = (pb.Progress.COMPILING if self.store.status(job) == "compiling"
                          else pb.Progress.QUEUED)
                 yield pb.CompileEvent(progress=pb.Progress(stage=stage, elapsed_s=now - started))
                 next_progress = now + PROGRESS_EVERY_S

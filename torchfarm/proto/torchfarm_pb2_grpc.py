@@ -34,6 +34,11 @@ class FarmStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Lookup = channel.unary_unary(
+                '/torchfarm.v1.Farm/Lookup',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
+                _registered_method=True)
         self.Compile = channel.unary_stream(
                 '/torchfarm.v1.Farm/Compile',
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
@@ -44,9 +49,16 @@ class FarmStub:
 class FarmServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Compile(self, request, context):
+    def Lookup(self, request, context):
         """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
+        The entries cached for this graph, target and options, with their guards.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Compile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -54,6 +66,11 @@ class FarmServicer:
 
 def add_FarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.SerializeToString,
+            ),
             'Compile': grpc.unary_stream_rpc_method_handler(
                     servicer.Compile,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.FromString,
@@ -69,6 +86,33 @@ def add_FarmServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Farm:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Farm/Lookup',
+            torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Compile(request,

@@ -46,44 +46,43 @@ def _store(redis_url: str) -> Store:
     return Store.from_url(redis_url)
 
 
-def compile_graph(task, key: str, job: dict) -> str:
-    """Compile the queued payload of `key` in the sandbox and store the artifact; any
-    failure ends the job with an error, so that waiting clients hear of it at once."""
+def compile_graph(task, key: str, job_id: str, job: dict) -> str:
+    """Compile the queued payload of job `job_id` in the sandbox and store the artifact under
+    `key`; any failure ends the job with an error, so waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
     store = _store(settings.redis_url)
     try:
-        return _compile_and_store(task, key, job, settings, store)
+        return _compile_and_store(task, key, job_id, job, settings, store)
     except Exception as e:
         log.exception("worker error on %s", key[:16])
         store.count(_pool_of(task), compile_failures=1)
-        store.finish_job(key, error=f"worker error: {type(e).__name__}: {e}")
+        store.finish_job(job_id, error=f"worker error: {type(e).__name__}: {e}")
         return "error"
 
 
-def _compile_and_store(task, key: str, job: dict, settings: WorkerSettings,
+def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerSettings,
                        store: Store) -> str:
-    if store.entries(key):  # a redelivered task whose first run finished
-        store.finish_job(key)
+    if store.done(job_id):  # a redelivered task whose first run finished
         return "cached"
-    payload = store.job_payload(key)
+    payload = store.job_payload(job_id)
     if payload is None:
-        store.finish_job(key, error="the job's payload expired before a worker took it")
+        store.finish_job(job_id, error="the job's payload expired before a worker took it")
         return "expired"
-    store.set_status(key, "compiling")
+    store.set_status(job_id, "compiling")
     target = json_format.ParseDict(job["target"], pb.Target())
     options = json_format.ParseDict(job["options"], pb.Options())
     log.info("compiling %s (%s) for tenant %s", key[:16], job.get("label", ""), job["tenant"])
     try:
-        data = sandbox.run_compile(payload, target, options, settings)
+        data = sandbox.run_compile(payload, target, options, job.get("size_hints", {}), settings)
     except sandbox.CompileFailed as e:
         log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
         store.count(_pool_of(task), compile_failures=1)
-        store.finish_job(key, error=str(e))
+        store.finish_job(job_id, error=str(e))
         return "failed"
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
     store.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
-    store.put_artifact(key, data, {
+    store.put_artifact(key, job_id, data, {
         "guards_expr": artifact.guards_expr,
         "compile_seconds": round(artifact.compile_seconds, 3),
         "tenant": job["tenant"], "mode": options.mode or "default", "pool": pool,

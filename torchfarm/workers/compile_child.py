@@ -19,7 +19,8 @@ def main(workdir: str) -> int:
         request = json_format.Parse(f.read(), pb.CompileRequest())
     with open(os.path.join(workdir, "payload.bin"), "rb") as f:
         payload = f.read()
-    artifact = compile_payload(payload, request.options, request.target.threads)
+    artifact = compile_payload(payload, request.options, request.target.threads,
+                               dict(request.size_hints))
     tmp = os.path.join(workdir, "artifact.pb.tmp")
     with open(tmp, "wb") as f:
         f.write(artifact.SerializeToString())

@@ -97,14 +97,15 @@ def _environment(workdir: str) -> dict[str, str]:
 
 
 def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
-                settings: WorkerSettings) -> bytes:
+                size_hints: dict[str, int], settings: WorkerSettings) -> bytes:
     """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes."""
     with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as workdir:
         os.makedirs(os.path.join(workdir, "tmp"))
         with open(os.path.join(workdir, "payload.bin"), "wb") as f:
             f.write(payload)
         with open(os.path.join(workdir, "request.json"), "w") as f:
-            f.write(json_format.MessageToJson(pb.CompileRequest(target=target, options=options)))
+            f.write(json_format.MessageToJson(pb.CompileRequest(
+                target=target, options=options, size_hints=size_hints)))
         cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
         if settings.sandbox == "bwrap":
             cmd = _bwrap(workdir, settings.device) + cmd
