@@ -56,7 +56,7 @@ def scratch(farm) -> Store:
 
 def _put(store: Store, n: int, size: int = 20_000) -> str:
     key = hashlib.sha256(f"key{n}".encode()).hexdigest()
-    store.put_artifact(key, os.urandom(size), {"mode": "default", "target": f"cpu test{n}"})
+    store.import_entry(key, os.urandom(size), {"mode": "default", "target": f"cpu test{n}"})
     return key
 
 

@@ -123,10 +123,11 @@ class Store:
 
     def import_entry(self, key: str, data: bytes, meta: dict) -> str:
         """Operator only (`torchfarm cache import`): store a verified entry from a bundle."""
-        if any(e["digest"] == digest_of(data) for e in self.entries(key)):
-            return digest_of(data)
+        digest = digest_of(data)
+        if self.entry(key, digest) is not None:
+            return digest
         pipe = self.redis.pipeline()
-        digest = self._put_entry(pipe, key, data, meta)
+        self._put_entry(pipe, key, data, meta)
         pipe.execute()
         return digest
 
