@@ -128,7 +128,11 @@ def test_cache_cli_on_real_compiled_entries(farm, store, tmp_path, monkeypatch):
     shown = _cli("show", header.key[:20])
     entry = shown["entries"][0]
     assert "linear" in entry["graph_code"] and entry["op_counts"]
-    assert any(k["name"].startswith("cpp_") for k in entry["kernels"])
+    assert any(k["name"].startswith("cpp_") and k["source_bytes"] > 0 for k in entry["kernels"])
+    assert entry["objects"] and all(o["bytes"] > 0 for o in entry["objects"])
+    for view in (["show", header.key], ["ls"], ["stats"]):  # the tables people read
+        result = CliRunner().invoke(app, ["cache", *view])
+        assert result.exit_code == 0 and header.key[:16] in result.output or view == ["stats"]
 
     stats = _cli("stats")
     assert {"entries", "bytes", "hits", "misses"} <= set(stats)
@@ -143,6 +147,10 @@ def test_cache_cli_on_real_compiled_entries(farm, store, tmp_path, monkeypatch):
     assert _cli("import", str(bundle))["entries"] >= 2
     restored, _ = remote.fetch(first, settings)
     assert restored.source == "hit" and restored.digest == header.digest
+
+    pool = f"--target={row['pool']}"
+    assert _cli("purge", pool)["keys_removed"] >= 2
+    assert not _cli("ls", pool) and _cli("stats")["pools"][row["pool"]]["entries"] == 0
 
     damaged = tmp_path / "damaged.tfbundle"
     raw = bytearray(bundle.read_bytes())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 
 import redis
@@ -67,8 +68,14 @@ def _matches(row: dict, target: str | None, mode: str | None, tenant: str | None
 
 
 def _summary(row: dict) -> dict:
-    """An entry without its bulky fields (graph code, op counts, kernels)."""
-    return {k: v for k, v in row.items() if k not in ("graph_code", "op_counts", "kernels")}
+    """An entry without its bulky fields (graph code, op counts, kernels, objects)."""
+    return {k: v for k, v in row.items()
+            if k not in ("graph_code", "op_counts", "kernels", "objects")}
+
+
+def _console() -> Console:
+    """Rich output; piped output gets wide rows, so `| grep` sees whole keys."""
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _age(seconds: float) -> str:
@@ -113,7 +120,7 @@ def ls(target: str = typer.Option(None, help="substring of the target or pool"),
                       r.get("target", "")[:48], f"{r.get('size', 0):,}", str(r["hits"]),
                       f"{r.get('compile_seconds', 0):.1f}", _age(now - r.get("created", now)),
                       _age(now - r["last_used"]))
-    Console().print(table)
+    _console().print(table)
 
 
 @app.command()
@@ -126,7 +133,7 @@ def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
     if as_json:
         typer.echo(json.dumps({"key": key, "entries": entries}, indent=1))
         return
-    console = Console()
+    console = _console()
     for e in entries:
         console.rule(f"{key}  entry {e['digest'][:16]}")
         for name in ("mode", "tenant", "target", "pool", "torch_version", "size", "stored_bytes",
@@ -135,8 +142,12 @@ def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
         console.print(f"[bold]created[/bold]: {time.ctime(e.get('created', 0))}")
         console.print(f"[bold]guards[/bold]: {e.get('guards_expr') or '(none)'}")
         kernels = e.get("kernels", [])
-        console.print(f"[bold]kernels[/bold] ({len(kernels)}): "
-                      + ", ".join(k["name"] for k in kernels))
+        console.print(f"[bold]kernels[/bold] ({len(kernels)}): " + ", ".join(
+            f"{k['name']} ({k.get('source_bytes', 0):,} B source)" for k in kernels))
+        objects = e.get("objects", [])
+        if objects:
+            console.print(f"[bold]compiled objects[/bold] ({len(objects)}): " + ", ".join(
+                f"{o['source_sha256']} ({o['bytes']:,} B)" for o in objects))
         console.print("[bold]ops[/bold]: " + ", ".join(
             f"{op}×{n}" for op, n in sorted(e.get("op_counts", {}).items())))
         console.print("[bold]graph[/bold]:")
@@ -172,7 +183,7 @@ def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
-    console = Console()
+    console = _console()
     for name, value in result.items():
         if name != "pools":
             console.print(f"[bold]{name}[/bold]: {value:,}" if isinstance(value, int)

@@ -86,13 +86,19 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
     )
 
 
-_KERNEL_DEFINITION = re.compile(rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(")
+# `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.
+_KERNEL_DEFINITION = re.compile(
+    rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(.*?'''(.*?)'''", re.S)
 
 
 def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
-    """The kernels the artifact's wrapper code defines (names as Inductor gave them)."""
-    found = dict.fromkeys(_KERNEL_DEFINITION.findall(inductor_bytes))
-    return [pb.Kernel(name=name.decode(), kind=kind.decode()) for name, kind in found]
+    """The kernels the artifact's wrapper code defines: names as Inductor gave them, and the
+    size of each one's source."""
+    found = {}
+    for name, kind, source in _KERNEL_DEFINITION.findall(inductor_bytes):
+        found.setdefault(name, pb.Kernel(name=name.decode(), kind=kind.decode(),
+                                         source_bytes=len(source)))
+    return list(found.values())
 
 
 class _AutogradCacheLog(logging.Handler):

@@ -88,7 +88,10 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
         "tenant": job["tenant"], "mode": options.mode or "default", "pool": pool,
         "target": describe(target), "torch_version": target.torch_version,
         "nodes": sum(artifact.op_counts.values()), "op_counts": dict(artifact.op_counts),
-        "kernels": [{"name": k.name, "kind": k.kind} for k in artifact.kernels],
+        "kernels": [{"name": k.name, "kind": k.kind, "source_bytes": k.source_bytes}
+                    for k in artifact.kernels],
+        "objects": [{"source_sha256": n.source_sha256[:16], "bytes": len(n.binary)}
+                    for n in artifact.natives],
         "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
         "worker": socket.gethostname(),
     })
