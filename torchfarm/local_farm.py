@@ -40,6 +40,7 @@ class LocalFarm:
         self.log_dir = log_dir or self.workdir
         self.extra_env = extra_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.metrics_port = 0  # the gateway's Prometheus port, once started
 
     @property
     def redis_url(self) -> str:
@@ -97,9 +98,11 @@ class LocalFarm:
 
     def start_gateway(self) -> None:
         self.grpc_port = self.grpc_port or free_port()
+        self.metrics_port = free_port()
         self._spawn("gateway", [sys.executable, "-m", "torchfarm", "gateway", "--host", self.host,
                                 "--port", str(self.grpc_port), "--redis-url", self.redis_url],
-                    env={"TORCHFARM_TENANTS": self.tenants})
+                    env={"TORCHFARM_TENANTS": self.tenants,
+                         "TORCHFARM_METRICS_PORT": str(self.metrics_port)})
 
     def start_worker(self, name: str) -> subprocess.Popen:
         return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",

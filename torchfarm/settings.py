@@ -56,6 +56,7 @@ class GatewaySettings:
     compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
     threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
+    metrics_port: int = 9470         # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
 
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
@@ -69,6 +70,7 @@ class GatewaySettings:
             compile_timeout_s=float(_env("TORCHFARM_GATEWAY_COMPILE_TIMEOUT", "1800")),
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
+            metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

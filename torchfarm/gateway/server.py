@@ -15,15 +15,16 @@ from concurrent import futures
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from torchfarm.cache.store import Store
 from torchfarm.compiler.cache_key import cache_key, canonical_options, job_id
 from torchfarm.compiler.inductor import MODES
 from torchfarm.compiler.target import describe, pool_name
-from torchfarm.gateway import auth
+from torchfarm.gateway import auth, metrics
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import GatewaySettings, parse_tenants
+from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
 from torchfarm.workers.app import TASK_NAME, make_celery
 
 log = logging.getLogger("torchfarm.gateway")
@@ -65,6 +66,8 @@ class FarmServicer(pb_grpc.FarmServicer):
         hit = self._cached(key, request.digest)
         if hit is not None:
             self.store.record_hit(key, hit[0], len(hit[1]))
+            metrics.RESULTS.labels("hit").inc()
+            metrics.BYTES_SERVED.inc(len(hit[1]))
             yield from self._send(key, *hit, source="hit")
             return
 
@@ -79,6 +82,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant) \
             else "merged"
         self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
+        metrics.RESULTS.labels(source).inc()
         log.info("%s %s for %s: %s", source, key[:16], tenant, request.label)
         yield from self._wait(key, job, request, options, pool, tenant, started, source, context)
 
@@ -146,6 +150,10 @@ class FarmServicer(pb_grpc.FarmServicer):
                 yield from self._send(key, *hit, source=source)
                 saved = hit[0].get("compile_seconds", 0.0) if source == "merged" else 0.0
                 self.store.count(pool, bytes_served=len(hit[1]), compile_seconds_saved=saved)
+                metrics.BYTES_SERVED.inc(len(hit[1]))
+                if source == "miss":
+                    metrics.COMPILE_SECONDS.labels(pool, options.mode).observe(
+                        hit[0].get("compile_seconds", 0.0))
                 return
             error = self.store.error(job)
             if error is not None:
@@ -175,13 +183,18 @@ def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     """A started-ready server (call .start()) and the port it bound."""
     store = Store.from_url(settings.redis_url)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.threads),
+                         interceptors=[metrics.MetricsInterceptor()],
                          options=[("grpc.max_receive_message_length",
                                    settings.max_payload_bytes + (1 << 20))])
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("torchfarm.v1.Farm", health_pb2.HealthCheckResponse.SERVING)
+    service_name = pb.DESCRIPTOR.services_by_name["Farm"].full_name
+    health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     return server, port
 
@@ -193,6 +206,9 @@ def serve(settings: GatewaySettings, ready=None) -> None:
 
     server, port = build_server(settings)
     server.start()
+    metrics.serve_metrics(settings.metrics_port, broker_url(settings.redis_url,
+                                                            settings.broker_url),
+                          lambda: list(Store.from_url(settings.redis_url).pools()))
     log.info("gateway listening on %s:%d", settings.host, port)
     if ready:
         ready(port)

@@ -1,0 +1,70 @@
+"""Operating the farm: Prometheus metrics and gRPC server reflection on the gateway."""
+
+import dataclasses
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from torchfarm.client import remote
+from torchfarm.compiler import serialize
+from torchfarm.compiler.target import local_target
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+
+from conftest import TOKENS
+
+pytestmark = pytest.mark.integration
+
+
+def _metrics(farm) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{farm.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _value(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_requests_results_and_bytes(farm):
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["payload"] = serialize.dumps(gm)
+        return gm.forward
+
+    torch.compile(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
+                  backend=capture)(torch.randn(3, 12))
+    request = pb.CompileRequest(graph=captured["payload"], target=local_target())
+    settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
+    before = _metrics(farm)
+    remote.fetch(request, settings)  # miss
+    header, _ = remote.fetch(request, settings)  # hit
+    with pytest.raises(remote.FarmError):
+        remote.fetch(request, dataclasses.replace(settings, token="wrong"))
+    after = _metrics(farm)
+    for series, grew_by in [
+        ('torchfarm_cache_results_total{result="miss"}', 1),
+        ('torchfarm_cache_results_total{result="hit"}', 1),
+        ('torchfarm_requests_total{rpc="Compile",status="OK"}', 2),
+        ('torchfarm_requests_total{rpc="Compile",status="UNAUTHENTICATED"}', 1),
+    ]:
+        assert _value(after, series) - _value(before, series) == grew_by, series
+    assert _value(after, "torchfarm_bytes_served_total") - \
+        _value(before, "torchfarm_bytes_served_total") == 2 * header.size
+    assert "torchfarm_compile_seconds_bucket" in after
+    assert "torchfarm_queue_depth{pool=" in after
+
+
+def test_server_reflection_lists_the_farm_service(farm):
+    with grpc.insecure_channel(farm.addr) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"torchfarm.v1.Farm", "grpc.health.v1.Health"} <= names

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the gateway: requests by RPC and status, cache results, bytes
+served, compile seconds of the misses it waited for (per pool and mode), and the depth of
+each pool's queue (read from the broker at scrape time)."""
+
+from __future__ import annotations
+
+import grpc
+import redis
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+REQUESTS = Counter("torchfarm_requests", "RPCs answered, by method and gRPC status",
+                   ["rpc", "status"])
+RESULTS = Counter("torchfarm_cache_results", "Compile requests by outcome: hit, miss, merged",
+                  ["result"])
+BYTES_SERVED = Counter("torchfarm_bytes_served", "Artifact bytes streamed to clients")
+COMPILE_SECONDS = Histogram("torchfarm_compile_seconds", "Worker compile time of each miss",
+                            ["pool", "mode"],
+                            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800))
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every RPC with the status it ended with."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        rpc = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            def unary(request, context, behavior=handler.unary_unary):
+                try:
+                    response = behavior(request, context)
+                except BaseException:
+                    _count(rpc, context, failed=True)
+                    raise
+                _count(rpc, context)
+                return response
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream:
+            def stream(request, context, behavior=handler.unary_stream):
+                try:
+                    yield from behavior(request, context)
+                except BaseException:
+                    _count(rpc, context, failed=True)
+                    raise
+                _count(rpc, context)
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+def _count(rpc: str, context, failed: bool = False) -> None:
+    code = context.code() if hasattr(context, "code") else None
+    status = code.name if code is not None else ("UNKNOWN" if failed else "OK")
+    REQUESTS.labels(rpc, status).inc()
+
+
+class QueueDepth:
+    """Collector: messages waiting in each live pool's Celery queue (a Redis list)."""
+
+    def __init__(self, broker: redis.Redis, pools) -> None:
+        self.broker, self.pools = broker, pools
+
+    def collect(self):
+        family = GaugeMetricFamily("torchfarm_queue_depth", "Compile tasks waiting, by pool",
+                                   labels=["pool"])
+        try:
+            for pool in self.pools():
+                family.add_metric([pool], self.broker.llen(pool))
+        except redis.RedisError:
+            pass  # Redis down: report no depth rather than fail the scrape
+        yield family
+
+
+def serve_metrics(port: int, broker_url: str, pools) -> None:
+    """Expose /metrics on `port` (0: do not serve)."""
+    if port:
+        REGISTRY.register(QueueDepth(redis.Redis.from_url(broker_url), pools))
+        start_http_server(port)
