@@ -38,7 +38,8 @@ def test_metrics_count_requests_results_and_bytes(farm):
         captured["payload"] = serialize.dumps(gm)
         return gm.forward
 
-    torch.compile(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
+    # A model no other test compiles, so that its first request is a miss.
+    torch.compile(torch.nn.Sequential(torch.nn.Linear(12, 28), torch.nn.Softsign()),
                   backend=capture)(torch.randn(3, 12))
     request = pb.CompileRequest(graph=captured["payload"], target=local_target())
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
