@@ -1,7 +1,9 @@
-"""Operating the farm: Prometheus metrics and gRPC server reflection on the gateway."""
+"""Operating the farm: Prometheus metrics, gRPC server reflection, request ids in logs."""
 
 import dataclasses
+import os
 import urllib.request
+import uuid
 
 import grpc
 import pytest
@@ -69,3 +71,22 @@ def test_server_reflection_lists_the_farm_service(farm):
             reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert {"torchfarm.v1.Farm", "grpc.health.v1.Health"} <= names
+
+
+def test_request_id_follows_a_compile_from_client_to_worker(farm):
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["payload"] = serialize.dumps(gm)
+        return gm.forward
+
+    # A model no other test compiles, so that the request reaches a worker.
+    torch.compile(torch.nn.Sequential(torch.nn.Linear(10, 18), torch.nn.Hardswish()),
+                  backend=capture)(torch.randn(3, 10))
+    request = pb.CompileRequest(graph=captured["payload"], target=local_target())
+    settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
+    rid = f"req-{uuid.uuid4().hex[:12]}"
+    remote.fetch(request, settings, request_id=rid)
+    for log in ("gateway.log", "worker0.log"):
+        with open(os.path.join(farm.log_dir, log)) as f:
+            assert f"[request {rid}]" in f.read(), log

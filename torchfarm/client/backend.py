@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 
@@ -84,12 +85,15 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
                                 options=options, label=label,
                                 size_hints=serialize.size_hints(gm))
     inputs = serialize.example_inputs(gm)
+    request_id = uuid.uuid4().hex[:16]
+    log.debug("%s: request %s", label, request_id)
     # Entries of this key differ by their guards: take one that holds here, else compile.
-    request.digest = next((c.digest for c in remote.lookup(request, settings)
+    request.digest = next((c.digest for c in remote.lookup(request, settings, request_id)
                            if guards.hold(c.guards_expr, inputs)), "")
     progress = ProgressLine(label, settings.progress)
     try:
-        header, data = remote.fetch(request, settings, on_progress=progress)
+        header, data = remote.fetch(request, settings, on_progress=progress,
+                                    request_id=request_id)
     finally:
         progress.close()
     artifact = pb.Artifact.FromString(data)

@@ -37,30 +37,36 @@ def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
     return pb_grpc.FarmStub(channel)
 
 
-def _metadata(settings: ClientSettings) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {settings.token}")] if settings.token else []
+def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]]:
+    metadata = [("x-request-id", request_id)] if request_id else []
+    if settings.token:
+        metadata.append(("authorization", f"Bearer {settings.token}"))
+    return metadata
 
 
-def lookup(request: pb.CompileRequest, settings: ClientSettings) -> list[pb.Candidate]:
+def lookup(request: pb.CompileRequest, settings: ClientSettings,
+           request_id: str = "") -> list[pb.Candidate]:
     """The entries cached for this graph, with the guards under which each applies."""
     stub = _stub(settings)
     try:
         reply = stub.Lookup(request, timeout=settings.connect_timeout_s + 30,
-                            metadata=_metadata(settings))
+                            metadata=_metadata(settings, request_id))
     except grpc.RpcError as e:
         raise FarmError(f"{e.code().name}: {e.details()}") from None
     return list(reply.candidates)
 
 
 def fetch(request: pb.CompileRequest, settings: ClientSettings,
-          on_progress: Callable[[pb.Progress], None] | None = None
+          on_progress: Callable[[pb.Progress], None] | None = None, request_id: str = ""
           ) -> tuple[pb.ArtifactHeader, bytes]:
-    """Send one graph; returns the header and the artifact bytes (digest verified)."""
+    """Send one graph; returns the header and the artifact bytes (digest verified).
+    `request_id` appears in the gateway's and the worker's log lines for this compile."""
     stub = _stub(settings)
     header, chunks = None, []
     try:
         for event in stub.Compile(
-                request, timeout=settings.compile_timeout_s, metadata=_metadata(settings)):
+                request, timeout=settings.compile_timeout_s,
+                metadata=_metadata(settings, request_id)):
             kind = event.WhichOneof("event")
             if kind == "progress" and on_progress:
                 on_progress(event.progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -32,6 +33,7 @@ POLL_S = 0.05
 MAX_SIZE_HINTS = 4096
 _SYMBOL = re.compile(r"[a-z]{1,3}\d{1,9}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PROGRESS_EVERY_S = 1.0
 
 
@@ -61,10 +63,12 @@ class FarmServicer(pb_grpc.FarmServicer):
         options = self._validate(request, context)
         key = cache_key(request.graph, request.target, options)
         job = job_id(key, request.size_hints)
+        rid = _request_id(context)
         started = time.monotonic()
 
         hit = self._cached(key, request.digest)
         if hit is not None:
+            log.info("hit %s for %s: %s [request %s]", key[:16], tenant, request.label, rid)
             self.store.record_hit(key, hit[0], len(hit[1]))
             metrics.RESULTS.labels("hit").inc()
             metrics.BYTES_SERVED.inc(len(hit[1]))
@@ -79,12 +83,13 @@ class FarmServicer(pb_grpc.FarmServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"no pool serves target {describe(request.target)} (pool {pool}). "
                           f"Pools available: {served}")
-        source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant) \
-            else "merged"
+        source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant,
+                                                   rid) else "merged"
         self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
         metrics.RESULTS.labels(source).inc()
-        log.info("%s %s for %s: %s", source, key[:16], tenant, request.label)
-        yield from self._wait(key, job, request, options, pool, tenant, started, source, context)
+        log.info("%s %s for %s: %s [request %s]", source, key[:16], tenant, request.label, rid)
+        yield from self._wait(key, job, request, options, pool, tenant, rid, started, source,
+                              context)
 
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
@@ -124,7 +129,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             return None
         return entry, data
 
-    def _claim_and_enqueue(self, key, job, request, options, pool, tenant) -> bool:
+    def _claim_and_enqueue(self, key, job, request, options, pool, tenant, rid) -> bool:
         ttl = int(self.settings.compile_timeout_s) + 60
         if not self.store.claim(job, ttl):
             return False
@@ -132,11 +137,11 @@ class FarmServicer(pb_grpc.FarmServicer):
         details = {"target": json_format.MessageToDict(request.target),
                    "options": json_format.MessageToDict(options),
                    "size_hints": dict(request.size_hints),
-                   "tenant": tenant, "label": request.label}
+                   "tenant": tenant, "label": request.label, "request_id": rid}
         self.celery.send_task(TASK_NAME, args=[key, job, details], queue=pool, routing_key=pool)
         return True
 
-    def _wait(self, key, job, request, options, pool, tenant, started, source, context):
+    def _wait(self, key, job, request, options, pool, tenant, rid, started, source, context):
         deadline = started + self.settings.compile_timeout_s
         next_progress = 0.0
         while context.is_active():
@@ -162,7 +167,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")
             if not claimed:  # the compiler vanished without a result: take over
-                self._claim_and_enqueue(key, job, request, options, pool, tenant)
+                self._claim_and_enqueue(key, job, request, options, pool, tenant, rid)
             if now >= next_progress:
                 stage = (pb.Progress.COMPILING if self.store.status(job) == "compiling"
                          else pb.Progress.QUEUED)
@@ -177,6 +182,14 @@ class FarmServicer(pb_grpc.FarmServicer):
         step = self.settings.chunk_bytes
         for offset in range(0, len(data), step):
             yield pb.CompileEvent(chunk=data[offset:offset + step])
+
+
+def _request_id(context) -> str:
+    """The client's x-request-id (it follows the compile into the worker's log), or a new one."""
+    for name, value in context.invocation_metadata() or ():
+        if name == "x-request-id" and _REQUEST_ID.fullmatch(value):
+            return value
+    return uuid.uuid4().hex[:16]
 
 
 def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
