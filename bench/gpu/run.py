@@ -159,10 +159,14 @@ def main() -> None:
             runner.run("gpt-small", "reduce-overhead", "farm", "farm miss", tempfile.mkdtemp())
             runner.run("gpt-small", "reduce-overhead", "farm", "farm hit", tempfile.mkdtemp())
             runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
-        stats = Store.from_url(farm.redis_url).stats()
+        store = Store.from_url(farm.redis_url)
+        stats = store.stats()
+        entries = [{k: e.get(k) for k in ("mode", "compile_seconds", "size", "tuned_kernels")}
+                   | {"kernels": len(e.get("kernels", []))}
+                   for key, _ in store.keys() for e in store.entries(key)]
     result = {"part": args.part, "device": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "sandbox": sandbox, "farm_stats": stats, "rows": runner.rows}
+              "sandbox": sandbox, "farm_stats": stats, "entries": entries, "rows": runner.rows}
     with open(os.path.join(args.out, f"results-{args.part}.json"), "w") as f:
         json.dump(result, f, indent=1)
 

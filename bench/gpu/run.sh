@@ -12,8 +12,11 @@ mkdir -p "$OUT"
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
+# Installed for its entry point (the "torchfarm" Dynamo backend), but the code runs from this
+# tree: pip's build/ dir, which a warm machine keeps between calls, can be older than the tree.
+rm -rf build /tmp/site/torchfarm /tmp/site/torchfarm-*.dist-info
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=$PWD:/tmp/site
 
 mkdir -p /tmp/debs
 for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/debs; done

@@ -137,7 +137,7 @@ def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
     for e in entries:
         console.rule(f"{key}  entry {e['digest'][:16]}")
         for name in ("mode", "tenant", "target", "pool", "torch_version", "size", "stored_bytes",
-                     "compile_seconds", "hits", "nodes", "worker"):
+                     "compile_seconds", "hits", "nodes", "tuned_kernels", "worker"):
             console.print(f"[bold]{name}[/bold]: {e.get(name, '')}")
         console.print(f"[bold]created[/bold]: {time.ctime(e.get('created', 0))}")
         console.print(f"[bold]guards[/bold]: {e.get('guards_expr') or '(none)'}")

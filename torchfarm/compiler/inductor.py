@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import importlib
 import json
@@ -11,7 +12,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch._functorch import config as functorch_config
@@ -25,7 +26,11 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 # Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
 # they only save time when many kernels share one header.
-_WORKER_CONFIG = {"cpp_cache_precompile_headers": False}
+# Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
+# the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
+# torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
+_WORKER_CONFIG = {"cpp_cache_precompile_headers": False,
+                  "triton.autotune_at_compile_time": True}
 # Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
 # backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
 _WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}
@@ -83,12 +88,28 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
         op_counts=serialize.op_counts(gm),
         graph_code=gm.code,
         kernels=_kernels(inductor_bytes),
+        tuned_configs=_tuned_configs(),
     )
 
 
 # `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.
 _KERNEL_DEFINITION = re.compile(
     rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(.*?'''(.*?)'''", re.S)
+
+
+def _tuned_configs() -> dict[str, bytes]:
+    """The autotune results in this process's Inductor cache dir, by `<2 chars>/<name>`.
+
+    Inductor records a kernel's first result in the artifact; under max-autotune, coordinate
+    descent then finds a better config and rewrites only the file. The files are final.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    found = {}
+    for path in glob.glob(os.path.join(cache_dir(), "*", "*.best_config")):
+        with open(path, "rb") as f:
+            found[os.path.join(*path.split(os.sep)[-2:])] = f.read()
+    return found
 
 
 def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
@@ -164,8 +185,103 @@ def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
             files.write_atomically(path, artifact.inductor)
         with (inductor_config.patch(_LOAD_CONFIG),
               native.provide(objects, os.path.join(directory, "native")),
+              _autotune_results_here(directory, artifact.tuned_configs),
               _post_compile_cudagraphs(cudagraphs)):
             return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+
+
+@contextlib.contextmanager
+def _autotune_results_here(directory: str, tuned: Mapping[str, bytes]) -> Iterator[None]:
+    """Make the artifact's Triton kernels use the autotune results it carries.
+
+    - The worker's final results (`tuned`) are written under `directory`, as
+      `<2 chars>/<hash>.best_config` like on the worker, and win over the first ones that
+      Inductor recorded in its own artifact.
+    - A Triton kernel comes out of the artifact as a pickled CachingAutotuner that remembers
+      where its source lay on the worker, and on load it looks for its `.best_config` beside
+      that path, in a directory of the worker's: point it at `directory` first.
+    - Torch's recheck then finds no result for a kernel that the worker tuned at compile
+      time (see `_tuned_on_worker`), and torch 2.11's ignores one for a kernel with a single
+      config, which is what coordinate descent (max-autotune) leaves: the first call would
+      tune and compile the kernel again. The recheck used while loading is torch 2.13's,
+      with the worker's results found.
+    """
+    from torch._inductor.runtime import triton_heuristics as heuristics
+    from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
+
+    for name, data in tuned.items():
+        if _is_tuned_config_name(name):
+            files.write_atomically(os.path.join(directory, name), data)
+    populate = AutotuneCacheArtifact.populate_cache
+
+    def populate_unless_tuned(self):
+        if self.key not in tuned:
+            populate(self)
+
+    autotuner = heuristics.CachingAutotuner
+    original = getattr(autotuner, "recheck_autotune_cache", None)
+
+    def recheck_here(self, reload_kernel_from_src):
+        if self.filename:
+            self.filename = os.path.join(directory, *self.filename.split(os.sep)[-2:])
+        configs = [result.config for result in self.compile_results]
+        cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(
+            configs, self.filename, self.inductor_meta)
+        if self.autotune_cache_info.get("autotune_cache_state") == "hit":
+            best = cached[0]
+        elif (best := _tuned_on_worker(self, configs)) is not None:
+            self.autotune_cache_info = {"autotune_cache_state": "hit", "source": "torchfarm"}
+        else:
+            return
+        by_coordesc = getattr(best, "found_by_coordesc", False)
+        wanted = heuristics.triton_config_to_hashable(best)
+        for result in self.compile_results:
+            if heuristics.triton_config_to_hashable(result.config) == wanted:
+                result.config.found_by_coordesc = by_coordesc
+                self.compile_results = [result]
+                return
+        # Found by coordinate descent after the kernel was bundled: compile that config.
+        if self.fn.fn is None:
+            self.fn = reload_kernel_from_src().fn
+        self.compile_results = [self._precompile_config(best)]
+
+    AutotuneCacheArtifact.populate_cache = populate_unless_tuned
+    if original is not None:  # a torch without statically launched kernels has none
+        autotuner.recheck_autotune_cache = recheck_here
+    try:
+        yield
+    finally:
+        AutotuneCacheArtifact.populate_cache = populate
+        if original is not None:
+            autotuner.recheck_autotune_cache = original
+
+
+def _tuned_on_worker(autotuner, configs: list):
+    """The worker's autotune result for this kernel, or None.
+
+    Inductor files a result under a hash of the configs the kernel started from. The worker
+    tuned at compile time, so the bundled kernel keeps only the winner, and the hash over
+    its configs no longer matches the file's: check the file against its own hash. The file
+    was written for this kernel's source in the same compile.
+    """
+    from torch._inductor.runtime import autotune_cache
+
+    if not autotuner.filename:
+        return None
+    cache = autotune_cache.AutotuneCache.create(autotuner.inductor_meta, autotuner.filename, "")
+    best = cache._read() if cache else None
+    if not best:
+        return None
+    return autotune_cache._load_cached_autotuning(best, best.get("configs_hash"), configs,
+                                                  autotuner.inductor_meta)
+
+
+_TUNED_CONFIG_NAME = re.compile(r"\w{2}/\w+\.best_config")
+
+
+def _is_tuned_config_name(name: str) -> bool:
+    """`<2 chars>/<hash>.best_config` and nothing else: the names come from the network."""
+    return _TUNED_CONFIG_NAME.fullmatch(name) is not None
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
         "nodes": sum(artifact.op_counts.values()), "op_counts": dict(artifact.op_counts),
         "kernels": [{"name": k.name, "kind": k.kind, "source_bytes": k.source_bytes}
                     for k in artifact.kernels],
+        "tuned_kernels": len(artifact.tuned_configs),
         "objects": [{"source_sha256": n.source_sha256[:16], "bytes": len(n.binary)}
                     for n in artifact.natives],
         "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
