@@ -2,13 +2,16 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The Compose specification's JSON schema, as shipped in docker-compose 1.29.2's wheel: the
+# compose test validates docker-compose.yml against it (no Docker engine runs here).
+COMPOSE_SCHEMA := .cache/compose-spec.json
 
 .PHONY: demo test deps system proto bench clean
 
 demo: deps
 	$(PY) examples/demo.py
 
-test: deps
+test: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 deps: system $(STAMP)
@@ -23,6 +26,11 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[server,dev]'
 	touch $@
+
+$(COMPOSE_SCHEMA): $(STAMP)
+	mkdir -p .cache/wheels
+	$(VENV)/bin/pip download -q --no-deps -d .cache/wheels docker-compose==1.29.2
+	$(PY) -c "import sys, zipfile; open(sys.argv[2], 'wb').write(zipfile.ZipFile(sys.argv[1]).read('compose/config/compose_spec.json'))" .cache/wheels/docker_compose-1.29.2-py2.py3-none-any.whl $@
 
 proto: deps
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. torchfarm/proto/torchfarm.proto

@@ -21,9 +21,17 @@ from conftest import TOKENS
 pytestmark = pytest.mark.integration
 
 
-def _metrics(farm) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{farm.metrics_port}/metrics", timeout=5) as r:
+def _metrics(farm, port: int = 0) -> str:
+    """The gateway's metrics, or those served on `port` (a worker's)."""
+    url = f"http://127.0.0.1:{port or farm.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
         return r.read().decode()
+
+
+def _sum(text: str, name: str, label: str) -> float:
+    """Sum of the series of `name` whose labels contain `label`, e.g. result="compiled"."""
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def _value(text: str, series: str) -> float:
@@ -46,6 +54,8 @@ def test_metrics_count_requests_results_and_bytes(farm):
     request = pb.CompileRequest(graph=captured["payload"], target=local_target())
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     before = _metrics(farm)
+    worker_port = farm.worker_metrics_ports["worker0"]
+    worker_before = _metrics(farm, worker_port)
     remote.fetch(request, settings)  # miss
     header, _ = remote.fetch(request, settings)  # hit
     with pytest.raises(remote.FarmError):
@@ -62,6 +72,14 @@ def test_metrics_count_requests_results_and_bytes(farm):
         _value(before, "torchfarm_bytes_served_total") == 2 * header.size
     assert "torchfarm_compile_seconds_bucket" in after
     assert "torchfarm_queue_depth{pool=" in after
+    # The worker's own metrics, summed over its Celery pool processes: one compile, stored.
+    worker_after = _metrics(farm, worker_port)
+    for name, label, grew_by in [
+        ("torchfarm_worker_compiles_total", 'result="compiled"', 1),
+        ("torchfarm_worker_compile_seconds_count", 'mode="default"', 1),
+        ("torchfarm_worker_bytes_stored_total", "pool=", header.size),
+    ]:
+        assert _sum(worker_after, name, label) - _sum(worker_before, name, label) == grew_by, name
 
 
 def test_server_reflection_lists_the_farm_service(farm):

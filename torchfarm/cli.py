@@ -1,4 +1,4 @@
-"""`torchfarm` command line: up (embedded farm), gateway, worker, cache."""
+"""`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor."""
 
 from __future__ import annotations
 
@@ -64,11 +64,40 @@ def worker(pool: str = typer.Option(None, help="[TORCHFARM_POOL] queue to serve;
            log_level: str = "info") -> None:
     """Run a Celery compile worker for one hardware pool."""
     from torchfarm.settings import WorkerSettings
-    from torchfarm.workers.app import run_worker
 
     _logging(log_level)
-    run_worker(WorkerSettings.from_env(pool=pool, device=device, redis_url=redis_url,
-                                       concurrency=concurrency, sandbox=sandbox))
+    settings = WorkerSettings.from_env(pool=pool, device=device, redis_url=redis_url,
+                                       concurrency=concurrency, sandbox=sandbox)
+    if settings.metrics_port:
+        from torchfarm.workers import metrics
+
+        metrics.enable()  # before anything imports prometheus_client
+    from torchfarm.workers.app import run_worker
+
+    run_worker(settings)
+
+
+@app.command()
+def doctor(addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
+           token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
+           device: str = typer.Option("cpu", help="the device your model runs on: cpu or cuda"),
+           ) -> None:
+    """Check the farm from this machine: address, gateway, token, target, a round trip."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from torchfarm.doctor import run_checks
+    from torchfarm.settings import ClientSettings
+
+    checks = run_checks(ClientSettings.from_env(addr=addr, token=token), device)
+    table = Table(show_header=False, box=None)
+    marks = {True: "[green]ok[/green]", False: "[red]FAIL[/red]", None: "[dim]--[/dim]"}
+    for check in checks:
+        table.add_row(marks[check.ok], check.name, check.detail)
+        if check.advice and check.ok is False:
+            table.add_row("", "", f"[yellow]→ {check.advice}[/yellow]")
+    Console(width=140).print(table)
+    raise typer.Exit(1 if any(c.ok is False for c in checks) else 0)
 
 
 def main() -> None:

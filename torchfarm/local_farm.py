@@ -41,6 +41,7 @@ class LocalFarm:
         self.extra_env = extra_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.metrics_port = 0  # the gateway's Prometheus port, once started
+        self.worker_metrics_ports: dict[str, int] = {}  # each worker's Prometheus port
 
     @property
     def redis_url(self) -> str:
@@ -105,9 +106,12 @@ class LocalFarm:
                          "TORCHFARM_METRICS_PORT": str(self.metrics_port)})
 
     def start_worker(self, name: str) -> subprocess.Popen:
+        self.worker_metrics_ports[name] = free_port()
         return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
                                   "--redis-url", self.redis_url, "--sandbox", self.sandbox,
-                                  "--device", self.device])
+                                  "--device", self.device],
+                           env={"TORCHFARM_WORKER_METRICS_PORT":
+                                str(self.worker_metrics_ports[name])})
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the gateway answers health checks and a worker has registered its pool."""

@@ -88,6 +88,21 @@ class WorkerSettings:
     memory_limit_mb: int = 0         # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
     cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
     cache_ttl_s: float = 0           # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
+    # TORCHFARM_REDELIVERY_TIMEOUT: a task whose worker died unacknowledged goes to another
+    # worker this long after it was taken; 0 = compile timeout + 300 s. Must exceed the
+    # compile timeout, or a compile still running would be handed out twice.
+    redelivery_s: float = 0
+    metrics_port: int = 0            # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
+
+    def __post_init__(self) -> None:
+        if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
+            raise ValueError(f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
+                             f"exceed the compile timeout ({self.compile_timeout_s:g} s)")
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """Seconds an unacknowledged task stays with its worker before it is redelivered."""
+        return self.redelivery_s or self.compile_timeout_s + 300
 
     @classmethod
     def from_env(cls, **overrides) -> WorkerSettings:
@@ -102,6 +117,8 @@ class WorkerSettings:
             memory_limit_mb=int(_env("TORCHFARM_COMPILE_MEMORY_MB", "0")),
             cache_max_bytes=int(_env("TORCHFARM_CACHE_MAX_BYTES", str(cls.cache_max_bytes))),
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
+            redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
+            metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -21,7 +21,7 @@ from torchfarm.cache.store import Store
 from torchfarm.compiler.target import describe, local_target, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings, broker_url
-from torchfarm.workers import sandbox
+from torchfarm.workers import metrics, sandbox
 
 log = logging.getLogger("torchfarm.worker")
 TASK_NAME = "torchfarm.compile"
@@ -34,7 +34,12 @@ def make_celery(redis_url: str, broker: str = "", visibility_timeout_s: float = 
         task_serializer="json", accept_content=["json"], result_backend=None,
         task_ignore_result=True, task_acks_late=True, task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": visibility_timeout_s},
+        # Unacknowledged tasks of a dead worker are swept back to their queue this long after
+        # delivery; the sweep runs every tenth of that (at most every 10 s).
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            "unacked_restore_interval": max(1, min(10, int(visibility_timeout_s / 10))),
+            "unacked_restore_throttle": 1},
         worker_hijack_root_logger=False,
     )
     app.task(name=TASK_NAME, bind=True)(compile_graph)
@@ -51,23 +56,28 @@ def compile_graph(task, key: str, job_id: str, job: dict) -> str:
     `key`; any failure ends the job with an error, so waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
     store = _store(settings.redis_url)
+    started = time.perf_counter()
     try:
-        return _compile_and_store(task, key, job_id, job, settings, store)
+        result, stored_bytes = _compile_and_store(task, key, job_id, job, settings, store)
     except Exception as e:
         log.exception("worker error on %s", key[:16])
         store.count(_pool_of(task), compile_failures=1)
         store.finish_job(job_id, error=f"worker error: {type(e).__name__}: {e}")
-        return "error"
+        result, stored_bytes = "error", 0
+    metrics.record(_pool_of(task), job.get("options", {}).get("mode") or "default", result,
+                   time.perf_counter() - started, stored_bytes)
+    return result
 
 
 def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerSettings,
-                       store: Store) -> str:
+                       store: Store) -> tuple[str, int]:
+    """The task's result (compiled, failed, cached, expired) and the bytes it stored."""
     if store.done(job_id):  # a redelivered task whose first run finished
-        return "cached"
+        return "cached", 0
     payload = store.job_payload(job_id)
     if payload is None:
         store.finish_job(job_id, error="the job's payload expired before a worker took it")
-        return "expired"
+        return "expired", 0
     store.set_status(job_id, "compiling")
     target = json_format.ParseDict(job["target"], pb.Target())
     options = json_format.ParseDict(job["options"], pb.Options())
@@ -79,7 +89,7 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
         log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
         store.count(_pool_of(task), compile_failures=1)
         store.finish_job(job_id, error=str(e))
-        return "failed"
+        return "failed", 0
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
     store.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
@@ -102,7 +112,7 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
     evicted = store.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
-    return "compiled"
+    return "compiled", len(data)
 
 
 def _pool_of(task) -> str:
@@ -124,8 +134,10 @@ def run_worker(settings: WorkerSettings) -> None:
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = make_celery(settings.redis_url, settings.broker_url,
-                      visibility_timeout_s=settings.compile_timeout_s + 300)
+                      visibility_timeout_s=settings.visibility_timeout_s)
     app.conf.torchfarm_worker = dataclasses.asdict(settings)
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port)
     info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
     threading.Thread(target=_heartbeat, args=(Store.from_url(settings.redis_url), pool, info),
                      daemon=True, name="pool-heartbeat").start()

@@ -1,0 +1,71 @@
+"""Faults on a farm of its own: each test breaks a part and checks that nothing was lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import HERE, run_client
+from torchfarm.cache import keys
+from torchfarm.cache.store import Store
+from torchfarm.local_farm import LocalFarm
+
+pytestmark = pytest.mark.integration
+
+
+def test_redis_restart_keeps_every_entry_and_the_farm_reconnects_by_itself():
+    with LocalFarm() as farm:
+        assert run_client(farm, "model_client.py", "mlp", "infer")["sources"] == ["miss"]
+        store = Store.from_url(farm.redis_url)
+        entries = {key: store.entries(key) for key, _ in store.keys()}
+        assert entries
+        time.sleep(1.5)  # appendfsync everysec: the last write is on disk after 1 s
+        farm.stop_process("redis", signal.SIGKILL)  # a crash, not a clean shutdown
+        farm.start_redis()  # same port and directory: replays the AOF
+        assert {key: store.entries(key) for key, _ in store.keys()} == entries
+        # The gateway and the worker were never restarted: they reconnect on their own.
+        hit = run_client(farm, "model_client.py", "mlp", "infer")
+        assert hit["sources"] == ["hit"] and hit["out_err"] < 1e-5
+        miss = run_client(farm, "model_client.py", "cnn", "infer")
+        assert miss["sources"] == ["miss"] and miss["out_err"] < 1e-4
+
+
+def _start_client(farm, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, TORCHFARM_ADDR=farm.addr, TORCHFARM_PROGRESS="0",
+               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "clients", "model_client.py"),
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for_status(store: Store, status: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(store.redis.get(k) == status.encode()
+               for k in store.redis.scan_iter(match=keys.status("*"))):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no job reached {status!r} in {timeout_s:.0f} s")
+
+
+def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
+    # Redelivery waits for the broker's visibility timeout: shortened here (it must exceed
+    # the compile timeout), 1900 s by default.
+    with LocalFarm(extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "90",
+                              "TORCHFARM_REDELIVERY_TIMEOUT": "100"}) as farm:
+        store = Store.from_url(farm.redis_url)
+        client = _start_client(farm, "mlp", "train")
+        _wait_for_status(store, "compiling", timeout_s=120)
+        farm.stop_process("worker0", signal.SIGKILL)  # the worker, its pool and its sandbox
+        farm.start_worker("worker1")
+        out, err = client.communicate(timeout=400)
+        assert client.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["sources"] == ["miss"], err[-2000:]  # the farm's artifact, not a fallback
+        assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4
+        assert store.stats().get("compiles") == 1  # the killed compile stored nothing

@@ -1,0 +1,109 @@
+"""`torchfarm doctor`: check, in order, everything a client needs from its farm.
+
+address set → gateway reachable and healthy → transport → token accepted → this machine's
+target → a round-trip compile of a tiny graph through the farm, compared with eager. Each
+failed check says what to do; later checks that depend on it are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from torchfarm.client import backend, remote
+from torchfarm.compiler.target import describe, local_target, pool_name
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the report: ok is True, False (failed) or None (skipped, or information)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+    advice: str = ""
+
+
+def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
+    """Every check, in order; stops at the first failure that later checks depend on."""
+    checks = [Check("address", bool(settings.addr), settings.addr or "TORCHFARM_ADDR is not set",
+                    "" if settings.addr else "export TORCHFARM_ADDR=host:port of the gateway "
+                    "(`torchfarm up` prints it for an embedded farm)")]
+    if not settings.addr:
+        return checks
+    checks.append(_health(settings))
+    if not checks[-1].ok:
+        return checks
+    checks.append(Check("transport", None, "plaintext gRPC (torchfarm has no TLS yet)",
+                        "run the gateway on a trusted network only"))
+    checks.append(_auth(settings))
+    if not checks[-1].ok:
+        return checks
+    target = local_target(device)
+    checks.append(Check("target", None, f"{describe(target)} → pool {pool_name(target)}"))
+    checks.append(_round_trip(settings, device))
+    return checks
+
+
+def _health(settings: ClientSettings) -> Check:
+    try:
+        with grpc.insecure_channel(settings.addr) as channel:
+            grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5).status
+    except grpc.FutureTimeoutError:
+        return Check("gateway", False, f"{settings.addr} unreachable within "
+                     f"{settings.connect_timeout_s:g} s",
+                     "is the gateway running, and is this host:port reachable from here?")
+    except grpc.RpcError as e:
+        return Check("gateway", False, f"health check failed: {e.code().name}",
+                     "the address answers but is not a torchfarm gateway?")
+    serving = status == health_pb2.HealthCheckResponse.SERVING
+    return Check("gateway", serving, health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+                 "" if serving else "the gateway is up but not serving: see its log")
+
+
+def _auth(settings: ClientSettings) -> Check:
+    """An empty Lookup: the gateway checks the token before it looks at the request."""
+    try:
+        remote.lookup(pb.CompileRequest(), settings)
+    except remote.FarmError as e:
+        message = str(e)
+        if message.startswith(("UNAUTHENTICATED", "PERMISSION_DENIED")):
+            return Check("token", False, message, "set TORCHFARM_TOKEN to your tenant's token "
+                         "(ask the farm's operator)")
+    return Check("token", True, "accepted" if settings.token else "none needed")
+
+
+def _round_trip(settings: ClientSettings, device: str) -> Check:
+    """Compile a two-op function through the farm, as training code would."""
+    def tiny(x):
+        return torch.nn.functional.gelu(x) * 2 + 1
+
+    x = torch.randn(8, 16, device=device)
+    compiled = torch.compile(tiny, backend=lambda gm, inputs: backend.torchfarm_backend(
+        gm, inputs, addr=settings.addr, token=settings.token), dynamic=False)
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+    seconds = time.perf_counter() - started
+    record = backend.history[-1] if backend.history else None
+    if record is None or record.source not in ("hit", "miss", "merged"):
+        reason = "; ".join(str(w.message) for w in caught) or "no farm compile happened"
+        return Check("round trip", False, reason,
+                     "if it names no pool for this target, start a worker on a machine like "
+                     "this one (`torchfarm worker --pool auto`); otherwise see the gateway "
+                     "and worker logs")
+    if not torch.allclose(out, tiny(x), rtol=1e-4, atol=1e-5):
+        return Check("round trip", False, "the farm's result differs from eager",
+                     "report this: it is a torchfarm bug")
+    return Check("round trip", True, f"{record.source} in {seconds:.2f} s, {record.bytes:,} "
+                 "bytes, output equals eager")

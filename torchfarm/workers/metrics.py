@@ -1,0 +1,56 @@
+"""Prometheus metrics of a worker: compiles by pool, mode and result, their duration, and
+the artifact bytes stored.
+
+Celery runs each task in a forked pool process, so the metrics use prometheus_client's
+multiprocess mode: every process writes its values to files in a directory private to this
+worker, and the worker's main process serves their sum on TORCHFARM_WORKER_METRICS_PORT.
+prometheus_client picks that mode when it is first imported, so `enable` runs before
+anything imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+
+
+def enable() -> None:
+    """Give this worker its own multiprocess directory; call before the pool forks."""
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError("prometheus_client was imported before worker metrics were enabled")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="torchfarm-worker-metrics-")
+
+
+def serve(port: int) -> None:
+    """Expose the sum over this worker's processes on /metrics at `port`."""
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    start_http_server(port, registry=registry)
+
+
+@functools.cache
+def _metrics():
+    from prometheus_client import Counter, Histogram
+
+    return (
+        Counter("torchfarm_worker_compiles", "Compile tasks by pool, mode and result "
+                "(compiled, failed, error, cached, expired)", ["pool", "mode", "result"]),
+        Histogram("torchfarm_worker_compile_seconds", "Wall time of each compile task that "
+                  "ran a compile, sandbox start included", ["pool", "mode"],
+                  buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)),
+        Counter("torchfarm_worker_bytes_stored", "Artifact bytes written to the cache", ["pool"]),
+    )
+
+
+def record(pool: str, mode: str, result: str, seconds: float, stored_bytes: int) -> None:
+    """One finished compile task."""
+    compiles, durations, stored = _metrics()
+    compiles.labels(pool, mode, result).inc()
+    if result in ("compiled", "failed"):
+        durations.labels(pool, mode).observe(seconds)
+    if stored_bytes:
+        stored.labels(pool).inc(stored_bytes)
