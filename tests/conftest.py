@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="session")
 def farm():
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
-    with LocalFarm(tenants=tenants) as f:
+    # JSON log lines: test_operations checks that a request id follows a compile in them.
+    with LocalFarm(tenants=tenants, extra_env={"TORCHFARM_LOG_FORMAT": "json"}) as f:
         yield f
 
 

@@ -1,6 +1,8 @@
-"""Operating the farm: Prometheus metrics, gRPC server reflection, request ids in logs."""
+"""Operating the farm: Prometheus metrics, gRPC server reflection, request ids in (JSON) logs."""
 
 import dataclasses
+import json
+import logging
 import os
 import urllib.request
 import uuid
@@ -10,6 +12,7 @@ import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from torchfarm import logs
 from torchfarm.client import remote
 from torchfarm.compiler import serialize
 from torchfarm.compiler.target import local_target
@@ -105,6 +108,18 @@ def test_request_id_follows_a_compile_from_client_to_worker(farm):
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     rid = f"req-{uuid.uuid4().hex[:12]}"
     remote.fetch(request, settings, request_id=rid)
-    for log in ("gateway.log", "worker0.log"):
+    for log, messages in (("gateway.log", {"miss"}), ("worker0.log", {"compiling", "stored"})):
         with open(os.path.join(farm.log_dir, log)) as f:
-            assert f"[request {rid}]" in f.read(), log
+            lines = [json.loads(line) for line in f if line.startswith("{")]
+        about = [line for line in lines if line.get("request_id") == rid]
+        assert {line["message"].split()[0] for line in about} == messages, log
+        assert all(line["tenant"] == "alice" for line in about if "tenant" in line)
+
+
+def test_text_log_lines_carry_the_request_id_too():
+    record = logging.LogRecord("torchfarm.gateway", logging.INFO, __file__, 1, "miss %s",
+                               ("abc",), None)
+    record.request_id = "req-1"
+    assert logs.TextFormatter().format(record).endswith("miss abc [request req-1]")
+    entry = json.loads(logs.JsonFormatter().format(record))
+    assert entry["message"] == "miss abc" and entry["request_id"] == "req-1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 
@@ -16,8 +15,9 @@ app.add_typer(cache_app, name="cache")
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from torchfarm import logs
+
+    logs.setup(level)
 
 
 @app.command()

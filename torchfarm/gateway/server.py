@@ -68,7 +68,8 @@ class FarmServicer(pb_grpc.FarmServicer):
 
         hit = self._cached(key, request.digest)
         if hit is not None:
-            log.info("hit %s for %s: %s [request %s]", key[:16], tenant, request.label, rid)
+            log.info("hit %s for %s: %s", key[:16], tenant, request.label,
+                     extra={"request_id": rid, "tenant": tenant, "key": key})
             self.store.record_hit(key, hit[0], len(hit[1]))
             metrics.RESULTS.labels("hit").inc()
             metrics.BYTES_SERVED.inc(len(hit[1]))
@@ -87,7 +88,8 @@ class FarmServicer(pb_grpc.FarmServicer):
                                                    rid) else "merged"
         self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
         metrics.RESULTS.labels(source).inc()
-        log.info("%s %s for %s: %s [request %s]", source, key[:16], tenant, request.label, rid)
+        log.info("%s %s for %s: %s", source, key[:16], tenant, request.label,
+                 extra={"request_id": rid, "tenant": tenant, "key": key, "pool": pool})
         yield from self._wait(key, job, request, options, pool, tenant, rid, started, source,
                               context)
 

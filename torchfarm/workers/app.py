@@ -81,8 +81,9 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
     store.set_status(job_id, "compiling")
     target = json_format.ParseDict(job["target"], pb.Target())
     options = json_format.ParseDict(job["options"], pb.Options())
-    log.info("compiling %s (%s) for tenant %s [request %s]", key[:16], job.get("label", ""),
-             job["tenant"], job.get("request_id", ""))
+    log.info("compiling %s (%s) for tenant %s", key[:16], job.get("label", ""), job["tenant"],
+             extra={"request_id": job.get("request_id", ""), "tenant": job["tenant"],
+                    "key": key})
     try:
         data = sandbox.run_compile(payload, target, options, job.get("size_hints", {}), settings)
     except sandbox.CompileFailed as e:
@@ -107,8 +108,8 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
         "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
         "worker": socket.gethostname(),
     })
-    log.info("stored %s: %d bytes, %.1f s [request %s]", key[:16], len(data),
-             artifact.compile_seconds, job.get("request_id", ""))
+    log.info("stored %s: %d bytes, %.1f s", key[:16], len(data), artifact.compile_seconds,
+             extra={"request_id": job.get("request_id", ""), "key": key, "pool": pool})
     evicted = store.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))

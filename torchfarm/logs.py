@@ -1,0 +1,47 @@
+"""Log lines of the farm's processes (gateway, worker): plain text, or with
+TORCHFARM_LOG_FORMAT=json one JSON object per line. Either way, a line about one compile
+carries its request id (`extra={"request_id": ...}`): the id the client sent as
+x-request-id, which the gateway hands on to the worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+FIELDS = ("request_id", "tenant", "key", "pool")  # `extra` fields a line may carry
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message [request ID]`."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        request_id = getattr(record, "request_id", "")
+        return f"{line} [request {request_id}]" if request_id else line
+
+
+class JsonFormatter(logging.Formatter):
+    """One object per line: ts, level, logger, message, the FIELDS present, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+                 "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        entry.update({f: getattr(record, f) for f in FIELDS if getattr(record, f, "")})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup(level: str, fmt: str | None = None) -> None:
+    """Configure the root logger: `fmt` text or json (default TORCHFARM_LOG_FORMAT, text)."""
+    fmt = (fmt or os.environ.get("TORCHFARM_LOG_FORMAT") or "text").lower()
+    if fmt not in ("text", "json"):
+        raise ValueError(f"TORCHFARM_LOG_FORMAT must be text or json, not {fmt!r}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
