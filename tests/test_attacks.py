@@ -1,0 +1,77 @@
+"""Attacks on the real session farm. Each asserts that the attack failed AND that the farm
+still serves the next honest request."""
+
+import os
+import pickle
+import socket
+import uuid
+
+import grpc
+import pytest
+import torch
+
+import torchfarm
+from conftest import TOKENS
+from torchfarm.client import backend
+from torchfarm.compiler.target import local_target
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _compile(farm, request) -> list:
+    with grpc.insecure_channel(farm.addr) as channel:
+        return list(pb_grpc.FarmStub(channel).Compile(
+            request, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=300))
+
+
+class _Exploit:
+    """Unpickling this runs `code`: what a hostile client would put in a graph payload."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def test_malicious_pickle_writes_nothing_reaches_nobody_and_sees_no_secret(farm, tmp_path):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(3)
+    port = listener.getsockname()[1]
+    os.makedirs(os.path.join(ROOT, ".cache"), exist_ok=True)
+    markers = [str(tmp_path / "pwned"), os.path.join(ROOT, ".cache", f"pwned-{uuid.uuid4().hex}"),
+               os.path.expanduser(f"~/pwned-{uuid.uuid4().hex}")]
+    code = f"""
+import os, socket
+for path in {markers!r}:
+    try:
+        open(path, "w").write("pwned")
+    except OSError:
+        pass
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2).sendall(b"pwned")
+except OSError:
+    pass
+raise RuntimeError("exploit ran; environment: " + ",".join(sorted(os.environ)))
+"""
+    request = pb.CompileRequest(graph=pickle.dumps(_Exploit(code)), target=local_target())
+    with pytest.raises(grpc.RpcError) as e:
+        _compile(farm, request)
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    details = e.value.details()
+    assert "exploit ran" in details  # the code did run: the sandbox, not luck, stopped it
+    assert "TORCHFARM" not in details and "REDIS" not in details  # no secret in its env
+    assert not any(os.path.exists(m) for m in markers)
+    with pytest.raises(TimeoutError):  # socket.timeout: nothing connected
+        listener.accept()
+    listener.close()
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.SiLU())
+    compiled = torchfarm.compile(model, addr=farm.addr, token=TOKENS["alice"])
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert [r.source for r in backend.history] == ["miss"]
