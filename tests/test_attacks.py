@@ -75,3 +75,34 @@ raise RuntimeError("exploit ran; environment: " + ",".join(sorted(os.environ)))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert [r.source for r in backend.history] == ["miss"]
+
+
+def _real_payload() -> bytes:
+    from torchfarm.compiler import serialize
+
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["graph"] = serialize.dumps(gm)
+        return gm.forward
+
+    torch.compile(torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.ELU()),
+                  backend=capture)(torch.randn(2, 7))
+    return captured["graph"]
+
+
+def test_malformed_payloads_get_precise_errors(farm):
+    real = _real_payload()
+    cases = [
+        ("empty", b"", grpc.StatusCode.INVALID_ARGUMENT),
+        ("random bytes", os.urandom(4096), grpc.StatusCode.ABORTED),
+        ("truncated", real[: len(real) // 2], grpc.StatusCode.ABORTED),
+        ("over the size limit", b"\0" * (64 << 20 + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+    for name, graph, status in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            _compile(farm, pb.CompileRequest(graph=graph, target=local_target()))
+        assert e.value.code() == status, (name, e.value.details())
+    # and the intact payload still compiles
+    events = _compile(farm, pb.CompileRequest(graph=real, target=local_target()))
+    assert events[-1].WhichOneof("event") == "chunk"

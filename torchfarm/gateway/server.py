@@ -27,6 +27,7 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
 from torchfarm.workers.app import TASK_NAME, make_celery
+from torchfarm.workers.sandbox import TIMED_OUT
 
 log = logging.getLogger("torchfarm.gateway")
 POLL_S = 0.05
@@ -164,7 +165,9 @@ class FarmServicer(pb_grpc.FarmServicer):
                 return
             error = self.store.error(job)
             if error is not None:
-                context.abort(grpc.StatusCode.ABORTED, f"compile failed on the farm: {error}")
+                status = (grpc.StatusCode.DEADLINE_EXCEEDED if error.startswith(TIMED_OUT)
+                          else grpc.StatusCode.ABORTED)
+                context.abort(status, f"compile failed on the farm: {error}")
             if now > deadline:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")

@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,21 @@ def _environment(workdir: str) -> dict[str, str]:
     return env
 
 
+def _how_it_ended(returncode: int, sandbox: str) -> str:
+    """`exit N`, or the signal that killed the child (bwrap reports that as exit 128 + N)."""
+    signum = -returncode if returncode < 0 else (
+        returncode - 128 if sandbox == "bwrap" and returncode > 128 else 0)
+    try:
+        return f"killed by signal {signum} ({signal.Signals(signum).name})" if signum else \
+            f"exit {returncode}"
+    except ValueError:  # not a signal number after all
+        return f"exit {returncode}"
+
+
+# Prefix of a job error that the gateway turns into DEADLINE_EXCEEDED (others: ABORTED).
+TIMED_OUT = "DEADLINE_EXCEEDED: "
+
+
 def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
                 size_hints: dict[str, int], settings: WorkerSettings) -> bytes:
     """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes."""
@@ -114,11 +130,12 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
                                   timeout=settings.compile_timeout_s,
                                   preexec_fn=_limits(settings.memory_limit_mb, settings.device))
         except subprocess.TimeoutExpired as e:
-            raise CompileFailed(f"compile exceeded {settings.compile_timeout_s:.0f} s") from e
+            raise CompileFailed(f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
+                                "(TORCHFARM_COMPILE_TIMEOUT_WORKER)") from e
         out_path = os.path.join(workdir, "artifact.pb")
         if proc.returncode != 0 or not os.path.exists(out_path):
             tail = proc.stderr.decode(errors="replace")[-3000:]
-            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            how = _how_it_ended(proc.returncode, settings.sandbox)
             raise CompileFailed(f"compile child failed ({how}):\n{tail}")
         with open(out_path, "rb") as f:
             data = f.read()

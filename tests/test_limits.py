@@ -1,0 +1,58 @@
+"""A compile child that hangs, allocates without bound or crashes, on a farm of its own with
+short limits: each gets a precise error, and the farm then serves an honest compile."""
+
+import pickle
+
+import grpc
+import pytest
+import torch
+
+import torchfarm
+from torchfarm.client import backend
+from torchfarm.compiler.target import local_target
+from torchfarm.local_farm import LocalFarm
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+from test_attacks import _Exploit
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def limited_farm():
+    with LocalFarm(extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "20",
+                              "TORCHFARM_COMPILE_MEMORY_MB": "16384"}) as farm:
+        yield farm
+
+
+def _attack(farm, code: str) -> grpc.RpcError:
+    request = pb.CompileRequest(graph=pickle.dumps(_Exploit(code)), target=local_target())
+    with grpc.insecure_channel(farm.addr) as channel, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.FarmStub(channel).Compile(request, timeout=300))
+    return e.value
+
+
+@pytest.mark.parametrize("name,code,status,says", [
+    ("hangs", "import time\ntime.sleep(3600)", grpc.StatusCode.DEADLINE_EXCEEDED,
+     "compile exceeded 20 s"),
+    # 1 GiB mappings, never touched: the address-space limit stops them, not the host's RAM
+    ("allocates without bound",
+     "import mmap\nchunks = []\nwhile True:\n    chunks.append(mmap.mmap(-1, 1 << 30))",
+     grpc.StatusCode.ABORTED, "Cannot allocate memory"),
+    ("crashes", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
+     grpc.StatusCode.ABORTED, "signal 11"),
+])
+def test_a_bad_compile_child_gets_a_precise_error(limited_farm, name, code, status, says):
+    error = _attack(limited_farm, code)
+    assert error.code() == status, error.details()
+    assert says in error.details()
+
+
+def test_the_farm_still_compiles_after_the_bad_children(limited_farm):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Mish())
+    compiled = torchfarm.compile(model, addr=limited_farm.addr)
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert [r.source for r in backend.history] == ["miss"]
