@@ -1,6 +1,6 @@
 """`torchfarm doctor`: check, in order, everything a client needs from its farm.
 
-address set → gateway reachable and healthy → transport → token accepted → this machine's
+address set → gateway reachable and healthy → transport (TLS or plaintext) → token accepted → this machine's
 target → a round-trip compile of a tiny graph through the farm, compared with eager. Each
 failed check says what to do; later checks that depend on it are skipped.
 """
@@ -41,8 +41,10 @@ def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
     checks.append(_health(settings))
     if not checks[-1].ok:
         return checks
-    checks.append(Check("transport", None, "plaintext gRPC (torchfarm has no TLS yet)",
-                        "run the gateway on a trusted network only"))
+    checks.append(Check("transport", True, f"TLS, trusting {settings.tls_ca}")
+                  if settings.tls_ca else
+                  Check("transport", None, "plaintext gRPC (set TORCHFARM_TLS_CA for a TLS "
+                        "gateway)"))
     checks.append(_auth(settings))
     if not checks[-1].ok:
         return checks
@@ -53,15 +55,18 @@ def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
 
 
 def _health(settings: ClientSettings) -> Check:
+    channel = remote.channel(settings.addr, settings.tls_ca)
     try:
-        with grpc.insecure_channel(settings.addr) as channel:
-            grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5).status
+        grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5).status
     except grpc.FutureTimeoutError:
+        tls = ("; over TLS: is TORCHFARM_TLS_CA the CA of the gateway's certificate, and does "
+               "the certificate name this host?" if settings.tls_ca else
+               "; a TLS gateway needs TORCHFARM_TLS_CA")
         return Check("gateway", False, f"{settings.addr} unreachable within "
                      f"{settings.connect_timeout_s:g} s",
-                     "is the gateway running, and is this host:port reachable from here?")
+                     f"is the gateway running, and is this host:port reachable from here{tls}")
     except grpc.RpcError as e:
         return Check("gateway", False, f"health check failed: {e.code().name}",
                      "the address answers but is not a torchfarm gateway?")

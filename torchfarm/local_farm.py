@@ -32,10 +32,11 @@ class LocalFarm:
     def __init__(self, grpc_port: int = 0, redis_port: int = 0, tenants: str = "",
                  sandbox: str = "bwrap", workers: int = 1, host: str = "127.0.0.1",
                  log_dir: str | None = None, extra_env: dict | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", tls: tuple[str, str] | None = None):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
         self.tenants, self.sandbox, self.workers = tenants, sandbox, workers
         self.device = device  # what the workers compile for: cpu or cuda
+        self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
         self.log_dir = log_dir or self.workdir
         self.extra_env = extra_env or {}
@@ -103,7 +104,9 @@ class LocalFarm:
         self._spawn("gateway", [sys.executable, "-m", "torchfarm", "gateway", "--host", self.host,
                                 "--port", str(self.grpc_port), "--redis-url", self.redis_url],
                     env={"TORCHFARM_TENANTS": self.tenants,
-                         "TORCHFARM_METRICS_PORT": str(self.metrics_port)})
+                         "TORCHFARM_METRICS_PORT": str(self.metrics_port),
+                         "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
+                         "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else ""})
 
     def start_worker(self, name: str) -> subprocess.Popen:
         self.worker_metrics_ports[name] = free_port()
@@ -120,7 +123,12 @@ class LocalFarm:
 
         store = Store.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.addr) as channel:
+        credentials = None
+        if self.tls:
+            with open(self.tls[0], "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        with (grpc.secure_channel(self.addr, credentials) if credentials
+              else grpc.insecure_channel(self.addr)) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 for name, proc in self.procs.items():

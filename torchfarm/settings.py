@@ -20,6 +20,9 @@ class ClientSettings:
     connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
     compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
     progress: bool = True          # TORCHFARM_PROGRESS=0 turns the stderr progress line off
+    # TORCHFARM_TLS_CA: PEM certificate(s) to trust for a TLS gateway; "system" = the system's
+    # roots; empty = plaintext
+    tls_ca: str = ""
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -27,6 +30,7 @@ class ClientSettings:
             addr=_env("TORCHFARM_ADDR", ""),
             token=_env("TORCHFARM_TOKEN", ""),
             connect_timeout_s=float(_env("TORCHFARM_CONNECT_TIMEOUT", "2")),
+            tls_ca=_env("TORCHFARM_TLS_CA", ""),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
         )
@@ -57,6 +61,12 @@ class GatewaySettings:
     threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470         # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    tls_cert: str = ""               # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
+    tls_key: str = ""                # TORCHFARM_TLS_KEY: PEM private key
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TORCHFARM_TLS_CERT and TORCHFARM_TLS_KEY go together")
 
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
@@ -71,6 +81,8 @@ class GatewaySettings:
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
+            tls_cert=_env("TORCHFARM_TLS_CERT", ""),
+            tls_key=_env("TORCHFARM_TLS_KEY", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

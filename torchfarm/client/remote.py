@@ -21,20 +21,30 @@ class FarmError(RuntimeError):
 
 
 @functools.cache
-def _channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=[
-        ("grpc.max_send_message_length", MAX_MESSAGE),
-        ("grpc.max_receive_message_length", MAX_MESSAGE)])
+def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
+    """One channel per gateway: TLS when `tls_ca` names PEM roots to trust (or "system")."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE),
+               ("grpc.max_receive_message_length", MAX_MESSAGE)]
+    if not tls_ca:
+        return grpc.insecure_channel(addr, options=options)
+    roots = None
+    if tls_ca != "system":
+        with open(tls_ca, "rb") as f:
+            roots = f.read()
+    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=roots),
+                               options=options)
 
 
 def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
-    channel = _channel(settings.addr)
+    farm_channel = channel(settings.addr, settings.tls_ca)
     try:
-        grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
+        grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
     except grpc.FutureTimeoutError:
         raise FarmError(f"farm at {settings.addr} unreachable within "
-                        f"{settings.connect_timeout_s:g} s") from None
-    return pb_grpc.FarmStub(channel)
+                        f"{settings.connect_timeout_s:g} s"
+                        + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)"
+                           if settings.tls_ca else "")) from None
+    return pb_grpc.FarmStub(farm_channel)
 
 
 def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]]:

@@ -213,7 +213,13 @@ def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     reflection.enable_server_reflection(
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls_cert:
+        with open(settings.tls_key, "rb") as key, open(settings.tls_cert, "rb") as cert:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     return server, port
 
 
@@ -227,7 +233,8 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     metrics.serve_metrics(settings.metrics_port, broker_url(settings.redis_url,
                                                             settings.broker_url),
                           lambda: list(Store.from_url(settings.redis_url).pools()))
-    log.info("gateway listening on %s:%d", settings.host, port)
+    log.info("gateway listening on %s:%d (%s)", settings.host, port,
+             "TLS" if settings.tls_cert else "plaintext")
     if ready:
         ready(port)
     stop = threading.Event()
