@@ -61,6 +61,7 @@ class GatewaySettings:
     threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470         # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    tenant_max_compiles: int = 0     # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
     tls_cert: str = ""               # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""                # TORCHFARM_TLS_KEY: PEM private key
 
@@ -81,6 +82,7 @@ class GatewaySettings:
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
+            tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
         )

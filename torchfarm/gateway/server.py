@@ -6,8 +6,10 @@ key up in Redis, and on a miss queues a Celery task on the pool that matches the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,6 +46,8 @@ class FarmServicer(pb_grpc.FarmServicer):
         self.store = store
         self.tenants = parse_tenants(settings.tenants)
         self.celery = make_celery(settings.redis_url, settings.broker_url)
+        self._waiting: dict[str, int] = {}  # per tenant: requests waiting on a compile
+        self._waiting_lock = threading.Lock()
 
     def _authenticate(self, context) -> str:
         tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), self.tenants)
@@ -85,14 +89,33 @@ class FarmServicer(pb_grpc.FarmServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"no pool serves target {describe(request.target)} (pool {pool}). "
                           f"Pools available: {served}")
-        source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant,
-                                                   rid) else "merged"
-        self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
-        metrics.RESULTS.labels(source).inc()
-        log.info("%s %s for %s: %s", source, key[:16], tenant, request.label,
-                 extra={"request_id": rid, "tenant": tenant, "key": key, "pool": pool})
-        yield from self._wait(key, job, request, options, pool, tenant, rid, started, source,
-                              context)
+        with self._compile_slot(tenant, context):
+            source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant,
+                                                       rid) else "merged"
+            self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
+            metrics.RESULTS.labels(source).inc()
+            log.info("%s %s for %s: %s", source, key[:16], tenant, request.label,
+                     extra={"request_id": rid, "tenant": tenant, "key": key, "pool": pool})
+            yield from self._wait(key, job, request, options, pool, tenant, rid, started,
+                                  source, context)
+
+    @contextlib.contextmanager
+    def _compile_slot(self, tenant: str, context) -> Iterator[None]:
+        """Hold one of the tenant's compile slots (TORCHFARM_TENANT_MAX_COMPILES, counted per
+        gateway) while its request waits on a compile; none free: RESOURCE_EXHAUSTED."""
+        limit = self.settings.tenant_max_compiles
+        with self._waiting_lock:
+            waiting = self._waiting.get(tenant, 0)
+            if limit and waiting >= limit:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"tenant {tenant or '(open farm)'} already waits on {waiting} "
+                              f"compiles (limit {limit}); retry when one finishes")
+            self._waiting[tenant] = waiting + 1
+        try:
+            yield
+        finally:
+            with self._waiting_lock:
+                self._waiting[tenant] -= 1
 
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
@@ -226,7 +249,6 @@ def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
 def serve(settings: GatewaySettings, ready=None) -> None:
     """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
     import signal
-    import threading
 
     server, port = build_server(settings)
     server.start()
