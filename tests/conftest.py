@@ -18,6 +18,7 @@ from torchfarm.gateway.auth import hash_token  # noqa: E402
 from torchfarm.local_farm import LocalFarm  # noqa: E402
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}
+ADMIN_TOKEN = "ops-admin-token-5555"  # in TORCHFARM_ADMINS, not a tenant
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -25,7 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def farm():
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
     # JSON log lines: test_operations checks that a request id follows a compile in them.
-    with LocalFarm(tenants=tenants, extra_env={"TORCHFARM_LOG_FORMAT": "json"}) as f:
+    with LocalFarm(tenants=tenants, extra_env={
+            "TORCHFARM_LOG_FORMAT": "json",
+            "TORCHFARM_ADMINS": f"ops:{hash_token(ADMIN_TOKEN)}"}) as f:
         yield f
 
 

@@ -1,6 +1,7 @@
 """Attacks on the real session farm. Each asserts that the attack failed AND that the farm
 still serves the next honest request."""
 
+import json
 import os
 import pickle
 import socket
@@ -106,3 +107,34 @@ def test_malformed_payloads_get_precise_errors(farm):
     # and the intact payload still compiles
     events = _compile(farm, pb.CompileRequest(graph=real, target=local_target()))
     assert events[-1].WhichOneof("event") == "chunk"
+
+
+def test_admin_rpcs_need_an_admin_token(farm, store):
+    from conftest import ADMIN_TOKEN
+
+    def admin(method: str, request, token: str | None):
+        with grpc.insecure_channel(farm.addr) as channel:
+            metadata = [("authorization", f"Bearer {token}")] if token else []
+            return getattr(pb_grpc.AdminStub(channel), method)(request, metadata=metadata,
+                                                               timeout=30)
+
+    def header(events):
+        return next(e.header for e in events if e.WhichOneof("event") == "header")
+
+    key = header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
+                                                  target=local_target()))).key
+    for token, status in [(TOKENS["alice"], grpc.StatusCode.PERMISSION_DENIED),
+                          ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+                          (None, grpc.StatusCode.UNAUTHENTICATED)]:
+        for method, request in [("Stats", pb.StatsRequest()), ("Drop", pb.DropRequest(key=key))]:
+            with pytest.raises(grpc.RpcError) as e:
+                admin(method, request, token)
+            assert e.value.code() == status, (method, token)
+    assert store.entries(key)  # the tenant's Drop removed nothing
+    stats = json.loads(admin("Stats", pb.StatsRequest(), ADMIN_TOKEN).json)
+    assert stats["entries"] >= 1 and "pools" in stats
+    assert admin("Drop", pb.DropRequest(key=key), ADMIN_TOKEN).entries >= 1
+    assert not store.entries(key)
+    rebuilt = header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
+                                                      target=local_target())))
+    assert rebuilt.source == "miss"  # rebuilt on the next request

@@ -38,13 +38,13 @@ class ClientSettings:
         return cls(**values)
 
 
-def parse_tenants(spec: str) -> dict[str, str]:
-    """`tenant:sha256hex,...` -> {sha256hex: tenant}. Tokens are stored only as hashes."""
+def parse_tenants(spec: str, variable: str = "TORCHFARM_TENANTS") -> dict[str, str]:
+    """`name:sha256hex,...` -> {sha256hex: name}. Tokens are stored only as hashes."""
     tenants = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, digest = item.partition(":")
         if len(digest) != 64:
-            raise ValueError(f"TORCHFARM_TENANTS entry {name!r}: expected tenant:<sha256 hex>")
+            raise ValueError(f"{variable} entry {name!r}: expected name:<sha256 hex>")
         tenants[digest.lower()] = name
     return tenants
 
@@ -61,6 +61,7 @@ class GatewaySettings:
     threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470         # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    admins: str = ""                 # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
     tenant_max_compiles: int = 0     # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
     tls_cert: str = ""               # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""                # TORCHFARM_TLS_KEY: PEM private key
@@ -82,6 +83,7 @@ class GatewaySettings:
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
+            admins=_env("TORCHFARM_ADMINS", ""),
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),

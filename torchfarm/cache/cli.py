@@ -50,15 +50,6 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _rows(store: Store) -> list[dict]:
-    """One row per entry, with its key and last use."""
-    rows = []
-    for key, last_used in store.keys():
-        for entry in store.entries(key):
-            rows.append(dict(entry, key=key, last_used=last_used))
-    return rows
-
-
 def _matches(row: dict, target: str | None, mode: str | None, tenant: str | None,
              older_than: float | None, now: float) -> bool:
     return ((target is None or target in row.get("target", "") or target in row.get("pool", ""))
@@ -103,7 +94,7 @@ def ls(target: str = typer.Option(None, help="substring of the target or pool"),
     """List cache entries."""
     now = time.time()
     age = parse_age(older_than) if older_than else None
-    rows = [r for r in _rows(_store(redis_url)) if _matches(r, target, mode, tenant, age, now)]
+    rows = [r for r in _store(redis_url).rows() if _matches(r, target, mode, tenant, age, now)]
     order = {"age": lambda r: -r["last_used"], "hits": lambda r: -r["hits"],
              "size": lambda r: -r.get("size", 0)}
     if sort not in order:
@@ -157,29 +148,7 @@ def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
 @app.command()
 def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
     """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool."""
-    store = _store(redis_url)
-    counters = store.stats()
-    rows = _rows(store)
-    per_pool: dict[str, dict] = {name: dict(values, entries=0, bytes=0)
-                                 for name, values in store.pool_stats().items()}
-    for r in rows:
-        pool = per_pool.setdefault(r.get("pool", ""), {"entries": 0, "bytes": 0})
-        pool["entries"] += 1
-        pool["bytes"] += r.get("stored_bytes", 0)
-    hits, misses, merges = (int(counters.get(k, 0)) for k in ("hits", "misses", "merges"))
-    requests = hits + misses + merges
-    result = {
-        "entries": len(rows), "bytes": sum(r.get("stored_bytes", 0) for r in rows),
-        "artifact_bytes": sum(r.get("size", 0) for r in rows),
-        "hits": hits, "misses": misses, "merges": merges,
-        "hit_rate": round(hits / requests, 4) if requests else 0.0,
-        "compiles": int(counters.get("compiles", 0)),
-        "compile_failures": int(counters.get("compile_failures", 0)),
-        "compile_seconds": round(counters.get("compile_seconds", 0.0), 3),
-        "compile_seconds_saved": round(counters.get("compile_seconds_saved", 0.0), 3),
-        "bytes_served": int(counters.get("bytes_served", 0)),
-        "pools": per_pool,
-    }
+    result = _store(redis_url).summary()
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
@@ -217,7 +186,7 @@ def purge(older_than: str = typer.Option(None, help="unused for at least this lo
         raise typer.BadParameter("give --older-than, --target, or --all")
     store = _store(redis_url)
     age, now = (parse_age(older_than) if older_than else None), time.time()
-    keys = sorted({r["key"] for r in _rows(store) if _matches(r, target, None, None, age, now)})
+    keys = sorted({r["key"] for r in store.rows() if _matches(r, target, None, None, age, now)})
     removed = sum(store.drop(k) for k in keys)
     typer.echo(json.dumps({"keys_removed": len(keys), "entries_removed": removed}) if as_json
                else f"removed {len(keys)} keys ({removed} entries)")
@@ -230,7 +199,7 @@ def export(path: str = typer.Argument(..., help="bundle file to write"),
     """Write entries (artifact and metadata) to a bundle, e.g. to warm another farm."""
     store = _store(redis_url)
     bundle = pb.CacheBundle(format=BUNDLE_FORMAT)
-    for r in _rows(store):
+    for r in store.rows():
         if not _matches(r, target, None, None, None, 0):
             continue
         data = store.read_blob(r["key"], r)

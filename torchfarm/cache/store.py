@@ -54,6 +54,36 @@ class Store:
                  for d, v in raw.items()]
         return sorted(found, key=lambda e: e.get("created", 0), reverse=True)
 
+    def rows(self) -> list[dict]:
+        """Every entry of every key, with its key and last use (the cache CLI's rows)."""
+        return [dict(entry, key=key, last_used=last_used)
+                for key, last_used in self.keys() for entry in self.entries(key)]
+
+    def summary(self) -> dict:
+        """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool:
+        `torchfarm cache stats` and the Admin.Stats RPC."""
+        counters, rows = self.stats(), self.rows()
+        per_pool: dict[str, dict] = {name: dict(values, entries=0, bytes=0)
+                                     for name, values in self.pool_stats().items()}
+        for r in rows:
+            pool = per_pool.setdefault(r.get("pool", ""), {"entries": 0, "bytes": 0})
+            pool["entries"] += 1
+            pool["bytes"] += r.get("stored_bytes", 0)
+        hits, misses, merges = (int(counters.get(k, 0)) for k in ("hits", "misses", "merges"))
+        requests = hits + misses + merges
+        return {
+            "entries": len(rows), "bytes": sum(r.get("stored_bytes", 0) for r in rows),
+            "artifact_bytes": sum(r.get("size", 0) for r in rows),
+            "hits": hits, "misses": misses, "merges": merges,
+            "hit_rate": round(hits / requests, 4) if requests else 0.0,
+            "compiles": int(counters.get("compiles", 0)),
+            "compile_failures": int(counters.get("compile_failures", 0)),
+            "compile_seconds": round(counters.get("compile_seconds", 0.0), 3),
+            "compile_seconds_saved": round(counters.get("compile_seconds_saved", 0.0), 3),
+            "bytes_served": int(counters.get("bytes_served", 0)),
+            "pools": per_pool,
+        }
+
     def read_blob(self, key: str, entry: dict) -> bytes | None:
         """The artifact bytes of an entry, verified; None (and the entry dropped) if bad."""
         digest = entry["digest"]

@@ -7,6 +7,7 @@ key up in Redis, and on a miss queues a Celery task on the pool that matches the
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -220,6 +221,37 @@ def _request_id(context) -> str:
     return uuid.uuid4().hex[:16]
 
 
+class AdminServicer(pb_grpc.AdminServicer):
+    """Operators' RPCs, for tokens in TORCHFARM_ADMINS only."""
+
+    def __init__(self, settings: GatewaySettings, store: Store):
+        self.store = store
+        self.tenants = parse_tenants(settings.tenants)
+        self.admins = parse_tenants(settings.admins, "TORCHFARM_ADMINS")
+
+    def _authorize(self, context) -> str:
+        token = auth.bearer_token(context.invocation_metadata())
+        admin = auth.tenant_for(token, self.admins) if self.admins else None
+        if admin is not None:
+            return admin
+        if auth.tenant_for(token, self.tenants) is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "admin RPCs need a token listed in TORCHFARM_ADMINS")
+
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+        self._authorize(context)
+        return pb.StatsReply(json=json.dumps(self.store.summary()))
+
+    def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:
+        admin = self._authorize(context)
+        if not _DIGEST.fullmatch(request.key):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key must be 64 hex digits")
+        dropped = self.store.drop(request.key)
+        log.info("admin %s dropped %d entries of %s", admin, dropped, request.key[:16])
+        return pb.DropReply(entries=dropped)
+
+
 def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     """A started-ready server (call .start()) and the port it bound."""
     store = Store.from_url(settings.redis_url)
@@ -228,13 +260,15 @@ def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
                          options=[("grpc.max_receive_message_length",
                                    settings.max_payload_bytes + (1 << 20))])
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     service_name = pb.DESCRIPTOR.services_by_name["Farm"].full_name
     health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (service_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert:

@@ -140,3 +140,126 @@ class Farm:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
+    gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stats = channel.unary_unary(
+                '/torchfarm.v1.Admin/Stats',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.StatsRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.StatsReply.FromString,
+                _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/torchfarm.v1.Admin/Drop',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
+    gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    """
+
+    def Stats(self, request, context):
+        """what `torchfarm cache stats --json` shows
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drop(self, request, context):
+        """remove a key's entries and their blobs
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.StatsRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.StatsReply.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'torchfarm.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('torchfarm.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
+    gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    """
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/Stats',
+            torchfarm_dot_proto_dot_torchfarm__pb2.StatsRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/Drop',
+            torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
