@@ -71,3 +71,21 @@ def run_client(farm, script: str, *args: str, tenant: str = "alice", path_prefix
                           env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def direct_request(model, *inputs, mode: str = "default"):
+    """A CompileRequest for `model`'s Dynamo graph, for calls to the gateway without the
+    backend (it compiles nothing locally)."""
+    from torchfarm.compiler import serialize
+    from torchfarm.compiler.target import local_target
+    from torchfarm.proto import torchfarm_pb2 as pb
+
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["graph"] = serialize.dumps(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*inputs)
+    return pb.CompileRequest(graph=captured["graph"], target=local_target(),
+                             options=pb.Options(mode=mode))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchfarm
-from conftest import TOKENS
+from conftest import TOKENS, direct_request
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -79,17 +79,8 @@ raise RuntimeError("exploit ran; environment: " + ",".join(sorted(os.environ)))
 
 
 def _real_payload() -> bytes:
-    from torchfarm.compiler import serialize
-
-    captured = {}
-
-    def capture(gm, example_inputs):
-        captured["graph"] = serialize.dumps(gm)
-        return gm.forward
-
-    torch.compile(torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.ELU()),
-                  backend=capture)(torch.randn(2, 7))
-    return captured["graph"]
+    return direct_request(torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.ELU()),
+                          torch.randn(2, 7)).graph
 
 
 def test_malformed_payloads_get_precise_errors(farm):

@@ -16,13 +16,12 @@ import torch
 
 import torchfarm
 from torchfarm.client import backend, remote
-from torchfarm.compiler import serialize
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
 
-from conftest import TOKENS, run_client
+from conftest import TOKENS, run_client, direct_request
 from models import build
 
 pytestmark = pytest.mark.integration
@@ -125,24 +124,11 @@ def test_one_key_serves_every_batch_size_its_guards_allow(farm, store):
     assert max(r["out_err"] for r in (first, other, large)) < 1e-4
 
 
-def _direct_request(model, x) -> pb.CompileRequest:
-    """A raw CompileRequest for `model` (captured from Dynamo), for calls without the backend."""
-    captured = {}
-
-    def capture(gm, example_inputs):
-        captured["payload"] = serialize.dumps(gm)
-        return gm.forward
-
-    torch.compile(model, backend=capture)(x)
-    return pb.CompileRequest(graph=captured["payload"], target=local_target(),
-                             options=pb.Options())
-
-
 ALICE = ClientSettings(addr="", token=TOKENS["alice"])
 
 
 def test_eight_concurrent_identical_requests_compile_once(farm, store):
-    request = _direct_request(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
+    request = direct_request(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
                               torch.randn(5, 24))
     settings = dataclasses.replace(ALICE, addr=farm.addr)
     before = store.stats().get("compiles", 0)
@@ -236,7 +222,7 @@ def test_hostile_payload_fails_cleanly_and_farm_keeps_serving(farm):
 
 
 def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
-    request = _direct_request(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
+    request = direct_request(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
                               torch.randn(3, 12))
     settings = dataclasses.replace(ALICE, addr=farm.addr)
     header, data = remote.fetch(request, settings)

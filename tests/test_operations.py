@@ -14,12 +14,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from torchfarm import logs
 from torchfarm.client import remote
-from torchfarm.compiler import serialize
-from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 
-from conftest import TOKENS
+from conftest import TOKENS, direct_request
 
 pytestmark = pytest.mark.integration
 
@@ -45,16 +43,9 @@ def _value(text: str, series: str) -> float:
 
 
 def test_metrics_count_requests_results_and_bytes(farm):
-    captured = {}
-
-    def capture(gm, example_inputs):
-        captured["payload"] = serialize.dumps(gm)
-        return gm.forward
-
     # A model no other test compiles, so that its first request is a miss.
-    torch.compile(torch.nn.Sequential(torch.nn.Linear(12, 28), torch.nn.Softsign()),
-                  backend=capture)(torch.randn(3, 12))
-    request = pb.CompileRequest(graph=captured["payload"], target=local_target())
+    request = direct_request(torch.nn.Sequential(torch.nn.Linear(12, 28), torch.nn.Softsign()),
+                             torch.randn(3, 12))
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     before = _metrics(farm)
     worker_port = farm.worker_metrics_ports["worker0"]
@@ -95,16 +86,9 @@ def test_server_reflection_lists_the_farm_service(farm):
 
 
 def test_request_id_follows_a_compile_from_client_to_worker(farm):
-    captured = {}
-
-    def capture(gm, example_inputs):
-        captured["payload"] = serialize.dumps(gm)
-        return gm.forward
-
     # A model no other test compiles, so that the request reaches a worker.
-    torch.compile(torch.nn.Sequential(torch.nn.Linear(10, 18), torch.nn.Hardswish()),
-                  backend=capture)(torch.randn(3, 10))
-    request = pb.CompileRequest(graph=captured["payload"], target=local_target())
+    request = direct_request(torch.nn.Sequential(torch.nn.Linear(10, 18), torch.nn.Hardswish()),
+                             torch.randn(3, 10))
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     rid = f"req-{uuid.uuid4().hex[:12]}"
     remote.fetch(request, settings, request_id=rid)

@@ -1,8 +1,6 @@
 """Graph serialization: deterministic across processes and paths, metadata only."""
 
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
 

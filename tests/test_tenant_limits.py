@@ -8,12 +8,10 @@ import time
 import pytest
 import torch
 
-from conftest import TOKENS
+from conftest import TOKENS, direct_request
 from torchfarm.cache import keys
 from torchfarm.cache.store import Store
 from torchfarm.client import remote
-from torchfarm.compiler import serialize
-from torchfarm.compiler.target import local_target
 from torchfarm.gateway.auth import hash_token
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -23,15 +21,8 @@ pytestmark = pytest.mark.integration
 
 
 def _request(width: int) -> pb.CompileRequest:
-    captured = {}
-
-    def capture(gm, example_inputs):
-        captured["graph"] = serialize.dumps(gm)
-        return gm.forward
-
-    torch.compile(torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Softplus()),
-                  backend=capture)(torch.randn(2, 3))
-    return pb.CompileRequest(graph=captured["graph"], target=local_target())
+    return direct_request(torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Softplus()),
+                          torch.randn(2, 3))
 
 
 def test_a_tenant_over_its_compile_limit_is_refused_and_others_are_not():

@@ -158,7 +158,7 @@ def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
             console.print(f"[bold]{name}[/bold]: {value:,}" if isinstance(value, int)
                           else f"[bold]{name}[/bold]: {value}")
     table = Table("pool", "entries", "bytes", "hits", "misses", "compiles", "compile s")
-    for name, p in sorted(per_pool.items()):
+    for name, p in sorted(result["pools"].items()):
         table.add_row(name or "(unknown)", str(p["entries"]), f"{int(p['bytes']):,}",
                       str(int(p.get("hits", 0))), str(int(p.get("misses", 0))),
                       str(int(p.get("compiles", 0))), f"{p.get('compile_seconds', 0):.1f}")
