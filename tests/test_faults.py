@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,3 +70,23 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
         assert result["sources"] == ["miss"], err[-2000:]  # the farm's artifact, not a fallback
         assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4
         assert store.stats().get("compiles") == 1  # the killed compile stored nothing
+
+
+@pytest.mark.parametrize("where", ["a stopped gateway (closed port)",
+                                   "a hung gateway (accepts TCP, never answers)"])
+def test_a_client_decides_the_farm_is_down_within_the_connect_timeout(where):
+    from torchfarm.client import remote
+    from torchfarm.compiler.target import local_target
+    from torchfarm.local_farm import free_port
+    from torchfarm.proto import torchfarm_pb2 as pb
+    from torchfarm.settings import ClientSettings
+
+    hung = socket.create_server(("127.0.0.1", 0))  # listens; the kernel completes handshakes
+    addr = (f"127.0.0.1:{free_port()}" if where.startswith("a stopped")
+            else f"127.0.0.1:{hung.getsockname()[1]}")
+    settings = ClientSettings.from_env(addr=addr)  # the default connect timeout: 2 s
+    started = time.monotonic()
+    with pytest.raises(remote.FarmError, match="unreachable"):
+        remote.lookup(pb.CompileRequest(graph=b"x", target=local_target()), settings)
+    assert time.monotonic() - started < settings.connect_timeout_s + 0.5
+    hung.close()
