@@ -16,7 +16,6 @@ import tempfile
 
 import torch
 
-from torchfarm.cache.store import Store
 from torchfarm.local_farm import LocalFarm
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_result.py")
@@ -36,12 +35,12 @@ def main() -> None:
     args = parser.parse_args()
     runs: dict[str, list[float]] = {k: [] for k in "abcd"}
     with LocalFarm() as farm:
-        store = Store.from_url(farm.redis_url)
+        store = farm.store()
         for _ in range(args.repeats):
             warm = tempfile.mkdtemp()
             runs["a"].append(measure("inductor", warm)["seconds"])
             runs["b"].append(measure("inductor", warm)["seconds"])
-            store.redis.flushdb()  # an empty farm cache; pools re-register within 10 s
+            store.redis.flushdb()  # an empty farm cache (job state and pools live on the broker)
             farm.wait_ready(60)
             miss = measure("torchfarm", tempfile.mkdtemp(), farm.addr)
             assert miss["source"] == "miss", miss

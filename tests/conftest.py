@@ -34,7 +34,7 @@ def farm():
 
 @pytest.fixture
 def store(farm) -> Store:
-    return Store.from_url(farm.redis_url)
+    return farm.store()
 
 
 @pytest.fixture(autouse=True)

@@ -22,10 +22,19 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _compile(farm, request) -> list:
+def _call(farm, method: str, request, tenant: str = "alice"):
     with grpc.insecure_channel(farm.addr) as channel:
-        return list(pb_grpc.FarmStub(channel).Compile(
-            request, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=300))
+        reply = getattr(pb_grpc.FarmStub(channel), method)(
+            request, metadata=[("authorization", f"Bearer {TOKENS[tenant]}")], timeout=300)
+        return list(reply) if method == "Compile" else reply
+
+
+def _compile(farm, request, tenant: str = "alice") -> list:
+    return _call(farm, "Compile", request, tenant)
+
+
+def _header(events) -> pb.ArtifactHeader:
+    return next(e.header for e in events if e.WhichOneof("event") == "header")
 
 
 class _Exploit:
@@ -109,10 +118,7 @@ def test_admin_rpcs_need_an_admin_token(farm, store):
             return getattr(pb_grpc.AdminStub(channel), method)(request, metadata=metadata,
                                                                timeout=30)
 
-    def header(events):
-        return next(e.header for e in events if e.WhichOneof("event") == "header")
-
-    key = header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
+    key = _header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
                                                   target=local_target()))).key
     for token, status in [(TOKENS["alice"], grpc.StatusCode.PERMISSION_DENIED),
                           ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
@@ -126,6 +132,64 @@ def test_admin_rpcs_need_an_admin_token(farm, store):
     assert stats["entries"] >= 1 and "pools" in stats
     assert admin("Drop", pb.DropRequest(key=key), ADMIN_TOKEN).entries >= 1
     assert not store.entries(key)
-    rebuilt = header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
+    rebuilt = _header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
                                                       target=local_target())))
     assert rebuilt.source == "miss"  # rebuilt on the next request
+
+
+def test_a_tenant_can_neither_hit_nor_see_another_tenants_private_entry(farm, store):
+    request = direct_request(torch.nn.Sequential(torch.nn.Linear(19, 7), torch.nn.Tanh()),
+                             torch.randn(3, 19))
+    request.private = True
+    mine = _header(_compile(farm, request, "alice"))
+    assert mine.source == "miss"
+    assert _header(_compile(farm, request, "alice")).source == "hit"  # alice's own repeat
+    # bob sends the same graph, private or shared, even naming alice's digest
+    for private in (True, False):
+        attempt = pb.CompileRequest()
+        attempt.CopyFrom(request)
+        attempt.private, attempt.digest = private, mine.digest
+        looked = _call(farm, "Lookup", attempt, "bob")
+        assert looked.key != mine.key and not looked.candidates  # nothing to learn
+        got = _header(_compile(farm, attempt, "bob"))
+        assert got.source == "miss" and got.key != mine.key  # compiled for bob himself
+    assert [(e["tenant"], e["private"]) for e in store.entries(mine.key)] == [("alice", True)]
+
+
+def test_wrong_field_types_get_invalid_argument(farm):
+    """Raw bytes sent to the methods, as a client without the typed stubs could."""
+    graph = _real_payload()
+    valid = pb.CompileRequest(graph=graph, target=local_target()).SerializeToString()
+    wrong = [
+        b"\x08\x2a" + valid[2:],      # field 1 (graph, bytes) sent as a varint
+        b"\x12\x05hello",             # field 2 (target, a message) holding no message
+        b"\x1a\x03\xff\xff\xff",      # field 3 (options) with a truncated inner message
+        b"\x2a\x04\x0a\x02\x00\x01",  # size_hints entry whose value is not an int64
+        b"\xff\xff\xff\xff",          # not protobuf at all
+    ]
+    with grpc.insecure_channel(farm.addr) as channel:
+        for method, streams in (("Lookup", False), ("Compile", True)):
+            call = (channel.unary_stream if streams else channel.unary_unary)(
+                f"/torchfarm.v1.Farm/{method}")
+            for raw in wrong:
+                with pytest.raises(grpc.RpcError) as e:
+                    reply = call(raw, metadata=[("authorization", f"Bearer {TOKENS['alice']}")],
+                                 timeout=60)
+                    list(reply) if streams else reply
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw, e.value)
+    assert _compile(farm, pb.CompileRequest(graph=graph, target=local_target()))[-1].chunk
+
+
+def test_a_graph_with_thousands_of_nodes_compiles_and_matches_eager(farm, store):
+    class Deep(torch.nn.Module):
+        def forward(self, x):
+            for i in range(700):  # Dynamo unrolls the loop: 3 nodes per step
+                x = torch.tanh(x * 0.5 + 0.01 * (i % 7))
+            return x
+
+    model, x = Deep(), torch.randn(8, 32)
+    compiled = torchfarm.compile(model, addr=farm.addr, token=TOKENS["alice"])
+    assert torch.allclose(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    record = backend.history[-1]
+    assert record.source == "miss", record  # compiled by the farm, not a fallback
+    assert max(r.get("nodes", 0) for r in store.rows()) >= 2100

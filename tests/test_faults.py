@@ -10,6 +10,7 @@ import tempfile
 import time
 
 import pytest
+import redis
 
 from conftest import HERE, run_client
 from torchfarm.cache import keys
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 def test_redis_restart_keeps_every_entry_and_the_farm_reconnects_by_itself():
     with LocalFarm() as farm:
         assert run_client(farm, "model_client.py", "mlp", "infer")["sources"] == ["miss"]
-        store = Store.from_url(farm.redis_url)
+        store = farm.store()
         entries = {key: store.entries(key) for key, _ in store.keys()}
         assert entries
         time.sleep(1.5)  # appendfsync everysec: the last write is on disk after 1 s
@@ -36,6 +37,30 @@ def test_redis_restart_keeps_every_entry_and_the_farm_reconnects_by_itself():
         assert miss["sources"] == ["miss"] and miss["out_err"] < 1e-4
 
 
+def test_a_full_cache_redis_still_compiles_and_serves_without_caching():
+    # The broker (queues, job state) on its own redis-server, as in docker-compose.yml.
+    with LocalFarm(separate_broker=True) as farm:
+        assert run_client(farm, "model_client.py", "mlp", "infer")["sources"] == ["miss"]
+        store = farm.store()
+        stored = {(r["key"], r["digest"]) for r in store.rows()}
+        # The cache's Redis is past its memory limit: it refuses every write.
+        store.redis.config_set("maxmemory-policy", "noeviction")
+        store.redis.config_set("maxmemory", store.redis.info("memory")["used_memory"] // 2)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            store.redis.set("someone-else", b"x")
+        full = run_client(farm, "model_client.py", "cnn", "infer")
+        assert full["sources"] == ["miss"] and full["out_err"] < 1e-4  # the farm compiled it
+        hit = run_client(farm, "model_client.py", "mlp", "infer")
+        assert hit["sources"] == ["hit"] and hit["out_err"] < 1e-5  # old entries still served
+        assert {(r["key"], r["digest"]) for r in store.rows()} == stored, store.rows()
+        assert all(proc.poll() is None for proc in farm.procs.values())
+        # Room again: the next compile of the same graph is cached, and then hits.
+        store.redis.config_set("maxmemory", 0)
+        assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["miss"]
+        assert len(store.rows()) == len(stored) + 1
+        assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["hit"]
+
+
 def _start_client(farm, *args: str) -> subprocess.Popen:
     env = dict(os.environ, TORCHFARM_ADDR=farm.addr, TORCHFARM_PROGRESS="0",
                TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
@@ -47,8 +72,8 @@ def _start_client(farm, *args: str) -> subprocess.Popen:
 def _wait_for_status(store: Store, status: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(store.redis.get(k) == status.encode()
-               for k in store.redis.scan_iter(match=keys.status("*"))):
+        if any(store.jobs.get(k) == status.encode()
+               for k in store.jobs.scan_iter(match=keys.status("*"))):
             return
         time.sleep(0.2)
     raise AssertionError(f"no job reached {status!r} in {timeout_s:.0f} s")
@@ -59,7 +84,7 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
     # the compile timeout), 1900 s by default.
     with LocalFarm(extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "90",
                               "TORCHFARM_REDELIVERY_TIMEOUT": "100"}) as farm:
-        store = Store.from_url(farm.redis_url)
+        store = farm.store()
         client = _start_client(farm, "mlp", "train")
         _wait_for_status(store, "compiling", timeout_s=120)
         farm.stop_process("worker0", signal.SIGKILL)  # the worker, its pool and its sandbox

@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from torchfarm import logs
 from torchfarm.client import remote
-from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 
 from conftest import TOKENS, direct_request

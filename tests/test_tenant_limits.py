@@ -10,7 +10,6 @@ import torch
 
 from conftest import TOKENS, direct_request
 from torchfarm.cache import keys
-from torchfarm.cache.store import Store
 from torchfarm.client import remote
 from torchfarm.gateway.auth import hash_token
 from torchfarm.local_farm import LocalFarm
@@ -45,8 +44,8 @@ def test_a_tenant_over_its_compile_limit_is_refused_and_others_are_not():
 
 def _wait_for_a_claim(farm, timeout_s: float = 60) -> None:
     """Until some compile is claimed: alice's first request is then waiting on it."""
-    store = Store.from_url(farm.redis_url)
+    store = farm.store()
     deadline = time.monotonic() + timeout_s
-    while not any(store.redis.scan_iter(match=keys.claim("*"))):
+    while not any(store.jobs.scan_iter(match=keys.claim("*"))):
         assert time.monotonic() < deadline, "the first compile was never claimed"
         time.sleep(0.05)

@@ -32,8 +32,12 @@ class LocalFarm:
     def __init__(self, grpc_port: int = 0, redis_port: int = 0, tenants: str = "",
                  sandbox: str = "bwrap", workers: int = 1, host: str = "127.0.0.1",
                  log_dir: str | None = None, extra_env: dict | None = None,
-                 device: str = "cpu", tls: tuple[str, str] | None = None):
+                 device: str = "cpu", tls: tuple[str, str] | None = None,
+                 separate_broker: bool = False):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
+        # A second redis-server for Celery and job state (as in docker-compose.yml); without
+        # it they use database 1 of the cache's server.
+        self.broker_port = 0 if separate_broker else None
         self.tenants, self.sandbox, self.workers = tenants, sandbox, workers
         self.device = device  # what the workers compile for: cpu or cuda
         self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
@@ -47,6 +51,13 @@ class LocalFarm:
     @property
     def redis_url(self) -> str:
         return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def broker_url(self) -> str:
+        return f"redis://127.0.0.1:{self.broker_port}/0" if self.broker_port is not None else ""
+
+    def store(self) -> Store:
+        return Store.from_url(self.redis_url, self.broker_url)
 
     @property
     def addr(self) -> str:
@@ -74,28 +85,36 @@ class LocalFarm:
 
     def start(self, timeout_s: float = 120) -> None:
         self.start_redis()
+        if self.broker_port is not None:
+            self.start_redis("broker")
         self.start_gateway()
         for i in range(self.workers):
             self.start_worker(f"worker{i}")
         self.wait_ready(timeout_s)
 
-    def start_redis(self) -> None:
+    def start_redis(self, name: str = "redis") -> None:
+        """The cache's redis-server ("redis"), or the broker's ("broker"); a restart keeps
+        its port and directory (AOF)."""
         server = shutil.which("redis-server")
         if not server:
             raise RuntimeError("redis-server not found: run `make deps` (apt-get install redis-server)")
-        self.redis_port = self.redis_port or free_port()
-        self._spawn("redis", [server, "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                              "--dir", self.workdir, "--save", "", "--appendonly", "yes",
-                              "--appendfsync", "everysec", "--protected-mode", "yes"])
-        client = redis.Redis(port=self.redis_port)
+        attr = "redis_port" if name == "redis" else "broker_port"
+        port = getattr(self, attr) or free_port()
+        setattr(self, attr, port)
+        directory = os.path.join(self.workdir, name)
+        os.makedirs(directory, exist_ok=True)
+        self._spawn(name, [server, "--port", str(port), "--bind", "127.0.0.1",
+                           "--dir", directory, "--save", "", "--appendonly", "yes",
+                           "--appendfsync", "everysec", "--protected-mode", "yes"])
+        client = redis.Redis(port=port)
         deadline = time.monotonic() + 20
         while True:
             try:
                 client.ping()
                 return
             except redis.ConnectionError:
-                if time.monotonic() > deadline or self.procs["redis"].poll() is not None:
-                    raise RuntimeError(f"redis-server did not start; see {self.log_dir}/redis.log")
+                if time.monotonic() > deadline or self.procs[name].poll() is not None:
+                    raise RuntimeError(f"redis-server did not start; see {self.log_dir}/{name}.log")
                 time.sleep(0.05)
 
     def start_gateway(self) -> None:
@@ -103,7 +122,7 @@ class LocalFarm:
         self.metrics_port = free_port()
         self._spawn("gateway", [sys.executable, "-m", "torchfarm", "gateway", "--host", self.host,
                                 "--port", str(self.grpc_port), "--redis-url", self.redis_url],
-                    env={"TORCHFARM_TENANTS": self.tenants,
+                    env={"TORCHFARM_TENANTS": self.tenants, "TORCHFARM_BROKER_URL": self.broker_url,
                          "TORCHFARM_METRICS_PORT": str(self.metrics_port),
                          "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
                          "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else ""})
@@ -113,15 +132,15 @@ class LocalFarm:
         return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
                                   "--redis-url", self.redis_url, "--sandbox", self.sandbox,
                                   "--device", self.device],
-                           env={"TORCHFARM_WORKER_METRICS_PORT":
-                                str(self.worker_metrics_ports[name])})
+                           env={"TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
+                                "TORCHFARM_BROKER_URL": self.broker_url})
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the gateway answers health checks and a worker has registered its pool."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        store = Store.from_url(self.redis_url)
+        store = self.store()
         deadline = time.monotonic() + timeout_s
         credentials = None
         if self.tls:
@@ -164,6 +183,6 @@ class LocalFarm:
             pass
 
     def stop(self) -> None:
-        for name in [n for n in self.procs if n not in ("redis",)] + ["redis"]:
+        for name in [n for n in self.procs if n not in ("redis", "broker")] + ["broker", "redis"]:
             self.stop_process(name)
         shutil.rmtree(self.workdir, ignore_errors=True)

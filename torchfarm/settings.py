@@ -23,6 +23,7 @@ class ClientSettings:
     # TORCHFARM_TLS_CA: PEM certificate(s) to trust for a TLS gateway; "system" = the system's
     # roots; empty = plaintext
     tls_ca: str = ""
+    private: bool = False          # TORCHFARM_PRIVATE=1: entries only this tenant can hit
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -33,6 +34,7 @@ class ClientSettings:
             tls_ca=_env("TORCHFARM_TLS_CA", ""),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
+            private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

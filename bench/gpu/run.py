@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from torchfarm.cache.store import Store
 from torchfarm.local_farm import LocalFarm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,7 +107,7 @@ class Runner:
         self.rows.append(row)
 
     def storm(self, clients: int = 16) -> None:
-        store = Store.from_url(self.farm.redis_url)
+        store = self.farm.store()
         before = store.stats().get("compiles", 0)
         started = time.perf_counter()
         procs = [self.client("gpt-storm", "default", "farm", f"storm{i}",
@@ -159,7 +158,7 @@ def main() -> None:
             runner.run("gpt-small", "reduce-overhead", "farm", "farm miss", tempfile.mkdtemp())
             runner.run("gpt-small", "reduce-overhead", "farm", "farm hit", tempfile.mkdtemp())
             runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
-        store = Store.from_url(farm.redis_url)
+        store = farm.store()
         stats = store.stats()
         entries = [{k: e.get(k) for k in ("mode", "compile_seconds", "size", "tuned_kernels")}
                    | {"kernels": len(e.get("kernels", []))}

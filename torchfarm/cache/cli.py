@@ -31,8 +31,9 @@ JsonOption = typer.Option(False, "--json", help="print one JSON document")
 
 
 def _store(redis_url: str | None) -> Store:
-    url = redis_url or WorkerSettings.from_env().redis_url
-    store = Store.from_url(url)
+    settings = WorkerSettings.from_env()
+    url = redis_url or settings.redis_url
+    store = Store.from_url(url, settings.broker_url)
     try:
         store.redis.ping()
     except redis.RedisError as e:

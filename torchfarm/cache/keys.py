@@ -1,5 +1,9 @@
 """Every Redis key torchfarm uses, and nothing else. The prefix carries the format version,
-so an upgrade never reads old data as new."""
+so an upgrade never reads old data as new.
+
+Two servers may hold them: the cache (blobs, index, usage, counters) and the broker's Redis
+(jobs, claims, statuses and pools, next to Celery's queues), so a full cache never stops a
+compile from being queued and answered."""
 
 FORMAT = "tf1"
 
@@ -35,6 +39,10 @@ def error(job: str) -> str:          # why the job failed (short-lived)
 
 def done(job: str) -> str:           # the digest of the entry the job stored (short-lived)
     return f"{FORMAT}:done:{job}"
+
+
+def uncached(job: str) -> str:       # the job's artifact when the cache was full (short-lived)
+    return f"{FORMAT}:uncached:{job}"
 
 
 def pool(name: str) -> str:          # a live pool's description, kept alive by its workers

@@ -3,12 +3,19 @@
 Blobs are zstd-compressed and verified (size and sha256) on every read; a bad or missing
 blob is dropped with the index entries that point to it and reads as a miss. Only workers
 call the write methods; the gateway reads, claims and queues.
+
+Job state (claims, payloads, statuses, outcomes, pools) lives on the broker's Redis (by
+default another database of the same server). When the cache's Redis is at its memory
+limit, a worker hands its artifact to the waiting gateways through the job state instead
+("uncached"), and bookkeeping writes (hit counts, counters) are skipped with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import time
 import uuid
 
@@ -16,11 +23,15 @@ import redis
 import zstandard
 
 from torchfarm.cache import keys
+from torchfarm.settings import broker_url
+
+log = logging.getLogger("torchfarm.cache")
 
 JOB_TTL_S = 3600
 STATUS_TTL_S = 3600
 ERROR_TTL_S = 60
 DONE_TTL_S = 3600
+UNCACHED_TTL_S = 600  # long enough for every merged waiter to read it
 POOL_TTL_S = 30
 
 
@@ -28,16 +39,34 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class Store:
-    """Typed access to the farm's Redis keyspace."""
+def _connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                health_check_interval=30, retry_on_timeout=True)
 
-    def __init__(self, client: redis.Redis):
+
+def _unless_full(method):
+    """Bookkeeping that a full cache Redis skips (with a warning) instead of failing."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except redis.exceptions.OutOfMemoryError:
+            log.warning("the cache's Redis is at its memory limit: %s skipped", method.__name__)
+    return wrapper
+
+
+class Store:
+    """Typed access to the farm's Redis keyspace: `redis` holds the cache, `jobs` the job
+    state (the same client when one server holds both)."""
+
+    def __init__(self, client: redis.Redis, jobs: redis.Redis | None = None):
         self.redis = client
+        self.jobs = jobs if jobs is not None else client
 
     @classmethod
-    def from_url(cls, url: str) -> Store:
-        return cls(redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                        health_check_interval=30, retry_on_timeout=True))
+    def from_url(cls, url: str, broker: str = "") -> Store:
+        """The cache at `url`; job state on the broker's Redis (see settings.broker_url)."""
+        return cls(_connect(url), _connect(broker_url(url, broker)))
 
     # ---- entries and blobs -------------------------------------------------------------
     def keys(self) -> list[tuple[str, float]]:
@@ -133,20 +162,45 @@ class Store:
         pipe.hincrbyfloat(keys.STATS, "entries", 1)
         return digest
 
-    def put_artifact(self, key: str, job: str, data: bytes, meta: dict) -> str:
-        """Worker only: store the blob and the index entry that names it, then end the job
-        (in one transaction, so waiters never see the claim gone without the entry)."""
+    def put_artifact(self, key: str, job: str, data: bytes, meta: dict) -> tuple[str, bool]:
+        """Worker only: store the blob and the index entry that names it (one transaction),
+        then end the job, so waiters never see the claim gone without the entry. If the
+        cache's Redis is full, the artifact goes to the job's waiters only. Returns the
+        digest and whether it was cached."""
         pipe = self.redis.pipeline()
         digest = self._put_entry(pipe, key, data, meta)
-        pipe.set(keys.done(job), digest, ex=DONE_TTL_S)
-        pipe.delete(keys.job(job), keys.status(job), keys.claim(job))
-        pipe.execute()
-        return digest
+        cached = True
+        try:
+            pipe.execute()
+        except redis.exceptions.OutOfMemoryError:  # MULTI/EXEC: nothing was written
+            log.warning("the cache's Redis is at its memory limit: %s served uncached", key[:16])
+            cached = False
+        ending = self.jobs.pipeline()
+        if not cached:
+            entry = dict(meta, digest=digest, size=len(data))
+            ending.set(keys.uncached(job), json.dumps(entry).encode() + b"\n" +
+                       zstandard.ZstdCompressor(level=3).compress(data), ex=UNCACHED_TTL_S)
+        ending.set(keys.done(job), digest, ex=DONE_TTL_S)
+        ending.delete(keys.job(job), keys.status(job), keys.claim(job))
+        ending.execute()
+        return digest, cached
 
     def done(self, job: str) -> str | None:
         """The digest a finished job stored, while it is remembered."""
-        value = self.redis.get(keys.done(job))
+        value = self.jobs.get(keys.done(job))
         return value.decode() if value else None
+
+    def uncached(self, job: str, digest: str) -> tuple[dict, bytes] | None:
+        """The entry and verified bytes a job produced while the cache was full, if any."""
+        stored = self.jobs.get(keys.uncached(job))
+        if stored is None:
+            return None
+        head, _, body = stored.partition(b"\n")
+        try:
+            data = zstandard.ZstdDecompressor().decompress(body)
+        except zstandard.ZstdError:
+            return None
+        return (json.loads(head), data) if digest_of(data) == digest else None
 
     def entry(self, key: str, digest: str) -> dict | None:
         return next((e for e in self.entries(key) if e["digest"] == digest), None)
@@ -161,6 +215,7 @@ class Store:
         pipe.execute()
         return digest
 
+    @_unless_full
     def record_hit(self, key: str, entry: dict, nbytes: int) -> None:
         """Gateway: an entry was served; it becomes the most recently used."""
         now = time.time()
@@ -193,52 +248,53 @@ class Store:
     def claim(self, job: str, ttl_s: int) -> str | None:
         """Claim a compile job; a token if this caller won, None if another holds it."""
         token = uuid.uuid4().hex
-        return token if self.redis.set(keys.claim(job), token, nx=True, ex=ttl_s) else None
+        return token if self.jobs.set(keys.claim(job), token, nx=True, ex=ttl_s) else None
 
     def claimed(self, job: str) -> bool:
-        return bool(self.redis.exists(keys.claim(job)))
+        return bool(self.jobs.exists(keys.claim(job)))
 
     def release(self, job: str) -> None:
-        self.redis.delete(keys.claim(job))
+        self.jobs.delete(keys.claim(job))
 
     def put_job(self, job: str, payload: bytes) -> None:
-        pipe = self.redis.pipeline()
+        pipe = self.jobs.pipeline()
         pipe.set(keys.job(job), payload, ex=JOB_TTL_S)
         pipe.set(keys.status(job), "queued", ex=STATUS_TTL_S)
         pipe.delete(keys.error(job), keys.done(job))
         pipe.execute()
 
     def job_payload(self, job: str) -> bytes | None:
-        return self.redis.get(keys.job(job))
+        return self.jobs.get(keys.job(job))
 
     def finish_job(self, job: str, error: str | None = None) -> None:
         """Worker: the job ended without storing an entry; waiters see this error."""
-        pipe = self.redis.pipeline()
+        pipe = self.jobs.pipeline()
         if error is not None:
             pipe.set(keys.error(job), error[-4000:], ex=ERROR_TTL_S)
         pipe.delete(keys.job(job), keys.status(job), keys.claim(job))
         pipe.execute()
 
     def set_status(self, job: str, status: str) -> None:
-        self.redis.set(keys.status(job), status, ex=STATUS_TTL_S)
+        self.jobs.set(keys.status(job), status, ex=STATUS_TTL_S)
 
     def status(self, job: str) -> str:
-        value = self.redis.get(keys.status(job))
+        value = self.jobs.get(keys.status(job))
         return value.decode() if value else ""
 
     def error(self, job: str) -> str | None:
-        value = self.redis.get(keys.error(job))
+        value = self.jobs.get(keys.error(job))
         return value.decode() if value else None
 
     # ---- pools and stats ---------------------------------------------------------------
     def register_pool(self, name: str, info: dict) -> None:
-        self.redis.set(keys.pool(name), json.dumps(info, sort_keys=True), ex=POOL_TTL_S)
+        self.jobs.set(keys.pool(name), json.dumps(info, sort_keys=True), ex=POOL_TTL_S)
 
     def pools(self) -> dict[str, dict]:
-        names = list(self.redis.scan_iter(keys.POOL_PATTERN, count=100))
-        values = self.redis.mget(names) if names else []
+        names = list(self.jobs.scan_iter(keys.POOL_PATTERN, count=100))
+        values = self.jobs.mget(names) if names else []
         return {n.decode().split(":", 2)[2]: json.loads(v) for n, v in zip(names, values) if v}
 
+    @_unless_full
     def count(self, pool: str = "", **increments: float) -> None:
         """Add to the farm-wide counters, and to `pool`'s when given."""
         pipe = self.redis.pipeline()

@@ -82,7 +82,7 @@ def _device_of(gm: torch.fx.GraphModule) -> str:
 
 def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.ArtifactHeader]:
     request = pb.CompileRequest(graph=serialize.dumps(gm), target=local_target(_device_of(gm)),
-                                options=options, label=label,
+                                options=options, label=label, private=settings.private,
                                 size_hints=serialize.size_hints(gm))
     inputs = serialize.example_inputs(gm)
     request_id = uuid.uuid4().hex[:16]

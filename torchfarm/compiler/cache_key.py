@@ -1,6 +1,7 @@
 """The cache key, computed by the gateway from content alone (never taken from a client).
 
-key = sha256(key format, payload bytes, canonical target, canonical options). The payload
+key = sha256(key format, payload bytes, canonical target, canonical options[, tenant]). The
+tenant takes part only for a private request (CompileRequest.private). The payload
 holds the graph, its input metadata and the ShapeEnv without size hints, so the same model
 traced anywhere, at any batch size that keeps its symbols, gives the same key; the entries
 under a key differ by their guards. See docs/cache.md for what goes in and why.
@@ -46,9 +47,14 @@ def job_id(key: str, size_hints) -> str:
     return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()
 
 
-def cache_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:
+def cache_key(payload: bytes, target: pb.Target, options: pb.Options,
+              private_to: str | None = None) -> str:
+    """The key of a request; `private_to` (a tenant) makes it that tenant's alone."""
     h = hashlib.sha256(KEY_FORMAT)
-    for part in (payload, _canonical(target), _canonical(canonical_options(options))):
+    parts = [payload, _canonical(target), _canonical(canonical_options(options))]
+    if private_to is not None:
+        parts.append(f"private:{private_to}".encode())
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()

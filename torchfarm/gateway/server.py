@@ -57,9 +57,10 @@ class FarmServicer(pb_grpc.FarmServicer):
         return tenant
 
     def Lookup(self, request: pb.CompileRequest, context) -> pb.LookupReply:
-        self._authenticate(context)
+        tenant = self._authenticate(context)
         options = self._validate(request, context)
-        key = cache_key(request.graph, request.target, options)
+        key = cache_key(request.graph, request.target, options,
+                        tenant if request.private else None)
         return pb.LookupReply(key=key, candidates=[
             pb.Candidate(digest=e["digest"], guards_expr=e.get("guards_expr", ""))
             for e in self.store.entries(key)])
@@ -67,7 +68,8 @@ class FarmServicer(pb_grpc.FarmServicer):
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
         options = self._validate(request, context)
-        key = cache_key(request.graph, request.target, options)
+        key = cache_key(request.graph, request.target, options,
+                        tenant if request.private else None)
         job = job_id(key, request.size_hints)
         rid = _request_id(context)
         started = time.monotonic()
@@ -164,7 +166,8 @@ class FarmServicer(pb_grpc.FarmServicer):
         details = {"target": json_format.MessageToDict(request.target),
                    "options": json_format.MessageToDict(options),
                    "size_hints": dict(request.size_hints),
-                   "tenant": tenant, "label": request.label, "request_id": rid}
+                   "tenant": tenant, "private": request.private, "label": request.label,
+                   "request_id": rid}
         self.celery.send_task(TASK_NAME, args=[key, job, details], queue=pool, routing_key=pool)
         return True
 
@@ -177,7 +180,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             # one step, so a claim seen gone here means the checks below see its outcome.
             claimed = self.store.claimed(job)
             digest = self.store.done(job)
-            hit = self._cached(key, digest) if digest else None
+            hit = (self._cached(key, digest) or self.store.uncached(job, digest)) if digest else None
             if hit is not None:
                 yield from self._send(key, *hit, source=source)
                 saved = hit[0].get("compile_seconds", 0.0) if source == "merged" else 0.0
@@ -211,6 +214,41 @@ class FarmServicer(pb_grpc.FarmServicer):
         step = self.settings.chunk_bytes
         for offset in range(0, len(data), step):
             yield pb.CompileEvent(chunk=data[offset:offset + step])
+
+
+class _Undecodable:
+    """What a request that is not the method's message decodes to (see UndecodableRequests)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class UndecodableRequests(grpc.ServerInterceptor):
+    """Bytes that do not parse as the method's message get INVALID_ARGUMENT, not gRPC's
+    INTERNAL "Exception deserializing request!"."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        behavior_field = "unary_unary" if handler.unary_unary else "unary_stream"
+        behavior = getattr(handler, behavior_field)
+
+        def tolerant_parse(data: bytes):
+            try:
+                return parse(data)
+            except Exception as e:  # DecodeError, and whatever else a parser raises
+                return _Undecodable(e)
+
+        def checked(request, context):
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the request is not a valid {handler_call_details.method} "
+                              f"message: {request.error}")
+            return behavior(request, context)
+
+        return handler._replace(request_deserializer=tolerant_parse, **{behavior_field: checked})
 
 
 def _request_id(context) -> str:
@@ -254,9 +292,9 @@ class AdminServicer(pb_grpc.AdminServicer):
 
 def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     """A started-ready server (call .start()) and the port it bound."""
-    store = Store.from_url(settings.redis_url)
+    store = Store.from_url(settings.redis_url, settings.broker_url)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.threads),
-                         interceptors=[metrics.MetricsInterceptor()],
+                         interceptors=[metrics.MetricsInterceptor(), UndecodableRequests()],
                          options=[("grpc.max_receive_message_length",
                                    settings.max_payload_bytes + (1 << 20))])
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
@@ -286,9 +324,9 @@ def serve(settings: GatewaySettings, ready=None) -> None:
 
     server, port = build_server(settings)
     server.start()
-    metrics.serve_metrics(settings.metrics_port, broker_url(settings.redis_url,
-                                                            settings.broker_url),
-                          lambda: list(Store.from_url(settings.redis_url).pools()))
+    pools = Store.from_url(settings.redis_url, settings.broker_url).pools
+    metrics.serve_metrics(settings.metrics_port,
+                          broker_url(settings.redis_url, settings.broker_url), lambda: list(pools()))
     log.info("gateway listening on %s:%d (%s)", settings.host, port,
              "TLS" if settings.tls_cert else "plaintext")
     if ready:

@@ -47,15 +47,15 @@ def make_celery(redis_url: str, broker: str = "", visibility_timeout_s: float = 
 
 
 @functools.cache
-def _store(redis_url: str) -> Store:
-    return Store.from_url(redis_url)
+def _store(redis_url: str, broker: str) -> Store:
+    return Store.from_url(redis_url, broker)
 
 
 def compile_graph(task, key: str, job_id: str, job: dict) -> str:
     """Compile the queued payload of job `job_id` in the sandbox and store the artifact under
     `key`; any failure ends the job with an error, so waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
-    store = _store(settings.redis_url)
+    store = _store(settings.redis_url, settings.broker_url)
     started = time.perf_counter()
     try:
         result, stored_bytes = _compile_and_store(task, key, job_id, job, settings, store)
@@ -94,10 +94,10 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
     store.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
-    store.put_artifact(key, job_id, data, {
+    _, cached = store.put_artifact(key, job_id, data, {
         "guards_expr": artifact.guards_expr,
         "compile_seconds": round(artifact.compile_seconds, 3),
-        "tenant": job["tenant"], "mode": options.mode or "default", "pool": pool,
+        "tenant": job["tenant"], "private": job.get("private", False), "mode": options.mode or "default", "pool": pool,
         "target": describe(target), "torch_version": target.torch_version,
         "nodes": sum(artifact.op_counts.values()), "op_counts": dict(artifact.op_counts),
         "kernels": [{"name": k.name, "kind": k.kind, "source_bytes": k.source_bytes}
@@ -108,8 +108,11 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
         "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
         "worker": socket.gethostname(),
     })
-    log.info("stored %s: %d bytes, %.1f s", key[:16], len(data), artifact.compile_seconds,
+    log.info("%s %s: %d bytes, %.1f s", "stored" if cached else "answered (cache full)",
+             key[:16], len(data), artifact.compile_seconds,
              extra={"request_id": job.get("request_id", ""), "key": key, "pool": pool})
+    if not cached:
+        return "uncached", 0
     evicted = store.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
@@ -140,7 +143,7 @@ def run_worker(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
-    threading.Thread(target=_heartbeat, args=(Store.from_url(settings.redis_url), pool, info),
+    threading.Thread(target=_heartbeat, args=(Store.from_url(settings.redis_url, settings.broker_url), pool, info),
                      daemon=True, name="pool-heartbeat").start()
     log.info("worker serving pool %s (%s)", pool, describe(target))
     app.worker_main(["worker", "-Q", pool, "-c", str(settings.concurrency), "-n",
