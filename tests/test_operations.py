@@ -1,4 +1,5 @@
-"""Operating the farm: Prometheus metrics, gRPC server reflection, request ids in (JSON) logs."""
+"""Operating the farm: Prometheus metrics, gRPC server reflection, request ids in (JSON) logs,
+progress streamed to the client."""
 
 import dataclasses
 import json
@@ -14,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from torchfarm import logs
 from torchfarm.client import remote
+from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 
 from conftest import TOKENS, direct_request
@@ -106,3 +108,22 @@ def test_text_log_lines_carry_the_request_id_too():
     assert logs.TextFormatter().format(record).endswith("miss abc [request req-1]")
     entry = json.loads(logs.JsonFormatter().format(record))
     assert entry["message"] == "miss abc" and entry["request_id"] == "req-1"
+
+
+def test_progress_streams_each_stage_of_a_max_autotune_compile(farm):
+    """On a CPU, max-autotune benchmarks C++ and ATen choices for a bmm (about 4 s here):
+    the worker's child reports it, and the client hears it while it waits."""
+    class Bmm(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.bmm(a, b).relu()
+
+    request = direct_request(Bmm(), torch.randn(8, 64, 96), torch.randn(8, 96, 64),
+                             mode="max-autotune")
+    stages = []
+    header, data = remote.fetch(
+        request, ClientSettings(addr=farm.addr, token=TOKENS["alice"]),
+        on_progress=lambda p: stages.append(pb.Progress.Stage.Name(p.stage)))
+    assert header.source == "miss" and data
+    seen = [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s]
+    assert "AUTOTUNING" in seen and seen[-1] == "DOWNLOADING", stages
+    assert seen.index("COMPILING") < seen.index("AUTOTUNING"), stages

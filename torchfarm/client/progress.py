@@ -9,7 +9,7 @@ from torchfarm.proto import torchfarm_pb2 as pb
 
 SHOW_AFTER_S = 2.0
 _STAGES = {pb.Progress.QUEUED: "queued", pb.Progress.COMPILING: "compiling",
-           pb.Progress.DOWNLOADING: "downloading"}
+           pb.Progress.AUTOTUNING: "autotuning", pb.Progress.DOWNLOADING: "downloading"}
 
 
 class ProgressLine:

@@ -53,8 +53,10 @@ def config_patches(options: pb.Options) -> dict:
 
 
 def compile_payload(payload: bytes, options: pb.Options, threads: int,
-                    size_hints: dict[str, int] | None = None) -> pb.Artifact:
-    """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox."""
+                    size_hints: dict[str, int] | None = None,
+                    on_stage: Callable[[str], None] | None = None) -> pb.Artifact:
+    """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
+    `on_stage("autotuning")` / `on_stage("compiling")` mark where benchmarking starts and ends."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -65,7 +67,8 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
     with (inductor_config.patch(_WORKER_CONFIG), functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
           torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
           trace_state.applied(options.state),
-          native.capture(objects), _AutogradCacheLog() as cache_log):
+          native.capture(objects), _reporting_autotuning(on_stage),
+          _AutogradCacheLog() as cache_log):
         compiled = torch._inductor.standalone_compile(
             gm, inputs, dynamic_shapes="from_graph",
             options={"config_patches": config_patches(options)})
@@ -90,6 +93,46 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
         kernels=_kernels(inductor_bytes),
         tuned_configs=_tuned_configs(),
     )
+
+
+# Where Inductor benchmarks choices: algorithm selection (max-autotune GEMM/conv templates) and
+# Triton kernel configs (tuned at compile time on the worker, see _WORKER_CONFIG).
+_AUTOTUNING = (("torch._inductor.select_algorithm", "AlgorithmSelectorCache", "do_autotuning"),
+               ("torch._inductor.runtime.triton_heuristics", "CachingAutotuner",
+                "benchmark_all_configs"))
+
+
+@contextlib.contextmanager
+def _reporting_autotuning(on_stage: Callable[[str], None] | None) -> Iterator[None]:
+    """Call `on_stage` around every benchmarking call of Inductor's (outermost only)."""
+    if on_stage is None:
+        yield
+        return
+    depth = [0]
+    patched = []
+    for module, owner_name, method in _AUTOTUNING:
+        owner = getattr(importlib.import_module(module), owner_name, None)
+        original = getattr(owner, method, None)
+        if original is None:  # another torch version: no report, still correct
+            continue
+
+        def reporting(*args, _original=original, **kwargs):
+            depth[0] += 1
+            if depth[0] == 1:
+                on_stage("autotuning")
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    on_stage("compiling")
+        setattr(owner, method, reporting)
+        patched.append((owner, method, original))
+    try:
+        yield
+    finally:
+        for owner, method, original in patched:
+            setattr(owner, method, original)
 
 
 # `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.

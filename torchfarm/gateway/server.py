@@ -39,6 +39,8 @@ _SYMBOL = re.compile(r"[a-z]{1,3}\d{1,9}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PROGRESS_EVERY_S = 1.0
+# A job's status (set by its worker) as the client's progress stage; anything else: queued.
+_STAGES = {"compiling": pb.Progress.COMPILING, "autotuning": pb.Progress.AUTOTUNING}
 
 
 class FarmServicer(pb_grpc.FarmServicer):
@@ -201,8 +203,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             if not claimed:  # the compiler vanished without a result: take over
                 self._claim_and_enqueue(key, job, request, options, pool, tenant, rid)
             if now >= next_progress:
-                stage = (pb.Progress.COMPILING if self.store.status(job) == "compiling"
-                         else pb.Progress.QUEUED)
+                stage = _STAGES.get(self.store.status(job), pb.Progress.QUEUED)
                 yield pb.CompileEvent(progress=pb.Progress(stage=stage, elapsed_s=now - started))
                 next_progress = now + PROGRESS_EVERY_S
             time.sleep(POLL_S)

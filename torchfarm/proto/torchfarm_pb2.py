@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftorchfarm/proto/torchfarm.proto\x12\x0ctorchfarm.v1\"\xdc\x01\n\x06Target\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rtorch_version\x18\x02 \x01(\t\x12\x16\n\x0epython_version\x18\x03 \x01(\t\x12\x16\n\x0e\x63pu_capability\x18\x04 \x01(\t\x12\x11\n\tcpu_flags\x18\x05 \x03(\t\x12\x0f\n\x07threads\x18\x06 \x01(\x05\x12\x10\n\x08\x63ompiler\x18\x07 \x01(\t\x12\x17\n\x0f\x63uda_capability\x18\x08 \x01(\t\x12\x14\n\x0c\x63uda_version\x18\t \x01(\t\x12\x16\n\x0etriton_version\x18\n \x01(\t\"x\n\nTraceState\x12\x14\n\x0cgrad_enabled\x18\x01 \x01(\x08\x12\x10\n\x08\x61utocast\x18\x02 \x03(\t\x12 \n\x18\x66loat32_matmul_precision\x18\x03 \x01(\t\x12 \n\x18\x64\x65terministic_algorithms\x18\x04 \x01(\x08\"]\n\x07Options\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1b\n\x13\x63onfig_patches_json\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0b\x32\x18.torchfarm.v1.TraceState\"\x90\x02\n\x0e\x43ompileRequest\x12\r\n\x05graph\x18\x01 \x01(\x0c\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.torchfarm.v1.Target\x12&\n\x07options\x18\x03 \x01(\x0b\x32\x15.torchfarm.v1.Options\x12\r\n\x05label\x18\x04 \x01(\t\x12?\n\nsize_hints\x18\x05 \x03(\x0b\x32+.torchfarm.v1.CompileRequest.SizeHintsEntry\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x0f\n\x07private\x18\x07 \x01(\x08\x1a\x30\n\x0eSizeHintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"0\n\tCandidate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0bguards_expr\x18\x02 \x01(\t\"G\n\x0bLookupReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\ncandidates\x18\x02 \x03(\x0b\x32\x17.torchfarm.v1.Candidate\"\x96\x01\n\x08Progress\x12+\n\x05stage\x18\x01 \x01(\x0e\x32\x1c.torchfarm.v1.Progress.Stage\x12\x11\n\telapsed_s\x18\x02 \x01(\x01\"J\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\r\n\tCOMPILING\x10\x02\x12\x0f\n\x0b\x44OWNLOADING\x10\x03\"d\n\x0e\x41rtifactHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x05 \x01(\x01\"\x84\x01\n\x0c\x43ompileEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.torchfarm.v1.ProgressH\x00\x12.\n\x06header\x18\x02 \x01(\x0b\x32\x1c.torchfarm.v1.ArtifactHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05\x65vent\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x1a\n\x0b\x44ropRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1c\n\tDropReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x05\"5\n\x0cNativeObject\x12\x15\n\rsource_sha256\x18\x01 \x01(\t\x12\x0e\n\x06\x62inary\x18\x02 \x01(\x0c\"\xa2\x03\n\x08\x41rtifact\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\x05\x12\x10\n\x08inductor\x18\x02 \x01(\x0c\x12+\n\x07natives\x18\x03 \x03(\x0b\x32\x1a.torchfarm.v1.NativeObject\x12\x13\n\x0bguards_expr\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x05 \x01(\x01\x12\x37\n\top_counts\x18\x06 \x03(\x0b\x32$.torchfarm.v1.Artifact.OpCountsEntry\x12\x12\n\ngraph_code\x18\x07 \x01(\t\x12%\n\x07kernels\x18\x08 \x03(\x0b\x32\x14.torchfarm.v1.Kernel\x12?\n\rtuned_configs\x18\t \x03(\x0b\x32(.torchfarm.v1.Artifact.TunedConfigsEntry\x1a/\n\rOpCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11TunedConfigsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\":\n\x06Kernel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0csource_bytes\x18\x03 \x01(\x03\"O\n\x0b\x42undleEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12\x10\n\x08\x61rtifact\x18\x04 \x01(\x0c\"I\n\x0b\x43\x61\x63heBundle\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.torchfarm.v1.BundleEntry2\x90\x01\n\x04\x46\x61rm\x12\x41\n\x06Lookup\x12\x1c.torchfarm.v1.CompileRequest\x1a\x19.torchfarm.v1.LookupReply\x12\x45\n\x07\x43ompile\x12\x1c.torchfarm.v1.CompileRequest\x1a\x1a.torchfarm.v1.CompileEvent0\x01\x32\x82\x01\n\x05\x41\x64min\x12=\n\x05Stats\x12\x1a.torchfarm.v1.StatsRequest\x1a\x18.torchfarm.v1.StatsReply\x12:\n\x04\x44rop\x12\x19.torchfarm.v1.DropRequest\x1a\x17.torchfarm.v1.DropReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftorchfarm/proto/torchfarm.proto\x12\x0ctorchfarm.v1\"\xdc\x01\n\x06Target\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x15\n\rtorch_version\x18\x02 \x01(\t\x12\x16\n\x0epython_version\x18\x03 \x01(\t\x12\x16\n\x0e\x63pu_capability\x18\x04 \x01(\t\x12\x11\n\tcpu_flags\x18\x05 \x03(\t\x12\x0f\n\x07threads\x18\x06 \x01(\x05\x12\x10\n\x08\x63ompiler\x18\x07 \x01(\t\x12\x17\n\x0f\x63uda_capability\x18\x08 \x01(\t\x12\x14\n\x0c\x63uda_version\x18\t \x01(\t\x12\x16\n\x0etriton_version\x18\n \x01(\t\"x\n\nTraceState\x12\x14\n\x0cgrad_enabled\x18\x01 \x01(\x08\x12\x10\n\x08\x61utocast\x18\x02 \x03(\t\x12 \n\x18\x66loat32_matmul_precision\x18\x03 \x01(\t\x12 \n\x18\x64\x65terministic_algorithms\x18\x04 \x01(\x08\"]\n\x07Options\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1b\n\x13\x63onfig_patches_json\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0b\x32\x18.torchfarm.v1.TraceState\"\x90\x02\n\x0e\x43ompileRequest\x12\r\n\x05graph\x18\x01 \x01(\x0c\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.torchfarm.v1.Target\x12&\n\x07options\x18\x03 \x01(\x0b\x32\x15.torchfarm.v1.Options\x12\r\n\x05label\x18\x04 \x01(\t\x12?\n\nsize_hints\x18\x05 \x03(\x0b\x32+.torchfarm.v1.CompileRequest.SizeHintsEntry\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x0f\n\x07private\x18\x07 \x01(\x08\x1a\x30\n\x0eSizeHintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"0\n\tCandidate\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0bguards_expr\x18\x02 \x01(\t\"G\n\x0bLookupReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\ncandidates\x18\x02 \x03(\x0b\x32\x17.torchfarm.v1.Candidate\"\xa6\x01\n\x08Progress\x12+\n\x05stage\x18\x01 \x01(\x0e\x32\x1c.torchfarm.v1.Progress.Stage\x12\x11\n\telapsed_s\x18\x02 \x01(\x01\"Z\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\r\n\tCOMPILING\x10\x02\x12\x0f\n\x0b\x44OWNLOADING\x10\x03\x12\x0e\n\nAUTOTUNING\x10\x04\"d\n\x0e\x41rtifactHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x05 \x01(\x01\"\x84\x01\n\x0c\x43ompileEvent\x12*\n\x08progress\x18\x01 \x01(\x0b\x32\x16.torchfarm.v1.ProgressH\x00\x12.\n\x06header\x18\x02 \x01(\x0b\x32\x1c.torchfarm.v1.ArtifactHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05\x65vent\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\x1a\n\x0b\x44ropRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x1c\n\tDropReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x05\"5\n\x0cNativeObject\x12\x15\n\rsource_sha256\x18\x01 \x01(\t\x12\x0e\n\x06\x62inary\x18\x02 \x01(\x0c\"\xa2\x03\n\x08\x41rtifact\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\x05\x12\x10\n\x08inductor\x18\x02 \x01(\x0c\x12+\n\x07natives\x18\x03 \x03(\x0b\x32\x1a.torchfarm.v1.NativeObject\x12\x13\n\x0bguards_expr\x18\x04 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x05 \x01(\x01\x12\x37\n\top_counts\x18\x06 \x03(\x0b\x32$.torchfarm.v1.Artifact.OpCountsEntry\x12\x12\n\ngraph_code\x18\x07 \x01(\t\x12%\n\x07kernels\x18\x08 \x03(\x0b\x32\x14.torchfarm.v1.Kernel\x12?\n\rtuned_configs\x18\t \x03(\x0b\x32(.torchfarm.v1.Artifact.TunedConfigsEntry\x1a/\n\rOpCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11TunedConfigsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\":\n\x06Kernel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0csource_bytes\x18\x03 \x01(\x03\"O\n\x0b\x42undleEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x11\n\tmeta_json\x18\x03 \x01(\t\x12\x10\n\x08\x61rtifact\x18\x04 \x01(\x0c\"I\n\x0b\x43\x61\x63heBundle\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12*\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x19.torchfarm.v1.BundleEntry2\x90\x01\n\x04\x46\x61rm\x12\x41\n\x06Lookup\x12\x1c.torchfarm.v1.CompileRequest\x1a\x19.torchfarm.v1.LookupReply\x12\x45\n\x07\x43ompile\x12\x1c.torchfarm.v1.CompileRequest\x1a\x1a.torchfarm.v1.CompileEvent0\x01\x32\x82\x01\n\x05\x41\x64min\x12=\n\x05Stats\x12\x1a.torchfarm.v1.StatsRequest\x1a\x18.torchfarm.v1.StatsReply\x12:\n\x04\x44rop\x12\x19.torchfarm.v1.DropRequest\x1a\x17.torchfarm.v1.DropReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,37 +52,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREPLY']._serialized_start=814
   _globals['_LOOKUPREPLY']._serialized_end=885
   _globals['_PROGRESS']._serialized_start=888
-  _globals['_PROGRESS']._serialized_end=1038
+  _globals['_PROGRESS']._serialized_end=1054
   _globals['_PROGRESS_STAGE']._serialized_start=964
-  _globals['_PROGRESS_STAGE']._serialized_end=1038
-  _globals['_ARTIFACTHEADER']._serialized_start=1040
-  _globals['_ARTIFACTHEADER']._serialized_end=1140
-  _globals['_COMPILEEVENT']._serialized_start=1143
-  _globals['_COMPILEEVENT']._serialized_end=1275
-  _globals['_STATSREQUEST']._serialized_start=1277
-  _globals['_STATSREQUEST']._serialized_end=1291
-  _globals['_STATSREPLY']._serialized_start=1293
-  _globals['_STATSREPLY']._serialized_end=1319
-  _globals['_DROPREQUEST']._serialized_start=1321
-  _globals['_DROPREQUEST']._serialized_end=1347
-  _globals['_DROPREPLY']._serialized_start=1349
-  _globals['_DROPREPLY']._serialized_end=1377
-  _globals['_NATIVEOBJECT']._serialized_start=1379
-  _globals['_NATIVEOBJECT']._serialized_end=1432
-  _globals['_ARTIFACT']._serialized_start=1435
-  _globals['_ARTIFACT']._serialized_end=1853
-  _globals['_ARTIFACT_OPCOUNTSENTRY']._serialized_start=1753
-  _globals['_ARTIFACT_OPCOUNTSENTRY']._serialized_end=1800
-  _globals['_ARTIFACT_TUNEDCONFIGSENTRY']._serialized_start=1802
-  _globals['_ARTIFACT_TUNEDCONFIGSENTRY']._serialized_end=1853
-  _globals['_KERNEL']._serialized_start=1855
-  _globals['_KERNEL']._serialized_end=1913
-  _globals['_BUNDLEENTRY']._serialized_start=1915
-  _globals['_BUNDLEENTRY']._serialized_end=1994
-  _globals['_CACHEBUNDLE']._serialized_start=1996
-  _globals['_CACHEBUNDLE']._serialized_end=2069
-  _globals['_FARM']._serialized_start=2072
-  _globals['_FARM']._serialized_end=2216
-  _globals['_ADMIN']._serialized_start=2219
-  _globals['_ADMIN']._serialized_end=2349
+  _globals['_PROGRESS_STAGE']._serialized_end=1054
+  _globals['_ARTIFACTHEADER']._serialized_start=1056
+  _globals['_ARTIFACTHEADER']._serialized_end=1156
+  _globals['_COMPILEEVENT']._serialized_start=1159
+  _globals['_COMPILEEVENT']._serialized_end=1291
+  _globals['_STATSREQUEST']._serialized_start=1293
+  _globals['_STATSREQUEST']._serialized_end=1307
+  _globals['_STATSREPLY']._serialized_start=1309
+  _globals['_STATSREPLY']._serialized_end=1335
+  _globals['_DROPREQUEST']._serialized_start=1337
+  _globals['_DROPREQUEST']._serialized_end=1363
+  _globals['_DROPREPLY']._serialized_start=1365
+  _globals['_DROPREPLY']._serialized_end=1393
+  _globals['_NATIVEOBJECT']._serialized_start=1395
+  _globals['_NATIVEOBJECT']._serialized_end=1448
+  _globals['_ARTIFACT']._serialized_start=1451
+  _globals['_ARTIFACT']._serialized_end=1869
+  _globals['_ARTIFACT_OPCOUNTSENTRY']._serialized_start=1769
+  _globals['_ARTIFACT_OPCOUNTSENTRY']._serialized_end=1816
+  _globals['_ARTIFACT_TUNEDCONFIGSENTRY']._serialized_start=1818
+  _globals['_ARTIFACT_TUNEDCONFIGSENTRY']._serialized_end=1869
+  _globals['_KERNEL']._serialized_start=1871
+  _globals['_KERNEL']._serialized_end=1929
+  _globals['_BUNDLEENTRY']._serialized_start=1931
+  _globals['_BUNDLEENTRY']._serialized_end=2010
+  _globals['_CACHEBUNDLE']._serialized_start=2012
+  _globals['_CACHEBUNDLE']._serialized_end=2085
+  _globals['_FARM']._serialized_start=2088
+  _globals['_FARM']._serialized_end=2232
+  _globals['_ADMIN']._serialized_start=2235
+  _globals['_ADMIN']._serialized_end=2365
 # @@protoc_insertion_point(module_scope)

@@ -85,7 +85,8 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
              extra={"request_id": job.get("request_id", ""), "tenant": job["tenant"],
                     "key": key})
     try:
-        data = sandbox.run_compile(payload, target, options, job.get("size_hints", {}), settings)
+        data = sandbox.run_compile(payload, target, options, job.get("size_hints", {}), settings,
+                                   on_stage=lambda stage: store.set_status(job_id, stage))
     except sandbox.CompileFailed as e:
         log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
         store.count(_pool_of(task), compile_failures=1)

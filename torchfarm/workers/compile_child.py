@@ -1,6 +1,7 @@
 """Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child DIR`.
 
-Reads DIR/payload.bin and DIR/request.json, writes DIR/artifact.pb. Everything it reads is
+Reads DIR/payload.bin and DIR/request.json, writes DIR/artifact.pb, and keeps DIR/stage
+(compiling / autotuning) current for the worker's progress reports. Everything it reads is
 hostile; it runs with no network, no secrets and no access to the cache.
 """
 
@@ -19,8 +20,13 @@ def main(workdir: str) -> int:
         request = json_format.Parse(f.read(), pb.CompileRequest())
     with open(os.path.join(workdir, "payload.bin"), "rb") as f:
         payload = f.read()
+    def on_stage(stage: str) -> None:
+        with open(os.path.join(workdir, "stage.tmp"), "w") as f:
+            f.write(stage)
+        os.replace(os.path.join(workdir, "stage.tmp"), os.path.join(workdir, "stage"))
+
     artifact = compile_payload(payload, request.options, request.target.threads,
-                               dict(request.size_hints))
+                               dict(request.size_hints), on_stage)
     tmp = os.path.join(workdir, "artifact.pb.tmp")
     with open(tmp, "wb") as f:
         f.write(artifact.SerializeToString())

@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 
 from google.protobuf import json_format
 
@@ -23,6 +25,8 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 
 log = logging.getLogger("torchfarm.worker")
+STAGES = ("compiling", "autotuning")  # what the child may report in workdir/stage
+STAGE_POLL_S = 0.5
 
 
 class CompileFailed(RuntimeError):
@@ -65,6 +69,45 @@ def _bwrap(workdir: str, device: str) -> list[str]:
             if node.startswith("nvidia"):
                 cmd += ["--dev-bind", f"/dev/{node}", f"/dev/{node}"]
     return cmd
+
+
+def _run_reporting(cmd: list[str], workdir: str, settings: WorkerSettings,
+                   on_stage: Callable[[str], None] | None) -> tuple[int, str]:
+    """Run the child to its end or the timeout, passing on each new stage it writes to
+    workdir/stage; its exit status and stderr."""
+    stage_path, seen = os.path.join(workdir, "stage"), ""
+    deadline = time.monotonic() + settings.compile_timeout_s
+    with tempfile.TemporaryFile() as stderr:  # outside the child's view
+        proc = subprocess.Popen(cmd, env=_environment(workdir), stdout=subprocess.DEVNULL,
+                                stderr=stderr, stdin=subprocess.DEVNULL,
+                                preexec_fn=_limits(settings.memory_limit_mb, settings.device))
+        while True:
+            try:
+                proc.wait(timeout=min(STAGE_POLL_S, max(0.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise CompileFailed(
+                        f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
+                        "(TORCHFARM_COMPILE_TIMEOUT_WORKER)") from None
+            stage = _read_stage(stage_path)
+            if on_stage and stage and stage != seen:
+                seen = stage
+                on_stage(stage)
+        stderr.seek(0)
+        return proc.returncode, stderr.read()[-64_000:].decode(errors="replace")
+
+
+def _read_stage(path: str) -> str:
+    """The child's current stage, if it wrote a known one (it is hostile: nothing else)."""
+    try:
+        with open(path, "rb") as f:
+            stage = f.read(32).decode(errors="replace")
+    except OSError:
+        return ""
+    return stage if stage in STAGES else ""
 
 
 def _limits(memory_mb: int, device: str):
@@ -113,8 +156,10 @@ TIMED_OUT = "DEADLINE_EXCEEDED: "
 
 
 def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
-                size_hints: dict[str, int], settings: WorkerSettings) -> bytes:
-    """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes."""
+                size_hints: dict[str, int], settings: WorkerSettings,
+                on_stage: Callable[[str], None] | None = None) -> bytes:
+    """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes.
+    `on_stage(stage)` hears the child's stage (compiling / autotuning) as it changes."""
     with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as workdir:
         os.makedirs(os.path.join(workdir, "tmp"))
         with open(os.path.join(workdir, "payload.bin"), "wb") as f:
@@ -125,18 +170,11 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
         if settings.sandbox == "bwrap":
             cmd = _bwrap(workdir, settings.device) + cmd
-        try:
-            proc = subprocess.run(cmd, env=_environment(workdir), capture_output=True,
-                                  timeout=settings.compile_timeout_s,
-                                  preexec_fn=_limits(settings.memory_limit_mb, settings.device))
-        except subprocess.TimeoutExpired as e:
-            raise CompileFailed(f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
-                                "(TORCHFARM_COMPILE_TIMEOUT_WORKER)") from e
+        returncode, stderr = _run_reporting(cmd, workdir, settings, on_stage)
         out_path = os.path.join(workdir, "artifact.pb")
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            tail = proc.stderr.decode(errors="replace")[-3000:]
-            how = _how_it_ended(proc.returncode, settings.sandbox)
-            raise CompileFailed(f"compile child failed ({how}):\n{tail}")
+        if returncode != 0 or not os.path.exists(out_path):
+            how = _how_it_ended(returncode, settings.sandbox)
+            raise CompileFailed(f"compile child failed ({how}):\n{stderr[-3000:]}")
         with open(out_path, "rb") as f:
             data = f.read()
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
