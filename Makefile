@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # compose test validates docker-compose.yml against it (no Docker engine runs here).
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
-.PHONY: demo test deps system proto bench clean
+.PHONY: demo test deps system proto bench coverage clean
 
 demo: deps
 	$(PY) examples/demo.py
@@ -37,6 +37,10 @@ proto: deps
 
 bench: deps
 	$(PY) bench/warm_start.py
+
+# Issue 7's suite on an embedded farm; rewrites docs/coverage.md (and this machine's results).
+coverage: deps
+	$(PY) bench/coverage/suite.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
