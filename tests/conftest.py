@@ -19,6 +19,7 @@ from torchfarm.local_farm import LocalFarm  # noqa: E402
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}
 ADMIN_TOKEN = "ops-admin-token-5555"  # in TORCHFARM_ADMINS, not a tenant
+OP_LIBRARIES = "transformers.integrations.moe"  # custom operators of the coverage suite's MoE
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -28,6 +29,8 @@ def farm():
     # JSON log lines: test_operations checks that a request id follows a compile in them.
     with LocalFarm(tenants=tenants, extra_env={
             "TORCHFARM_LOG_FORMAT": "json",
+            # the coverage suite's MoE model calls transformers' custom grouped-mm operator
+            "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
             "TORCHFARM_ADMINS": f"ops:{hash_token(ADMIN_TOKEN)}"}) as f:
         yield f
 

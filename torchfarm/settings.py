@@ -111,6 +111,9 @@ class WorkerSettings:
     # compile timeout, or a compile still running would be handed out twice.
     redelivery_s: float = 0
     metrics_port: int = 0            # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
+    # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
+    # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
+    op_libraries: str = ""
 
     def __post_init__(self) -> None:
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
@@ -137,6 +140,7 @@ class WorkerSettings:
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
+            op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

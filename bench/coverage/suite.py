@@ -28,6 +28,8 @@ sys.path.insert(0, ROOT)
 from architectures import ARCHITECTURES  # noqa: E402
 
 PHASES = ("infer", "train")
+# The workers import it for transformers' custom MoE operator (README: TORCHFARM_OP_LIBRARIES).
+OP_LIBRARIES = "transformers.integrations.moe"
 
 
 def run_architecture(name: str, addr: str, token: str = "", device: str = "cpu",
@@ -157,11 +159,18 @@ def main() -> None:
     if args.addr:
         rows = run_all(args.addr)
     else:
-        with LocalFarm(device=args.device, workers=args.parallel, sandbox=args.sandbox) as farm:
+        with LocalFarm(device=args.device, workers=args.parallel, sandbox=args.sandbox,
+                       extra_env={"TORCHFARM_OP_LIBRARIES": OP_LIBRARIES}) as farm:
             rows = run_all(farm.addr)
     today = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{today}-{args.device}.json"), "w") as f:
+    path = os.path.join(args.out, f"{today}-{args.device}.json")
+    if args.only and os.path.exists(path):  # a subset replaces its own rows of today's run
+        with open(path) as f:
+            kept = {r["name"]: r for r in json.load(f)["rows"]}
+        kept.update({r["name"]: r for r in rows})
+        rows = [kept[name] for name in ARCHITECTURES if name in kept]
+    with open(path, "w") as f:
         json.dump({"date": today, "device": args.device, "scale": args.scale,
                    "machine": args.machine, "parallel": args.parallel, "torch": torch.__version__,
                    "transformers": transformers.__version__, "rows": rows}, f, indent=1)

@@ -40,6 +40,7 @@ class GraphRecord:
     seconds: float
     bytes: int = 0
     key: str = ""
+    why: str = ""  # for local and eager: why the farm (and local compile) did not serve it
 
 
 # Every graph this process compiled, in order; for logs, the demo and tests.
@@ -64,7 +65,8 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
     except Exception as e:  # the farm must never break training
         log.info("%s: farm failed after %.2f s (%s)", label, time.perf_counter() - started, e)
         _warn_once(f"farm unavailable ({e}); compiling locally")
-        return _compile_locally(gm, example_inputs, farm_options, label, started)
+        return _compile_locally(gm, example_inputs, farm_options, label, started,
+                                why=f"farm: {type(e).__name__}: {e}")
     record = GraphRecord(label, header.source, time.perf_counter() - started, header.size,
                          header.key)
     history.append(record)
@@ -105,7 +107,7 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
 
 
 def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
-                     started: float) -> Callable:
+                     started: float, why: str = "") -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     try:
@@ -114,7 +116,8 @@ def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
     except Exception as e:
         _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
         compiled, source = gm.forward, "eager"
-    history.append(GraphRecord(label, source, time.perf_counter() - started))
+        why = f"{why}; local: {type(e).__name__}: {e}"
+    history.append(GraphRecord(label, source, time.perf_counter() - started, why=why[:2000]))
     log.info("%s: %s compile in %.2f s", label, source, time.perf_counter() - started)
     return compiled
 

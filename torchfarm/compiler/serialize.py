@@ -5,6 +5,10 @@ never weights, and that are the same for the same model in any process, path or 
 cache key is their hash). Size hints (the concrete sizes behind each symbol) are left out of
 the bytes and travel beside them (`size_hints`), so one dynamic graph is one key whatever
 batch size a process traced it with. Only a sandboxed worker child ever calls `loads`.
+
+Custom operators (torch.library ops of other libraries, e.g. transformers' MoE kernels)
+travel by name with their schema; a worker resolves them only if its operator imported the
+library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schema.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import sympy
 import torch
 from torch._guards import ShapeGuard, SLoc
 from torch._subclasses import FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler, _ShapeEnvPickleData, _TensorPickleData
+from torch.fx._graph_pickler import GraphPickler, Options, _ShapeEnvPickleData, _TensorPickleData
 from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
 
 # Node metadata the compiler needs; everything else (stack traces, module paths, and
 # "grapharg", which holds the real weights) stays home.
 _KEPT_NODE_META = ("example_value",)
+# A custom operator's schema, kept on its nodes: part of the payload, hence of the key.
+_OP_SCHEMA = "torchfarm_op_schema"
+_BUILTIN_OP = Options().ops_filter  # PyTorch's own namespaces (aten, prims, ...)
+_PICKLE_OPTIONS = Options(ops_filter=None)
 
 # ShapeEnv fields that are debugging state, per-process ids or source locations.
 _DROPPED_SHAPE_ENV_FIELDS = frozenset({
@@ -121,6 +129,9 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
+        if isinstance(node.target, torch._ops.OpOverload) and not _BUILTIN_OP(
+                torch.fx.Node._pretty_print_target(node.target)):
+            new.meta[_OP_SCHEMA] = str(node.target._schema)
         env[node] = new
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -129,7 +140,7 @@ def dumps(gm: torch.fx.GraphModule) -> bytes:
     """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without weights."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         raise ValueError("graph reads module attributes (get_attr); the farm needs lifted parameters")
-    return _PortablePickler.dumps(_metadata_only(gm))
+    return _PortablePickler.dumps(_metadata_only(gm), _PICKLE_OPTIONS)
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -150,10 +161,20 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
     token = _loading_hints.set(dict(hints or {}))
     try:
         gm = GraphPickler.loads(payload, fake_mode)
+    except AttributeError as e:
+        if "_OpNamespace" not in str(e):
+            raise
+        raise ValueError(f"the graph calls a custom operator this worker does not have ({e}); "
+                         "its operator adds the Python module that defines it to "
+                         "TORCHFARM_OP_LIBRARIES") from e
     finally:
         _loading_hints.reset(token)
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"payload holds {type(gm).__name__}, not a GraphModule")
+    for node in gm.graph.nodes:
+        if _OP_SCHEMA in node.meta and str(node.target._schema) != node.meta[_OP_SCHEMA]:
+            raise ValueError(f"custom operator {node.target} differs on this worker: client "
+                             f"{node.meta[_OP_SCHEMA]!r}, worker {str(node.target._schema)!r}")
     return gm
 
 

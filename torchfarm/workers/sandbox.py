@@ -167,6 +167,8 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         with open(os.path.join(workdir, "request.json"), "w") as f:
             f.write(json_format.MessageToJson(pb.CompileRequest(
                 target=target, options=options, size_hints=size_hints)))
+        with open(os.path.join(workdir, "op_libraries"), "w") as f:
+            f.write(settings.op_libraries)
         cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
         if settings.sandbox == "bwrap":
             cmd = _bwrap(workdir, settings.device) + cmd
