@@ -93,3 +93,28 @@ def test_size_hints_travel_beside_the_payload():
     gm = serialize.loads(second, second_hints)
     sizes = [x for x in serialize.example_inputs(gm) if isinstance(x, torch.SymInt)]
     assert sizes and {s.node.hint for s in sizes} <= {16, 32}
+
+
+def test_equal_devices_give_the_same_bytes_whether_or_not_they_are_one_object():
+    # pickle memoizes by identity; a process's history decides whether two equal devices are
+    # one object (on torch 2.11 with CUDA the first graph of a fresh process differed).
+    one = torch.device("cpu")
+    shared = serialize._PortablePickler.dumps([one, one, "x"])
+    distinct = serialize._PortablePickler.dumps([torch.device("cpu"), torch.device("cpu"), "x"])
+    assert shared == distinct
+
+
+def test_a_graph_with_devices_in_its_arguments_round_trips():
+    def f(x):
+        return x + torch.ones(3, device=x.device)
+
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["payload"] = serialize.dumps(gm)
+        return gm.forward
+
+    torch.compile(f, backend=capture)(torch.randn(3))
+    gm = serialize.loads(captured["payload"])
+    devices = [v for n in gm.graph.nodes for v in n.kwargs.values() if isinstance(v, torch.device)]
+    assert devices == [torch.device("cpu")]

@@ -127,16 +127,17 @@ class LocalFarm:
                          "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
                          "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else ""})
 
-    def start_worker(self, name: str) -> subprocess.Popen:
+    def start_worker(self, name: str, device: str = "") -> subprocess.Popen:
+        """One more worker, for the farm's device or for `device`."""
         self.worker_metrics_ports[name] = free_port()
         return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
                                   "--redis-url", self.redis_url, "--sandbox", self.sandbox,
-                                  "--device", self.device],
+                                  "--device", device or self.device],
                            env={"TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                                 "TORCHFARM_BROKER_URL": self.broker_url})
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until the gateway answers health checks and a worker has registered its pool."""
+    def wait_ready(self, timeout_s: float, pools: int = 1) -> None:
+        """Until the gateway answers health checks and workers have registered `pools` pools."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -159,7 +160,7 @@ class LocalFarm:
                         health_pb2.HealthCheckResponse.SERVING
                 except grpc.RpcError:
                     ok = False
-                if ok and store.pools():
+                if ok and len(store.pools()) >= pools:
                     return
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"farm not ready in {timeout_s:.0f} s; logs in {self.log_dir}")

@@ -71,7 +71,8 @@ def _way(base, inputs, phase, reference, compile_with) -> dict:
            "max_diff": _max_diff(reference, result) if len(result) == len(reference) else None,
            "graphs": len(backend.history) if compile_with == "torchfarm" else None,
            "sources": [r.source for r in backend.history] if compile_with == "torchfarm" else None,
-           "why": sorted({r.why[:500] for r in backend.history if r.why}),
+           "why": sorted({r.why[:200] + " ... " + r.why[-600:] if len(r.why) > 800 else r.why
+                          for r in backend.history if r.why}),
            "result": result}
     if not same:
         row["error"] = f"differs from eager by {row['max_diff']} (tolerance {TOLERANCE[phase]})"

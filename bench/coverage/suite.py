@@ -161,6 +161,9 @@ def main() -> None:
     else:
         with LocalFarm(device=args.device, workers=args.parallel, sandbox=args.sandbox,
                        extra_env={"TORCHFARM_OP_LIBRARIES": OP_LIBRARIES}) as farm:
+            if args.device != "cpu":  # a GPU host serves its CPU graphs too, as in compose
+                farm.start_worker("worker-cpu", device="cpu")
+                farm.wait_ready(120, pools=2)
             rows = run_all(farm.addr)
     today = datetime.date.today().isoformat()
     os.makedirs(args.out, exist_ok=True)

@@ -117,7 +117,7 @@ def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
         _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
         compiled, source = gm.forward, "eager"
         why = f"{why}; local: {type(e).__name__}: {e}"
-    history.append(GraphRecord(label, source, time.perf_counter() - started, why=why[:2000]))
+    history.append(GraphRecord(label, source, time.perf_counter() - started, why=why[-2000:]))
     log.info("%s: %s compile in %.2f s", label, source, time.perf_counter() - started)
     return compiled
 

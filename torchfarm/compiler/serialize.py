@@ -13,6 +13,7 @@ library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schem
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 
@@ -20,6 +21,7 @@ import sympy
 import torch
 from torch._guards import ShapeGuard, SLoc
 from torch._subclasses import FakeTensorMode
+import torch.fx._graph_pickler as graph_pickler
 from torch.fx._graph_pickler import GraphPickler, Options, _ShapeEnvPickleData, _TensorPickleData
 from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
@@ -110,6 +112,14 @@ class _PortableTensor(_TensorPickleData):
 
 
 class _PortablePickler(GraphPickler):
+    def persistent_id(self, obj: object):
+        # Devices by value: pickle memoizes by identity, and whether two equal devices are one
+        # object depends on what the process did before (seen with CUDA on torch 2.11: the
+        # first graph of a fresh process got other bytes, hence another key).
+        if type(obj) is torch.device:
+            return ("device", str(obj))
+        return super().persistent_id(obj)
+
     def reducer_override(self, obj: object):
         if isinstance(obj, torch._subclasses.FakeTensor):
             return _PortableTensor.unpickle, (
@@ -121,6 +131,24 @@ class _PortablePickler(GraphPickler):
         if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
             raise ValueError("refusing to serialize a real tensor: the farm takes metadata only")
         return super().reducer_override(obj)
+
+
+class _PortableUnpickler(graph_pickler._GraphUnpickler):
+    def persistent_load(self, pid: object) -> object:
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "device":
+            return torch.device(pid[1])
+        return super().persistent_load(pid)
+
+
+@contextlib.contextmanager
+def _portable_unpickler():
+    """GraphPickler.loads with devices restored (it names its unpickler class globally)."""
+    original = graph_pickler._GraphUnpickler
+    graph_pickler._GraphUnpickler = _PortableUnpickler
+    try:
+        yield
+    finally:
+        graph_pickler._GraphUnpickler = original
 
 
 def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -160,7 +188,8 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     token = _loading_hints.set(dict(hints or {}))
     try:
-        gm = GraphPickler.loads(payload, fake_mode)
+        with _portable_unpickler():
+            gm = GraphPickler.loads(payload, fake_mode)
     except AttributeError as e:
         if "_OpNamespace" not in str(e):
             raise
