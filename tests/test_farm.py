@@ -236,3 +236,13 @@ def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
     header2, data2 = remote.fetch(request, settings)
     assert header2.source == "miss" and data2  # detected, never served, rebuilt
     assert store.stats().get("compiles", 0) == compiles + 1
+
+
+def test_a_graph_without_tensor_inputs_compiles_on_the_farm(farm):
+    # sizes in, a new tensor out: what transformers' position-id graphs look like
+    def positions(n: int):
+        return torch.arange(n) * 2 + 1
+
+    compiled = _farm_compile(positions, farm, dynamic=True)
+    assert torch.equal(compiled(7), positions(7))
+    assert [r.source for r in backend.history] == ["miss"], backend.history

@@ -118,3 +118,30 @@ def test_a_graph_with_devices_in_its_arguments_round_trips():
     gm = serialize.loads(captured["payload"])
     devices = [v for n in gm.graph.nodes for v in n.kwargs.values() if isinstance(v, torch.device)]
     assert devices == [torch.device("cpu")]
+
+
+def test_subgraphs_travel_and_weights_read_with_get_attr_are_refused():
+    class Cond(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda t: self.lin(t).sin(), lambda t: t.cos(), (x,))
+
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch.compile(Cond(), backend=capture)(torch.randn(2, 4))
+    gm = captured["gm"]
+    subgraphs = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    loaded = serialize.loads(serialize.dumps(gm))
+    for name in subgraphs:  # torch.cond's branches (torch 2.11 and 2.13 read them by get_attr)
+        assert isinstance(getattr(loaded, name), torch.fx.GraphModule)
+
+    weights = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # reads weight/bias by get_attr
+    with pytest.raises(ValueError, match="get_attr"):
+        serialize.dumps(weights)

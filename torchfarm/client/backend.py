@@ -76,7 +76,10 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
 
 
 def _device_of(gm: torch.fx.GraphModule) -> str:
-    for value in serialize.example_inputs(gm):
+    """cuda if any input or intermediate value of the graph lives there (a graph may take CPU
+    inputs and move them to the GPU), else cpu."""
+    values = [n.meta.get("example_value") for n in gm.graph.nodes]
+    for value in [*serialize.example_inputs(gm), *values]:
         if isinstance(value, torch.Tensor) and value.device.type == "cuda":
             return str(value.device)
     return "cpu"

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from torchfarm.compiler import files, guards, native, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -62,7 +63,9 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
         torch.set_num_threads(threads)
     gm = serialize.loads(payload, size_hints)
     inputs = serialize.example_inputs(gm)
-    fake_mode = torch._guards.detect_fake_mode(inputs)
+    # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
+    fake_mode = torch._guards.detect_fake_mode(inputs) or torch._subclasses.FakeTensorMode(
+        shape_env=serialize.shape_env_of(inputs) or ShapeEnv())
     objects: dict[str, bytes] = {}
     with (inductor_config.patch(_WORKER_CONFIG), functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
           torch._guards.tracing(torch._guards.TracingContext(fake_mode)),

@@ -152,34 +152,63 @@ def _portable_unpickler():
 
 
 def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with only the metadata the compiler needs; subgraphs (torch.cond branches,
+    autograd.Function forward/backward) come along the same way, anything else read with
+    get_attr (weights) is refused."""
     graph = torch.fx.Graph()
+    root = torch.nn.Module()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if not isinstance(value, torch.fx.GraphModule):
+                raise ValueError(f"graph reads {type(value).__name__} {node.target!r} with "
+                                 "get_attr; the farm needs parameters lifted to inputs")
+            _set_attribute(root, node.target, _metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
         if isinstance(node.target, torch._ops.OpOverload) and not _BUILTIN_OP(
                 torch.fx.Node._pretty_print_target(node.target)):
             new.meta[_OP_SCHEMA] = str(node.target._schema)
         env[node] = new
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return torch.fx.GraphModule(root, graph)
+
+
+def _attribute(module: torch.nn.Module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _set_attribute(root: torch.nn.Module, path: str, value: torch.nn.Module) -> None:
+    *parents, name = path.split(".")
+    for parent in parents:
+        if not hasattr(root, parent):
+            root.add_module(parent, torch.nn.Module())
+        root = getattr(root, parent)
+    root.add_module(name, value)
 
 
 def dumps(gm: torch.fx.GraphModule) -> bytes:
     """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without weights."""
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
-        raise ValueError("graph reads module attributes (get_attr); the farm needs lifted parameters")
     return _PortablePickler.dumps(_metadata_only(gm), _PICKLE_OPTIONS)
 
 
-def size_hints(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """The concrete size behind each symbol of the graph's ShapeEnv (empty if static)."""
-    for value in example_inputs(gm):
+def shape_env_of(inputs: list) -> ShapeEnv | None:
+    """The ShapeEnv behind a graph's inputs (FakeTensors or SymInts), if any."""
+    for value in inputs:
         node = getattr(value, "node", None)
         env = node.shape_env if isinstance(value, torch.SymInt) else getattr(
             getattr(value, "fake_mode", None), "shape_env", None)
         if env is not None:
-            return {str(s): int(v) for s, v in _integer_hints(env).items()}
-    return {}
+            return env
+    return None
+
+
+def size_hints(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """The concrete size behind each symbol of the graph's ShapeEnv (empty if static)."""
+    env = shape_env_of(example_inputs(gm))
+    return {str(s): int(v) for s, v in _integer_hints(env).items()} if env is not None else {}
 
 
 def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.GraphModule:
