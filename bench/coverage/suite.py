@@ -69,7 +69,39 @@ def farm_failures(row: dict) -> list[str]:
     return problems
 
 
+# Why a farm-specific failure happened, per device kind: the PyTorch limitation behind it, or
+# what was fixed after the run (and how that was verified). Shown under each table.
+EXPLAINED = {
+    ("cuda", "torch-cond"): "torch 2.11 only. Its AOTAutograd cache cannot save a graph that "
+    "calls the `cond` higher-order op (\"Unsupported call_function target cond\"), and a farm "
+    "artifact is a saved AOTAutograd entry; the farm therefore falls back to a local compile. "
+    "Local torch.compile never saves, so it is unaffected. torch 2.13 saves it (CPU table).",
+    ("cuda", "custom-function"): "torch 2.11 only, training only: as for torch-cond, with the "
+    "`autograd_function_apply` higher-order op that Dynamo 2.11 makes of a custom "
+    "autograd.Function under grad mode.",
+    ("cuda", "bart"): "Two of the training step's graphs compute on the GPU from CPU-only "
+    "inputs (sizes in, position tensors out). In this run the client routed them by their "
+    "inputs to the CPU pool, whose sandbox has no GPU, and a graph without tensor inputs "
+    "also had no fake mode on the worker. Both are fixed since: the client routes by every "
+    "value of the graph, and the worker makes a fake mode from the graph's ShapeEnv "
+    "(`tests/test_farm.py::test_a_graph_without_tensor_inputs_compiles_on_the_farm`). Not "
+    "re-measured on the GPU: the session's device time was spent.",
+    ("cuda", "mixtral-moe"): "Open. Training only, on the GPU only: transformers' custom "
+    "grouped-mm operator has a backward that calls `offs.tolist()`; compiling the graph on the "
+    "worker (backward lowered ahead of time) and the client's own fallback `compile_fx` both "
+    "stop on it (DataDependentOutputException), while torch.compile's lazy backward lowering "
+    "does not. The training job is unaffected (the graph runs eagerly), but the farm does not "
+    "serve it yet.",
+}
+
+
 def _cell(way: dict) -> str:
+    sources = way.get("sources")
+    if sources == []:
+        return "not compiled (no graph)"
+    fallbacks = [s for s in sources or () if s in ("local", "eager")]
+    if fallbacks:
+        return f"**fell back** ({len(fallbacks)} of {len(sources)} graphs {fallbacks[0]})"
     if not way.get("ok"):
         return f"**fails**: {way.get('error', '?')}"
     return f"ok ({way['max_diff']:.0e})"
@@ -120,9 +152,18 @@ def render() -> str:
         out.append("")
         problems = {r["name"]: farm_failures(r) for r in rows if farm_failures(r)}
         if problems:
-            out += ["Farm-specific failures:", ""]
-            out += [f"- {name}: {'; '.join(p)}" for name, p in problems.items()]
+            out += ["Farm-specific failures, and why:", ""]
+            out += [f"- **{name}**: {EXPLAINED.get((run['device'], name), '; '.join(p))}"
+                    for name, p in problems.items()]
             out.append("")
+        hollow = [r["name"] for r in rows if "error" not in r and all(
+            r["first"]["phases"][p]["farm"].get("sources") == [] for p in PHASES)]
+        if hollow:
+            out += [f"Not compiled at all: {', '.join(hollow)}. With its defaults "
+                    "(`torch._dynamo.config.allow_rnn = False`: `nn.LSTM` and `nn.GRU` run "
+                    "eagerly) Dynamo handed no graph of these models to any backend, so "
+                    "neither local torch.compile nor the farm compiled anything; their rows "
+                    "only show that nothing broke.", ""]
     out += ["## Architectures", "", "| name | what |", "|---|---|"]
     out += [f"| {name} | {what} |" for name, (what, _) in ARCHITECTURES.items()]
     return "\n".join(out) + "\n"
