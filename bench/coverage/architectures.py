@@ -31,6 +31,12 @@ def bert(scale):
     return model, (ids, torch.ones_like(ids), torch.randint(0, 3, (s["batch"],)))
 
 
+def _causal_lm(model, s):
+    """A causal LM with its training inputs: token ids, no mask, the ids as labels."""
+    ids = torch.randint(0, 1000, (s["batch"], s["seq"]))
+    return model, (ids, None, ids)
+
+
 def gpt2(scale):
     from transformers import GPT2Config, GPT2LMHeadModel
     s = _hf(scale)
@@ -38,8 +44,7 @@ def gpt2(scale):
         vocab_size=1000, n_positions=256, n_embd=s["hidden"], n_layer=s["layers"],
         n_head=s["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
         eos_token_id=0))
-    ids = torch.randint(0, 1000, (s["batch"], s["seq"]))
-    return model, (ids, None, ids)
+    return _causal_lm(model, s)
 
 
 def llama_gqa(scale):
@@ -49,8 +54,7 @@ def llama_gqa(scale):
         vocab_size=1000, hidden_size=s["hidden"], intermediate_size=3 * s["hidden"],
         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
         num_key_value_heads=s["heads"] // 2, max_position_embeddings=256))
-    ids = torch.randint(0, 1000, (s["batch"], s["seq"]))
-    return model, (ids, None, ids)
+    return _causal_lm(model, s)
 
 
 def mixtral_moe(scale):
@@ -61,8 +65,7 @@ def mixtral_moe(scale):
         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
         num_key_value_heads=s["heads"] // 2, num_local_experts=4, num_experts_per_tok=2,
         max_position_embeddings=256))
-    ids = torch.randint(0, 1000, (s["batch"], s["seq"]))
-    return model, (ids, None, ids)
+    return _causal_lm(model, s)
 
 
 def t5(scale):
