@@ -86,12 +86,13 @@ EXPLAINED = {
     "value of the graph, and the worker makes a fake mode from the graph's ShapeEnv "
     "(`tests/test_farm.py::test_a_graph_without_tensor_inputs_compiles_on_the_farm`). Not "
     "re-measured on the GPU: the session's device time was spent.",
-    ("cuda", "mixtral-moe"): "Open. Training only, on the GPU only: transformers' custom "
-    "grouped-mm operator has a backward that calls `offs.tolist()`; compiling the graph on the "
-    "worker (backward lowered ahead of time) and the client's own fallback `compile_fx` both "
-    "stop on it (DataDependentOutputException), while torch.compile's lazy backward lowering "
-    "does not. The training job is unaffected (the graph runs eagerly), but the farm does not "
-    "serve it yet.",
+    ("cuda", "mixtral-moe"): "Training only, with the GPU image's transformers 5.17: the "
+    "backward of its custom grouped-mm operator is plain Python that calls `offs.tolist()`, "
+    "so tracing the backward with fake tensors stops (DataDependentOutputException), on the "
+    "worker and in the client's own fallback `compile_fx` alike; the step then runs eagerly. "
+    "transformers 5.23 (the CPU table) registers that backward as a custom operator of its "
+    "own, and the farm serves the training step there. Not explained: why local "
+    "torch.compile with 5.17 got past it.",
 }
 
 
