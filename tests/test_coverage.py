@@ -15,7 +15,8 @@ import pytest
 from conftest import HERE, TOKENS
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench", "coverage"))
-from suite import ARCHITECTURES, PHASES, farm_failures, run_architecture  # noqa: E402
+from suite import (ARCHITECTURES, PHASES, PYTORCH_LIMITS, farm_failures,  # noqa: E402
+                   run_architecture)
 
 pytestmark = pytest.mark.integration
 IN_CI = ("mixtral-moe", "torch-cond", "custom-function", "batchnorm-train", "graph-break",
@@ -23,9 +24,13 @@ IN_CI = ("mixtral-moe", "torch-cond", "custom-function", "batchnorm-train", "gra
 CHOSEN = list(ARCHITECTURES) if os.environ.get("TORCHFARM_COVERAGE") == "all" else IN_CI
 
 
-@pytest.mark.parametrize("name", CHOSEN)
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(reason=PYTORCH_LIMITS[name], strict=True))
+    if name in PYTORCH_LIMITS else name for name in CHOSEN])
 def test_the_farm_compiles_it_like_local_torch_compile(farm, name):
     row = run_architecture(name, farm.addr, TOKENS["alice"])
+    for phase in PHASES:  # even a fallback must give eager's results
+        assert all(run["phases"][phase]["farm"]["ok"] for run in (row["first"], row["second"]))
     assert not farm_failures(row), farm_failures(row)
     for phase in PHASES:
         local = row["first"]["phases"][phase]["local"]

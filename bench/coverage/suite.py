@@ -71,14 +71,23 @@ def farm_failures(row: dict) -> list[str]:
 
 # Why a farm-specific failure happened, per device kind: the PyTorch limitation behind it, or
 # what was fixed after the run (and how that was verified). Shown under each table.
+# PyTorch limitations that make the farm fall back to a local compile (tests expect them).
+COND_NOT_SAVEABLE = (
+    "PyTorch limitation (torch 2.11 and 2.13): the AOTAutograd cache cannot save a graph that "
+    "calls the `cond` higher-order op (\"Bypassing autograd cache due to: Unsupported "
+    "call_function target cond\"), and a farm artifact is a saved AOTAutograd entry; the farm "
+    "therefore answers with an error and the client compiles locally, with the same results. "
+    "Local torch.compile never saves, so it is unaffected.")
+FUNCTION_NOT_SAVEABLE = (
+    "Training only; the same PyTorch limitation (2.11 and 2.13) for the "
+    "`autograd_function_apply` higher-order op that Dynamo makes of a custom "
+    "autograd.Function under grad mode. Inference (no autograd) goes through the farm.")
+PYTORCH_LIMITS = {"torch-cond": COND_NOT_SAVEABLE, "custom-function": FUNCTION_NOT_SAVEABLE}
 EXPLAINED = {
-    ("cuda", "torch-cond"): "torch 2.11 only. Its AOTAutograd cache cannot save a graph that "
-    "calls the `cond` higher-order op (\"Unsupported call_function target cond\"), and a farm "
-    "artifact is a saved AOTAutograd entry; the farm therefore falls back to a local compile. "
-    "Local torch.compile never saves, so it is unaffected. torch 2.13 saves it (CPU table).",
-    ("cuda", "custom-function"): "torch 2.11 only, training only: as for torch-cond, with the "
-    "`autograd_function_apply` higher-order op that Dynamo 2.11 makes of a custom "
-    "autograd.Function under grad mode.",
+    ("cuda", "torch-cond"): COND_NOT_SAVEABLE,
+    ("cpu", "torch-cond"): COND_NOT_SAVEABLE,
+    ("cuda", "custom-function"): FUNCTION_NOT_SAVEABLE,
+    ("cpu", "custom-function"): FUNCTION_NOT_SAVEABLE,
     ("cuda", "bart"): "Two of the training step's graphs compute on the GPU from CPU-only "
     "inputs (sizes in, position tensors out). In this run the client routed them by their "
     "inputs to the CPU pool, whose sandbox has no GPU, and a graph without tensor inputs "
