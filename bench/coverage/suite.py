@@ -142,7 +142,8 @@ def render() -> str:
         out += [f"## {run['device']}, scale {run['scale']}: {run['machine']}", "",
                 f"{run['date']}, torch {run['torch']}, transformers {run['transformers']}, "
                 f"{run.get('parallel', 1)} architecture(s) at a time. {len(rows)} "
-                f"architectures, **{failures} farm-specific failures**.", "",
+                f"architectures, **{failures} farm-specific failures**. {run.get('note', '')}",
+                "",
                 "| architecture | phase | local torch.compile | farm miss | farm hit | "
                 "farm vs local | graphs | local s | miss s | hit s |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
