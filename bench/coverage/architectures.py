@@ -389,10 +389,11 @@ ARCHITECTURES = {
                  lambda s: (ConvNeXt(), (_images(s),))),
     "unet": ("U-Net (GroupNorm, SiLU, transposed conv, skip concat)",
              lambda s: (UNet(), (_images(s, 32, 128),))),
+    # Dynamo unrolls an RNN's time steps into the graph, so the large scale grows the batch
     "lstm-lm": ("2-layer LSTM language model", lambda s: (
-        LSTMLanguageModel(), (torch.randint(0, 500, (4, 16) if s == "small" else (32, 128)),))),
+        LSTMLanguageModel(), (torch.randint(0, 500, (4 if s == "small" else 256, 16)),))),
     "bigru": ("bidirectional GRU classifier", lambda s: (
-        BiGRUClassifier(), (torch.randn(*((4, 20) if s == "small" else (64, 128)), 48),))),
+        BiGRUClassifier(), (torch.randn(4 if s == "small" else 256, 20, 48),))),
     "nn-transformer": ("torch.nn.TransformerEncoder, causal mask", lambda s: (
         TorchTransformer(), (torch.randn(*((2, 16) if s == "small" else (16, 256)), 64),))),
     "dlrm": ("DLRM-style recommender (EmbeddingBag, dot interaction)",

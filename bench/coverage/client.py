@@ -5,6 +5,9 @@ Usage: client.py NAME {first,second} DEVICE SCALE      (TORCHFARM_ADDR / _TOKEN 
   second: eager and the farm only (a fresh process on the same farm: hits)
 Prints one JSON line: per phase (infer, train), each way's time to its first result, its
 largest difference from eager, and whether it is within the tolerance.
+
+Dynamo's `allow_rnn` is on for every way: with its default (off) `nn.LSTM` and `nn.GRU` run
+eagerly and Dynamo hands no graph of an RNN model to any backend, local or farm.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torchfarm.client import backend  # noqa: E402
 # PyTorch's own accuracy check (torch._dynamo.utils.same) with the tolerances of its
 # HuggingFace benchmark runner: 1e-3 for inference, 1e-2 for training.
 TOLERANCE = {"infer": 1e-3, "train": 1e-2}
+torch._dynamo.config.allow_rnn = True
 
 
 def _loss(out) -> torch.Tensor:

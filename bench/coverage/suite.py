@@ -4,8 +4,8 @@ twice (a miss, then a hit in a fresh process), compared with eager.
     python bench/coverage/suite.py                      # CPU, small sizes, embedded farm
     python bench/coverage/suite.py --device cuda --scale large --parallel 4   # bench/gpu/run.sh
 
-Writes bench/coverage/results/<date>-<device>.json and regenerates docs/coverage.md from every
-results file there. tests/test_coverage.py runs the same architectures in CI.
+Writes each architecture's row into bench/coverage/results/<date>-<device>.json as it finishes
+(a rerun replaces its own rows) and regenerates docs/coverage.md from every results file there. tests/test_coverage.py runs the same architectures in CI.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +64,9 @@ def farm_failures(row: dict) -> list[str]:
                 continue  # PyTorch's own limitation; docs/coverage.md names it
             if not farm["ok"]:
                 problems.append(f"{phase}, {run} run: {farm.get('error')}")
+            elif not farm["sources"]:
+                problems.append(f"{phase}, {run} run: no graph reached the farm, so the row "
+                                "tests nothing")
             elif not set(farm["sources"]) <= wanted:
                 problems.append(f"{phase}, {run} run: graphs came from {farm['sources']}, "
                                 f"expected only {sorted(wanted)}")
@@ -132,7 +136,9 @@ def render() -> str:
            "(`torch._dynamo.utils.same`) accepts it with the tolerances of PyTorch's "
            "HuggingFace benchmark runner: 1e-3 for inference, 1e-2 for training. The "
            "number in brackets is the largest absolute difference from eager. Times are "
-           "to the first result (Dynamo, compile or download, and the run), in seconds.",
+           "to the first result (Dynamo, compile or download, and the run), in seconds. "
+           "Dynamo's `allow_rnn` is on: with its default `nn.LSTM` and `nn.GRU` run eagerly "
+           "and no graph of an RNN model reaches any backend.",
            ""]
     for path in sorted(glob.glob(os.path.join(HERE, "results", "*.json"))):
         with open(path) as f:
@@ -167,14 +173,6 @@ def render() -> str:
             out += [f"- **{name}**: {EXPLAINED.get((run['device'], name), '; '.join(p))}"
                     for name, p in problems.items()]
             out.append("")
-        hollow = [r["name"] for r in rows if "error" not in r and all(
-            r["first"]["phases"][p]["farm"].get("sources") == [] for p in PHASES)]
-        if hollow:
-            out += [f"Not compiled at all: {', '.join(hollow)}. With its defaults "
-                    "(`torch._dynamo.config.allow_rnn = False`: `nn.LSTM` and `nn.GRU` run "
-                    "eagerly) Dynamo handed no graph of these models to any backend, so "
-                    "neither local torch.compile nor the farm compiled anything; their rows "
-                    "only show that nothing broke.", ""]
     out += ["## Architectures", "", "| name | what |", "|---|---|"]
     out += [f"| {name} | {what} |" for name, (what, _) in ARCHITECTURES.items()]
     return "\n".join(out) + "\n"
@@ -199,40 +197,48 @@ def main() -> None:
 
     from torchfarm.local_farm import LocalFarm
 
-    def run_one(name: str, addr: str) -> dict:
-        row = run_architecture(name, addr, device=args.device, scale=args.scale)
-        print(f"{name}: {farm_failures(row) or 'ok'}", flush=True)
-        return row
+    today = datetime.date.today().isoformat()
+    path = os.path.join(args.out, f"{today}-{args.device}.json")
+    header = {"date": today, "device": args.device, "scale": args.scale, "machine": args.machine,
+              "parallel": args.parallel, "torch": torch.__version__,
+              "transformers": transformers.__version__}
+    saving = threading.Lock()
 
-    def run_all(addr: str) -> list[dict]:
+    def save(row: dict) -> None:
+        """Merges one architecture's row into today's file at once, so that a run cut short
+        (a device call's time limit) keeps what it finished; a rerun replaces its rows."""
+        with saving:
+            rows = {}
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows = {r["name"]: r for r in json.load(f)["rows"]}
+            rows[row["name"]] = row
+            os.makedirs(args.out, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(dict(header, rows=[rows[n] for n in ARCHITECTURES if n in rows]), f,
+                          indent=1)
+
+    def run_one(name: str, addr: str) -> None:
+        row = run_architecture(name, addr, device=args.device, scale=args.scale)
+        save(row)
+        print(f"{name}: {farm_failures(row) or 'ok'}", flush=True)
+
+    def run_all(addr: str) -> None:
         with ThreadPoolExecutor(args.parallel) as pool:
-            return list(pool.map(lambda name: run_one(name, addr), names))
+            list(pool.map(lambda name: run_one(name, addr), names))
 
     if args.addr:
-        rows = run_all(args.addr)
+        run_all(args.addr)
     else:
         with LocalFarm(device=args.device, workers=args.parallel, sandbox=args.sandbox,
                        extra_env={"TORCHFARM_OP_LIBRARIES": OP_LIBRARIES}) as farm:
             if args.device != "cpu":  # a GPU host serves its CPU graphs too, as in compose
                 farm.start_worker("worker-cpu", device="cpu")
                 farm.wait_ready(120, pools=2)
-            rows = run_all(farm.addr)
-    today = datetime.date.today().isoformat()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{today}-{args.device}.json")
-    if args.only and os.path.exists(path):  # a subset replaces its own rows of today's run
-        with open(path) as f:
-            kept = {r["name"]: r for r in json.load(f)["rows"]}
-        kept.update({r["name"]: r for r in rows})
-        rows = [kept[name] for name in ARCHITECTURES if name in kept]
-    with open(path, "w") as f:
-        json.dump({"date": today, "device": args.device, "scale": args.scale,
-                   "machine": args.machine, "parallel": args.parallel, "torch": torch.__version__,
-                   "transformers": transformers.__version__, "rows": rows}, f, indent=1)
+            run_all(farm.addr)
     if args.out == os.path.join(HERE, "results"):
         with open(os.path.join(ROOT, "docs", "coverage.md"), "w") as f:
             f.write(render())
-
 
 if __name__ == "__main__":
     main()
