@@ -1,11 +1,16 @@
 """Graph serialization: deterministic across processes and paths, metadata only."""
 
+import copyreg
+import io
 import os
 import subprocess
 import sys
 
 import pytest
+import sympy
 import torch
+from torch.fx._graph_pickler import GraphPickler
+from torch.utils._sympy.functions import FloorDiv
 
 from torchfarm.compiler import serialize
 
@@ -102,6 +107,31 @@ def test_equal_devices_give_the_same_bytes_whether_or_not_they_are_one_object():
     shared = serialize._PortablePickler.dumps([one, one, "x"])
     distinct = serialize._PortablePickler.dumps([torch.device("cpu"), torch.device("cpu"), "x"])
     assert shared == distinct
+
+
+def test_equal_sympy_expressions_give_the_same_bytes_whether_or_not_they_are_one_object():
+    # sympy's bounded cache decides whether two equal symbols are one object; on the GPU
+    # three of BART's training graphs got other bytes after a longer process history.
+    one = sympy.Symbol("s0", integer=True, positive=True)
+    sympy.core.cache.clear_cache()
+    other = sympy.Symbol("s0", integer=True, positive=True)
+    assert one == other and one is not other
+    values = [one + 1, FloorDiv(one, 2), sympy.Float(2.5)]
+    shared = serialize._PortablePickler.dumps([*values, one, one])
+    distinct = serialize._PortablePickler.dumps([*values, one, other])
+    assert shared == distinct
+    with serialize._portable_unpickler():
+        loaded = GraphPickler.loads(distinct, None)
+    assert loaded == [*values, one, one] and loaded[3] is loaded[4]
+    assert loaded[3].assumptions0 == one.assumptions0
+
+
+@pytest.mark.parametrize("rebuild, args", [(print, ("run",)),
+                                            (copyreg.__newobj__, (subprocess.Popen, "true"))])
+def test_a_payload_rebuilds_nothing_but_sympy_values(rebuild, args):
+    unpickler = serialize._PortableUnpickler(io.BytesIO(b""), None)
+    with pytest.raises(ValueError, match="rebuilds a sympy value"):
+        unpickler.persistent_load(("sympy", 0, rebuild, args, None))
 
 
 def test_a_graph_with_devices_in_its_arguments_round_trips():

@@ -14,6 +14,7 @@ library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schem
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import contextvars
 import dataclasses
 
@@ -111,13 +112,35 @@ class _PortableTensor(_TensorPickleData):
                 self.metadata, base=dataclasses.replace(base, fake_mode=None))
 
 
+def _fresh(value):
+    """`value` with new string objects: pickle memoizes strings by identity too."""
+    if isinstance(value, str):
+        return value.encode().decode()
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, dict):
+        return {_fresh(k): _fresh(v) for k, v in sorted(value.items())}
+    return value
+
+
 class _PortablePickler(GraphPickler):
+    """Pickle memoizes by identity, and whether two equal values are one object depends on
+    what the process did before; the values where that was seen go by value instead:
+    - devices (CUDA on torch 2.11: the first graph of a fresh process got other bytes);
+    - sympy expressions, which sympy's bounded cache shares or not (BART's training graphs
+      on the GPU after a longer process history), numbered by value."""
+
     def persistent_id(self, obj: object):
-        # Devices by value: pickle memoizes by identity, and whether two equal devices are one
-        # object depends on what the process did before (seen with CUDA on torch 2.11: the
-        # first graph of a fresh process got other bytes, hence another key).
         if type(obj) is torch.device:
             return ("device", str(obj))
+        if isinstance(obj, sympy.Basic):
+            numbers = self.__dict__.setdefault("_sympy_numbers", {})
+            value = (type(obj), sympy.srepr(obj))
+            if value in numbers:
+                return ("sympy", numbers[value])
+            numbers[value] = len(numbers)
+            rebuild, args, state = obj.__reduce_ex__(4)[:3]
+            return ("sympy", numbers[value], rebuild, _fresh(args), _fresh(state))
         return super().persistent_id(obj)
 
     def reducer_override(self, obj: object):
@@ -137,7 +160,22 @@ class _PortableUnpickler(graph_pickler._GraphUnpickler):
     def persistent_load(self, pid: object) -> object:
         if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "device":
             return torch.device(pid[1])
+        if isinstance(pid, tuple) and pid and pid[0] == "sympy":
+            return self._sympy(*pid[1:])
         return super().persistent_load(pid)
+
+    def _sympy(self, number: int, rebuild=None, args=(), state=None) -> sympy.Basic:
+        loaded = self.__dict__.setdefault("_sympy_loaded", {})
+        if rebuild is None:
+            return loaded[number]
+        if rebuild not in (copyreg.__newobj__, copyreg.__newobj_ex__) or not (
+                isinstance(args[0], type) and issubclass(args[0], sympy.Basic)):
+            raise ValueError(f"payload rebuilds a sympy value with {rebuild!r}{args[:1]!r}")
+        expr = rebuild(*args)
+        if state is not None:
+            expr.__setstate__(state)
+        loaded[number] = expr
+        return expr
 
 
 @contextlib.contextmanager
