@@ -92,13 +92,6 @@ EXPLAINED = {
     ("cpu", "torch-cond"): COND_NOT_SAVEABLE,
     ("cuda", "custom-function"): FUNCTION_NOT_SAVEABLE,
     ("cpu", "custom-function"): FUNCTION_NOT_SAVEABLE,
-    ("cuda", "bart"): "Two of the training step's graphs compute on the GPU from CPU-only "
-    "inputs (sizes in, position tensors out). In this run the client routed them by their "
-    "inputs to the CPU pool, whose sandbox has no GPU, and a graph without tensor inputs "
-    "also had no fake mode on the worker. Both are fixed since: the client routes by every "
-    "value of the graph, and the worker makes a fake mode from the graph's ShapeEnv "
-    "(`tests/test_farm.py::test_a_graph_without_tensor_inputs_compiles_on_the_farm`). Not "
-    "re-measured on the GPU: the session's device time was spent.",
     ("cuda", "mixtral-moe"): "Training only, with the GPU image's transformers 5.17: the "
     "backward of its custom grouped-mm operator is plain Python that calls `offs.tolist()`, "
     "so tracing the backward with fake tensors stops (DataDependentOutputException), on the "
