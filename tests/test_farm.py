@@ -13,6 +13,7 @@ import warnings
 import grpc
 import pytest
 import torch
+from torch._inductor.compile_fx import compile_fx
 
 import torchfarm
 from torchfarm.client import backend, remote
@@ -246,3 +247,73 @@ def test_a_graph_without_tensor_inputs_compiles_on_the_farm(farm):
     compiled = _farm_compile(positions, farm, dynamic=True)
     assert torch.equal(compiled(7), positions(7))
     assert [r.source for r in backend.history] == ["miss"], backend.history
+
+
+@torch.library.custom_op("torchfarm_test::double", mutates_args=())
+def _double(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x, counts):
+    return torch.empty_like(x)
+
+
+def _double_backward(ctx, grad):
+    for _ in ctx.counts.tolist():  # data-dependent, like transformers 5.17's MoE backward
+        pass
+    return grad * 2, None
+
+
+def _double_setup(ctx, inputs, output):
+    ctx.counts = inputs[1]
+
+
+_double.register_autograd(_double_backward, setup_context=_double_setup)
+
+
+def test_a_graph_inductor_cannot_trace_is_split_by_dynamo_as_for_local_torch_compile(
+        farm, store):
+    # The op's backward reads a tensor's values, so tracing it with fake tensors fails; local
+    # torch.compile then runs the frame eagerly and compiles the functions it calls. Through
+    # the farm (whose worker lacks the op), those must go to the farm the same way, and the
+    # farm remembers the failure (TORCHFARM_FAILURE_MEMORY) instead of compiling it again.
+    def before(x):
+        return torch.sin(x) * 2
+
+    def after(y):
+        return torch.cos(y).sum()
+
+    def program(x, counts):
+        return after(torch.ops.torchfarm_test.double(before(x), counts))
+
+    def gradient(compiled):
+        x = torch.linspace(-1, 1, 12, requires_grad=True)
+        compiled(x, torch.tensor([4, 8])).backward()
+        return x.grad
+
+    local_graphs = []
+
+    def counting_inductor(gm, example_inputs):
+        compiled = compile_fx(gm, example_inputs)
+        local_graphs.append(len(gm.graph.nodes))
+        return compiled
+
+    expected = gradient(program)
+    torch._dynamo.reset()
+    torch.testing.assert_close(gradient(torch.compile(program, backend=counting_inductor)),
+                               expected)
+    torch._dynamo.reset()
+    backend.history.clear()
+    torch.testing.assert_close(gradient(_farm_compile(program, farm)), expected)
+    sources = [r.source for r in backend.history]
+    assert sources[0] == "split" and "DataDependentOutputException" in backend.history[0].why
+    assert sources[1:] == ["miss"] * len(local_graphs) and len(local_graphs) >= 2, sources
+
+    failures = sum(s.get("compile_failures", 0) for s in store.pool_stats().values())
+    torch._dynamo.reset()
+    backend.history.clear()
+    torch.testing.assert_close(gradient(_farm_compile(program, farm)), expected)
+    assert [r.source for r in backend.history] == ["split"] + ["hit"] * len(local_graphs)
+    assert "not retried" in backend.history[0].why
+    assert sum(s.get("compile_failures", 0) for s in store.pool_stats().values()) == failures

@@ -114,6 +114,9 @@ class WorkerSettings:
     # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
     # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
     op_libraries: str = ""
+    # TORCHFARM_FAILURE_MEMORY: a job whose compile raised (not a timeout or a killed child) is
+    # answered with that error, without compiling again, for this long; 0 = always retry
+    failure_memory_s: float = 600
 
     def __post_init__(self) -> None:
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
@@ -141,6 +144,7 @@ class WorkerSettings:
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
+            failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

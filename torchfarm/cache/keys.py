@@ -37,6 +37,10 @@ def error(job: str) -> str:          # why the job failed (short-lived)
     return f"{FORMAT}:error:{job}"
 
 
+def failed(job: str) -> str:         # why the graph itself failed to compile: not retried
+    return f"{FORMAT}:failed:{job}"  # for TORCHFARM_FAILURE_MEMORY
+
+
 def done(job: str) -> str:           # the digest of the entry the job stored (short-lived)
     return f"{FORMAT}:done:{job}"
 

@@ -266,11 +266,14 @@ class Store:
     def job_payload(self, job: str) -> bytes | None:
         return self.jobs.get(keys.job(job))
 
-    def finish_job(self, job: str, error: str | None = None) -> None:
-        """Worker: the job ended without storing an entry; waiters see this error."""
+    def finish_job(self, job: str, error: str | None = None, remember_s: float = 0) -> None:
+        """Worker: the job ended without storing an entry; waiters see this error, and for
+        `remember_s` new requests of the job get it without a compile (see `failure`)."""
         pipe = self.jobs.pipeline()
         if error is not None:
             pipe.set(keys.error(job), error[-4000:], ex=ERROR_TTL_S)
+            if remember_s > 0:
+                pipe.set(keys.failed(job), error[-4000:], ex=max(1, int(remember_s)))
         pipe.delete(keys.job(job), keys.status(job), keys.claim(job))
         pipe.execute()
 
@@ -283,6 +286,12 @@ class Store:
 
     def error(self, job: str) -> str | None:
         value = self.jobs.get(keys.error(job))
+        return value.decode() if value else None
+
+    def failure(self, job: str) -> str | None:
+        """The error of a recent compile of this job that failed by itself (not a timeout or a
+        killed child), which another compile would meet again."""
+        value = self.jobs.get(keys.failed(job))
         return value.decode() if value else None
 
     # ---- pools and stats ---------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 Registered through the `torch_dynamo_backends` entry point, so `torch.compile(m,
 backend="torchfarm")` needs no import. A farm that is unset, down, slow or failing never
-breaks the job: the graph is compiled locally (then run eagerly), with one warning.
+breaks the job: the graph is compiled locally (then run eagerly), with one warning. Where the
+local compile fails with one of the fake-tensor errors on which Dynamo splits a graph (an op
+whose output depends on data), the error goes to Dynamo, which then splits the graph around
+that op exactly as it does for local torch.compile.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch._dynamo.exc import exceptions_allowed_to_be_fallback
 
 from torchfarm.client import remote
 from torchfarm.client.progress import ProgressLine
@@ -33,7 +37,8 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class GraphRecord:
-    """What happened to one graph: source is hit, miss, merged, local or eager."""
+    """What happened to one graph: source is hit, miss, merged, local, eager, or split (handed
+    back to Dynamo to split, whose smaller graphs get records of their own)."""
 
     label: str
     source: str
@@ -116,6 +121,11 @@ def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
     try:
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches(options))
         source = "local"
+    except exceptions_allowed_to_be_fallback as e:  # Dynamo splits the graph, as for Inductor
+        history.append(GraphRecord(label, "split", time.perf_counter() - started,
+                                   why=f"{why}; local: {type(e).__name__}: {e}"[-2000:]))
+        log.info("%s: handed back to Dynamo to split (%s: %s)", label, type(e).__name__, e)
+        raise
     except Exception as e:
         _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
         compiled, source = gm.forward, "eager"

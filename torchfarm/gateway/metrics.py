@@ -11,7 +11,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 REQUESTS = Counter("torchfarm_requests", "RPCs answered, by method and gRPC status",
                    ["rpc", "status"])
-RESULTS = Counter("torchfarm_cache_results", "Compile requests by outcome: hit, miss, merged",
+RESULTS = Counter("torchfarm_cache_results",
+                  "Compile requests by outcome: hit, miss, merged, failed (a remembered failure)",
                   ["result"])
 BYTES_SERVED = Counter("torchfarm_bytes_served", "Artifact bytes streamed to clients")
 COMPILE_SECONDS = Histogram("torchfarm_compile_seconds", "Worker compile time of each miss",

@@ -86,6 +86,12 @@ class FarmServicer(pb_grpc.FarmServicer):
             yield from self._send(key, *hit, source="hit")
             return
 
+        failure = self.store.failure(job)
+        if failure is not None:
+            metrics.RESULTS.labels("failed").inc()
+            context.abort(grpc.StatusCode.ABORTED, f"compile failed on the farm: {failure}\n(a "
+                          "recent compile of this graph, not retried for the worker's "
+                          "TORCHFARM_FAILURE_MEMORY)")
         pool = pool_name(request.target)
         pools = self.store.pools()
         if pool not in pools:

@@ -90,7 +90,8 @@ def _compile_and_store(task, key: str, job_id: str, job: dict, settings: WorkerS
     except sandbox.CompileFailed as e:
         log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
         store.count(_pool_of(task), compile_failures=1)
-        store.finish_job(job_id, error=str(e))
+        store.finish_job(job_id, error=str(e),
+                         remember_s=settings.failure_memory_s if e.lasting else 0)
         return "failed", 0
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)

@@ -30,7 +30,12 @@ STAGE_POLL_S = 0.5
 
 
 class CompileFailed(RuntimeError):
-    """The compile child failed, crashed or ran out of time; the message says which."""
+    """The compile child failed, crashed or ran out of time; the message says which.
+    `lasting`: the child raised, so compiling the same job again would fail the same way."""
+
+    def __init__(self, message: str, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 def check_available(settings: WorkerSettings) -> None:
@@ -176,7 +181,8 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         out_path = os.path.join(workdir, "artifact.pb")
         if returncode != 0 or not os.path.exists(out_path):
             how = _how_it_ended(returncode, settings.sandbox)
-            raise CompileFailed(f"compile child failed ({how}):\n{stderr[-3000:]}")
+            raise CompileFailed(f"compile child failed ({how}):\n{stderr[-3000:]}",
+                                lasting=returncode == 1)
         with open(out_path, "rb") as f:
             data = f.read()
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
