@@ -14,8 +14,8 @@ library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schem
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import contextvars
+import copyreg
 import dataclasses
 
 import sympy
@@ -119,7 +119,8 @@ def _fresh(value):
     if isinstance(value, tuple):
         return tuple(_fresh(v) for v in value)
     if isinstance(value, dict):
-        return {_fresh(k): _fresh(v) for k, v in sorted(value.items())}
+        items = sorted(value.items(), key=lambda item: str(item[0]))
+        return {_fresh(k): _fresh(v) for k, v in items}
     return value
 
 
