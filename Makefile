@@ -1,4 +1,6 @@
 # The two commands: `make demo` and `make test`. Both create .venv and install what is missing.
+# `make unit` is the fast tier (under a minute), `make lint` ruff + mypy; `make test` runs both
+# tiers and lint, as CI does.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -6,13 +8,23 @@ STAMP := $(VENV)/.installed
 # compose test validates docker-compose.yml against it (no Docker engine runs here).
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
-.PHONY: demo test deps system proto bench coverage clean
+.PHONY: demo test unit integration lint deps system proto bench coverage clean
 
 demo: deps
 	$(PY) examples/demo.py
 
-test: deps $(COMPOSE_SCHEMA)
-	$(PY) -m pytest -q -p no:cacheprovider
+test: lint unit integration
+
+unit: deps $(COMPOSE_SCHEMA)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+integration: deps
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+lint: deps
+	$(VENV)/bin/ruff check torchfarm tests bench examples
+	$(VENV)/bin/ruff format --check torchfarm tests bench examples
+	$(VENV)/bin/mypy
 
 deps: system $(STAMP)
 
@@ -33,7 +45,8 @@ $(COMPOSE_SCHEMA): $(STAMP)
 	$(PY) -c "import sys, zipfile; open(sys.argv[2], 'wb').write(zipfile.ZipFile(sys.argv[1]).read('compose/config/compose_spec.json'))" .cache/wheels/docker_compose-1.29.2-py2.py3-none-any.whl $@
 
 proto: deps
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. torchfarm/proto/torchfarm.proto
+	PATH=$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --mypy_out=. \
+		--mypy_grpc_out=. torchfarm/proto/torchfarm.proto
 
 bench: deps
 	$(PY) bench/warm_start.py

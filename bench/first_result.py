@@ -9,8 +9,8 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from models import TransformerBlock  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.models import TransformerBlock  # noqa: E402
 
 
 def main(backend: str) -> None:

@@ -41,12 +41,17 @@ def _request(graph: bytes, hints: dict):
     from torchfarm.compiler.target import local_target
     from torchfarm.proto import torchfarm_pb2 as pb
 
-    return pb.CompileRequest(graph=graph, target=local_target(), size_hints=hints,
-                             label="load")
+    return pb.CompileRequest(graph=graph, target=local_target(), size_hints=hints, label="load")
 
 
-def _client(addr: str, graph: bytes, hints: dict, seconds: float, start_at: float,
-            results: multiprocessing.Queue) -> None:
+def _client(
+    addr: str,
+    graph: bytes,
+    hints: dict,
+    seconds: float,
+    start_at: float,
+    results: multiprocessing.Queue,
+) -> None:
     from torchfarm.client import remote
     from torchfarm.settings import ClientSettings
 
@@ -88,9 +93,12 @@ def main() -> None:
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
         start_at = time.time() + 5  # every client imported and connected by then
-        procs = [ctx.Process(target=_client, args=(farm.addr, graph, hints, args.seconds,
-                                                   start_at, results))
-                 for _ in range(args.clients)]
+        procs = [
+            ctx.Process(
+                target=_client, args=(farm.addr, graph, hints, args.seconds, start_at, results)
+            )
+            for _ in range(args.clients)
+        ]
         for proc in procs:
             proc.start()
         runs = [results.get(timeout=args.seconds + 120) for _ in procs]
@@ -99,14 +107,24 @@ def main() -> None:
     latencies = sorted(x for r in runs for x in r["latencies"])
     errors = [e for r in runs for e in r["errors"]]
     cuts = statistics.quantiles(latencies, n=100)
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}"
-        f", {os.cpu_count()} cores", "clients": args.clients, "seconds": args.seconds,
-        "requests": len(latencies), "errors": len(errors), "error_samples": errors[:3],
-        "throughput_per_s": round(len(latencies) / args.seconds, 1),
-        "p50_ms": round(cuts[49] * 1000, 1), "p90_ms": round(cuts[89] * 1000, 1),
-        "p99_ms": round(cuts[98] * 1000, 1), "artifact_bytes": runs[0]["bytes"],
-    }))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                "clients": args.clients,
+                "seconds": args.seconds,
+                "requests": len(latencies),
+                "errors": len(errors),
+                "error_samples": errors[:3],
+                "throughput_per_s": round(len(latencies) / args.seconds, 1),
+                "p50_ms": round(cuts[49] * 1000, 1),
+                "p90_ms": round(cuts[89] * 1000, 1),
+                "p99_ms": round(cuts[98] * 1000, 1),
+                "artifact_bytes": runs[0]["bytes"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,16 @@ CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_result.
 
 
 def measure(backend: str, cache_dir: str, addr: str = "") -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=cache_dir + "-triton",
-               TORCHFARM_ADDR=addr, TORCHFARM_PROGRESS="0")
-    out = subprocess.run([sys.executable, CLIENT, backend], env=env, capture_output=True,
-                         text=True, check=True)
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        TRITON_CACHE_DIR=cache_dir + "-triton",
+        TORCHFARM_ADDR=addr,
+        TORCHFARM_PROGRESS="0",
+    )
+    out = subprocess.run(
+        [sys.executable, CLIENT, backend], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -49,10 +55,16 @@ def main() -> None:
             assert hit["source"] == "hit", hit
             runs["d"].append(hit["seconds"])
     med = {k: statistics.median(v) for k, v in runs.items()}
-    names = {"a": "local cold compile", "b": "local warm cache (PyTorch)",
-             "c": "farm miss", "d": "farm hit, empty local cache"}
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {args.repeats} repeats (median; all runs in brackets)")
+    names = {
+        "a": "local cold compile",
+        "b": "local warm cache (PyTorch)",
+        "c": "farm miss",
+        "d": "farm hit, empty local cache",
+    }
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {args.repeats} repeats (median; all runs in brackets)"
+    )
     for k in "abcd":
         print(f"({k}) {names[k]:<30} {med[k]:7.2f} s  {[round(x, 2) for x in runs[k]]}")
     print(f"(d)/(b) = {med['d'] / med['b']:.2f}   (target <= 1.1)")

@@ -1,6 +1,6 @@
 """A small training loop compiled through the farm; prints one JSON line with what happened.
 
-    TORCHFARM_ADDR=host:port python examples/train.py
+TORCHFARM_ADDR=host:port python examples/train.py
 """
 
 import copy
@@ -17,8 +17,14 @@ from torchfarm.client.backend import history
 class Net(nn.Module):
     def __init__(self, dim: int = 64):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(32, dim), nn.GELU(), nn.LayerNorm(dim),
-                                  nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 10))
+        self.body = nn.Sequential(
+            nn.Linear(32, dim),
+            nn.GELU(),
+            nn.LayerNorm(dim),
+            nn.Linear(dim, dim),
+            nn.GELU(),
+            nn.Linear(dim, 10),
+        )
 
     def forward(self, x):
         return self.body(x)
@@ -47,14 +53,20 @@ def main(steps: int = 5) -> None:
                     first_step_s = time.perf_counter() - started
             else:
                 max_err = max(max_err, abs(compiled_loss - loss.item()))
-    params_err = max((a - b).abs().max().item()
-                     for a, b in zip(model.parameters(), eager.parameters()))
-    print(json.dumps({
-        "sources": [r.source for r in history],
-        "first_step_s": round(first_step_s, 3),
-        "max_loss_err": max_err, "max_param_err": params_err,
-        "matches_eager": max_err < 1e-4 and params_err < 1e-4,
-    }))
+    params_err = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters())
+    )
+    print(
+        json.dumps(
+            {
+                "sources": [r.source for r in history],
+                "first_step_s": round(first_step_s, 3),
+                "max_loss_err": max_err,
+                "max_param_err": params_err,
+                "matches_eager": max_err < 1e-4 and params_err < 1e-4,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ import typer
 
 from torchfarm.cache.cli import app as cache_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="torchfarm: a remote compilation farm for torch.compile")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="torchfarm: a remote compilation farm for torch.compile",
+)
 app.add_typer(cache_app, name="cache")
 
 
@@ -21,32 +24,43 @@ def _logging(level: str) -> None:
 
 
 @app.command()
-def up(grpc_port: int = typer.Option(0, help="gateway port (0 picks a free one)"),
-       redis_port: int = typer.Option(0, help="redis-server port (0 picks a free one)"),
-       host: str = typer.Option("127.0.0.1", help="address the gateway listens on"),
-       workers: int = typer.Option(1, help="workers to start"),
-       device: str = typer.Option("cpu", help="what the workers compile for: cpu or cuda"),
-       sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)")) -> None:
+def up(
+    grpc_port: int = typer.Option(0, help="gateway port (0 picks a free one)"),
+    redis_port: int = typer.Option(0, help="redis-server port (0 picks a free one)"),
+    host: str = typer.Option("127.0.0.1", help="address the gateway listens on"),
+    workers: int = typer.Option(1, help="workers to start"),
+    device: str = typer.Option("cpu", help="what the workers compile for: cpu or cuda"),
+    sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)"),
+) -> None:
     """Start an embedded local farm; prints TORCHFARM_ADDR=host:port when ready."""
     from torchfarm.local_farm import LocalFarm
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with LocalFarm(grpc_port=grpc_port, redis_port=redis_port, host=host, workers=workers,
-                   sandbox=sandbox, device=device) as farm:
+    with LocalFarm(
+        grpc_port=grpc_port,
+        redis_port=redis_port,
+        host=host,
+        workers=workers,
+        sandbox=sandbox,
+        device=device,
+    ) as farm:
         print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
-        typer.echo(f"redis {farm.redis_url}; logs in {farm.log_dir}; Ctrl-C stops the farm",
-                   err=True)
+        typer.echo(
+            f"redis {farm.redis_url}; logs in {farm.log_dir}; Ctrl-C stops the farm", err=True
+        )
         stop.wait()
     typer.echo("farm stopped", err=True)
 
 
 @app.command()
-def gateway(host: str = typer.Option(None, help="[TORCHFARM_GATEWAY_HOST]"),
-            port: int = typer.Option(None, help="[TORCHFARM_GATEWAY_PORT]"),
-            redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
-            log_level: str = "info") -> None:
+def gateway(
+    host: str = typer.Option(None, help="[TORCHFARM_GATEWAY_HOST]"),
+    port: int = typer.Option(None, help="[TORCHFARM_GATEWAY_PORT]"),
+    redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
+    log_level: str = "info",
+) -> None:
     """Run the gRPC gateway."""
     from torchfarm.gateway.server import serve
     from torchfarm.settings import GatewaySettings
@@ -56,18 +70,21 @@ def gateway(host: str = typer.Option(None, help="[TORCHFARM_GATEWAY_HOST]"),
 
 
 @app.command()
-def worker(pool: str = typer.Option(None, help="[TORCHFARM_POOL] queue to serve; auto = this machine"),
-           device: str = typer.Option(None, help="[TORCHFARM_DEVICE] cpu or cuda"),
-           redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
-           concurrency: int = typer.Option(None, help="[TORCHFARM_WORKER_CONCURRENCY]"),
-           sandbox: str = typer.Option(None, help="[TORCHFARM_SANDBOX] bwrap, or none (insecure)"),
-           log_level: str = "info") -> None:
+def worker(
+    pool: str = typer.Option(None, help="[TORCHFARM_POOL] queue to serve; auto = this machine"),
+    device: str = typer.Option(None, help="[TORCHFARM_DEVICE] cpu or cuda"),
+    redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
+    concurrency: int = typer.Option(None, help="[TORCHFARM_WORKER_CONCURRENCY]"),
+    sandbox: str = typer.Option(None, help="[TORCHFARM_SANDBOX] bwrap, or none (insecure)"),
+    log_level: str = "info",
+) -> None:
     """Run a Celery compile worker for one hardware pool."""
     from torchfarm.settings import WorkerSettings
 
     _logging(log_level)
-    settings = WorkerSettings.from_env(pool=pool, device=device, redis_url=redis_url,
-                                       concurrency=concurrency, sandbox=sandbox)
+    settings = WorkerSettings.from_env(
+        pool=pool, device=device, redis_url=redis_url, concurrency=concurrency, sandbox=sandbox
+    )
     if settings.metrics_port:
         from torchfarm.workers import metrics
 
@@ -78,10 +95,11 @@ def worker(pool: str = typer.Option(None, help="[TORCHFARM_POOL] queue to serve;
 
 
 @app.command()
-def doctor(addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
-           token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
-           device: str = typer.Option("cpu", help="the device your model runs on: cpu or cuda"),
-           ) -> None:
+def doctor(
+    addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
+    token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
+    device: str = typer.Option("cpu", help="the device your model runs on: cpu or cuda"),
+) -> None:
     """Check the farm from this machine: address, gateway, token, target, a round trip."""
     from rich.console import Console
     from rich.table import Table

@@ -1,8 +1,8 @@
 """`torchfarm doctor`: check, in order, everything a client needs from its farm.
 
-address set → gateway reachable and healthy → transport (TLS or plaintext) → token accepted → this machine's
-target → a round-trip compile of a tiny graph through the farm, compared with eager. Each
-failed check says what to do; later checks that depend on it are skipped.
+address set → gateway reachable and healthy → transport (TLS or plaintext) → token accepted →
+this machine's target → a round-trip compile of a tiny graph through the farm, compared with
+eager. Each failed check says what to do; later checks that depend on it are skipped.
 """
 
 from __future__ import annotations
@@ -33,18 +33,27 @@ class Check:
 
 def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
     """Every check, in order; stops at the first failure that later checks depend on."""
-    checks = [Check("address", bool(settings.addr), settings.addr or "TORCHFARM_ADDR is not set",
-                    "" if settings.addr else "export TORCHFARM_ADDR=host:port of the gateway "
-                    "(`torchfarm up` prints it for an embedded farm)")]
+    checks = [
+        Check(
+            "address",
+            bool(settings.addr),
+            settings.addr or "TORCHFARM_ADDR is not set",
+            ""
+            if settings.addr
+            else "export TORCHFARM_ADDR=host:port of the gateway "
+            "(`torchfarm up` prints it for an embedded farm)",
+        )
+    ]
     if not settings.addr:
         return checks
     checks.append(_health(settings))
     if not checks[-1].ok:
         return checks
-    checks.append(Check("transport", True, f"TLS, trusting {settings.tls_ca}")
-                  if settings.tls_ca else
-                  Check("transport", None, "plaintext gRPC (set TORCHFARM_TLS_CA for a TLS "
-                        "gateway)"))
+    checks.append(
+        Check("transport", True, f"TLS, trusting {settings.tls_ca}")
+        if settings.tls_ca
+        else Check("transport", None, "plaintext gRPC (set TORCHFARM_TLS_CA for a TLS gateway)")
+    )
     checks.append(_auth(settings))
     if not checks[-1].ok:
         return checks
@@ -58,21 +67,38 @@ def _health(settings: ClientSettings) -> Check:
     channel = remote.channel(settings.addr, settings.tls_ca)
     try:
         grpc.channel_ready_future(channel).result(timeout=settings.connect_timeout_s)
-        status = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=5).status
+        status = (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(), timeout=5)
+            .status
+        )
     except grpc.FutureTimeoutError:
-        tls = ("; over TLS: is TORCHFARM_TLS_CA the CA of the gateway's certificate, and does "
-               "the certificate name this host?" if settings.tls_ca else
-               "; a TLS gateway needs TORCHFARM_TLS_CA")
-        return Check("gateway", False, f"{settings.addr} unreachable within "
-                     f"{settings.connect_timeout_s:g} s",
-                     f"is the gateway running, and is this host:port reachable from here{tls}")
+        tls = (
+            "; over TLS: is TORCHFARM_TLS_CA the CA of the gateway's certificate, and does "
+            "the certificate name this host?"
+            if settings.tls_ca
+            else "; a TLS gateway needs TORCHFARM_TLS_CA"
+        )
+        return Check(
+            "gateway",
+            False,
+            f"{settings.addr} unreachable within {settings.connect_timeout_s:g} s",
+            f"is the gateway running, and is this host:port reachable from here{tls}",
+        )
     except grpc.RpcError as e:
-        return Check("gateway", False, f"health check failed: {e.code().name}",
-                     "the address answers but is not a torchfarm gateway?")
+        return Check(
+            "gateway",
+            False,
+            f"health check failed: {e.code().name}",
+            "the address answers but is not a torchfarm gateway?",
+        )
     serving = status == health_pb2.HealthCheckResponse.SERVING
-    return Check("gateway", serving, health_pb2.HealthCheckResponse.ServingStatus.Name(status),
-                 "" if serving else "the gateway is up but not serving: see its log")
+    return Check(
+        "gateway",
+        serving,
+        health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+        "" if serving else "the gateway is up but not serving: see its log",
+    )
 
 
 def _auth(settings: ClientSettings) -> Check:
@@ -82,19 +108,29 @@ def _auth(settings: ClientSettings) -> Check:
     except remote.FarmError as e:
         message = str(e)
         if message.startswith(("UNAUTHENTICATED", "PERMISSION_DENIED")):
-            return Check("token", False, message, "set TORCHFARM_TOKEN to your tenant's token "
-                         "(ask the farm's operator)")
+            return Check(
+                "token",
+                False,
+                message,
+                "set TORCHFARM_TOKEN to your tenant's token (ask the farm's operator)",
+            )
     return Check("token", True, "accepted" if settings.token else "none needed")
 
 
 def _round_trip(settings: ClientSettings, device: str) -> Check:
     """Compile a two-op function through the farm, as training code would."""
+
     def tiny(x):
         return torch.nn.functional.gelu(x) * 2 + 1
 
     x = torch.randn(8, 16, device=device)
-    compiled = torch.compile(tiny, backend=lambda gm, inputs: backend.torchfarm_backend(
-        gm, inputs, addr=settings.addr, token=settings.token), dynamic=False)
+    compiled = torch.compile(
+        tiny,
+        backend=lambda gm, inputs: backend.torchfarm_backend(
+            gm, inputs, addr=settings.addr, token=settings.token
+        ),
+        dynamic=False,
+    )
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -103,12 +139,23 @@ def _round_trip(settings: ClientSettings, device: str) -> Check:
     record = backend.history[-1] if backend.history else None
     if record is None or record.source not in ("hit", "miss", "merged"):
         reason = "; ".join(str(w.message) for w in caught) or "no farm compile happened"
-        return Check("round trip", False, reason,
-                     "if it names no pool for this target, start a worker on a machine like "
-                     "this one (`torchfarm worker --pool auto`); otherwise see the gateway "
-                     "and worker logs")
+        return Check(
+            "round trip",
+            False,
+            reason,
+            "if it names no pool for this target, start a worker on a machine like "
+            "this one (`torchfarm worker --pool auto`); otherwise see the gateway "
+            "and worker logs",
+        )
     if not torch.allclose(out, tiny(x), rtol=1e-4, atol=1e-5):
-        return Check("round trip", False, "the farm's result differs from eager",
-                     "report this: it is a torchfarm bug")
-    return Check("round trip", True, f"{record.source} in {seconds:.2f} s, {record.bytes:,} "
-                 "bytes, output equals eager")
+        return Check(
+            "round trip",
+            False,
+            "the farm's result differs from eager",
+            "report this: it is a torchfarm bug",
+        )
+    return Check(
+        "round trip",
+        True,
+        f"{record.source} in {seconds:.2f} s, {record.bytes:,} bytes, output equals eager",
+    )

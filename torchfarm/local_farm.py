@@ -29,11 +29,20 @@ def free_port() -> int:
 class LocalFarm:
     """Start with `with LocalFarm() as farm:`; `farm.addr` is host:port of the gateway."""
 
-    def __init__(self, grpc_port: int = 0, redis_port: int = 0, tenants: str = "",
-                 sandbox: str = "bwrap", workers: int = 1, host: str = "127.0.0.1",
-                 log_dir: str | None = None, extra_env: dict | None = None,
-                 device: str = "cpu", tls: tuple[str, str] | None = None,
-                 separate_broker: bool = False):
+    def __init__(
+        self,
+        grpc_port: int = 0,
+        redis_port: int = 0,
+        tenants: str = "",
+        sandbox: str = "bwrap",
+        workers: int = 1,
+        host: str = "127.0.0.1",
+        log_dir: str | None = None,
+        extra_env: dict | None = None,
+        device: str = "cpu",
+        tls: tuple[str, str] | None = None,
+        separate_broker: bool = False,
+    ):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
         # A second redis-server for Celery and job state (as in docker-compose.yml); without
         # it they use database 1 of the cache's server.
@@ -76,9 +85,14 @@ class LocalFarm:
 
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **self.extra_env, **(env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.extra_env, **(env or {})},
+            start_new_session=True,
+        )
         log.close()
         self.procs[name] = proc
         return proc
@@ -97,15 +111,34 @@ class LocalFarm:
         its port and directory (AOF)."""
         server = shutil.which("redis-server")
         if not server:
-            raise RuntimeError("redis-server not found: run `make deps` (apt-get install redis-server)")
+            raise RuntimeError(
+                "redis-server not found: run `make deps` (apt-get install redis-server)"
+            )
         attr = "redis_port" if name == "redis" else "broker_port"
         port = getattr(self, attr) or free_port()
         setattr(self, attr, port)
         directory = os.path.join(self.workdir, name)
         os.makedirs(directory, exist_ok=True)
-        self._spawn(name, [server, "--port", str(port), "--bind", "127.0.0.1",
-                           "--dir", directory, "--save", "", "--appendonly", "yes",
-                           "--appendfsync", "everysec", "--protected-mode", "yes"])
+        self._spawn(
+            name,
+            [
+                server,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                directory,
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--protected-mode",
+                "yes",
+            ],
+        )
         client = redis.Redis(port=port)
         deadline = time.monotonic() + 20
         while True:
@@ -120,21 +153,51 @@ class LocalFarm:
     def start_gateway(self) -> None:
         self.grpc_port = self.grpc_port or free_port()
         self.metrics_port = free_port()
-        self._spawn("gateway", [sys.executable, "-m", "torchfarm", "gateway", "--host", self.host,
-                                "--port", str(self.grpc_port), "--redis-url", self.redis_url],
-                    env={"TORCHFARM_TENANTS": self.tenants, "TORCHFARM_BROKER_URL": self.broker_url,
-                         "TORCHFARM_METRICS_PORT": str(self.metrics_port),
-                         "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
-                         "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else ""})
+        self._spawn(
+            "gateway",
+            [
+                sys.executable,
+                "-m",
+                "torchfarm",
+                "gateway",
+                "--host",
+                self.host,
+                "--port",
+                str(self.grpc_port),
+                "--redis-url",
+                self.redis_url,
+            ],
+            env={
+                "TORCHFARM_TENANTS": self.tenants,
+                "TORCHFARM_BROKER_URL": self.broker_url,
+                "TORCHFARM_METRICS_PORT": str(self.metrics_port),
+                "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
+                "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else "",
+            },
+        )
 
     def start_worker(self, name: str, device: str = "") -> subprocess.Popen:
         """One more worker, for the farm's device or for `device`."""
         self.worker_metrics_ports[name] = free_port()
-        return self._spawn(name, [sys.executable, "-m", "torchfarm", "worker",
-                                  "--redis-url", self.redis_url, "--sandbox", self.sandbox,
-                                  "--device", device or self.device],
-                           env={"TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
-                                "TORCHFARM_BROKER_URL": self.broker_url})
+        return self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "torchfarm",
+                "worker",
+                "--redis-url",
+                self.redis_url,
+                "--sandbox",
+                self.sandbox,
+                "--device",
+                device or self.device,
+            ],
+            env={
+                "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
+                "TORCHFARM_BROKER_URL": self.broker_url,
+            },
+        )
 
     def wait_ready(self, timeout_s: float, pools: int = 1) -> None:
         """Until the gateway answers health checks and workers have registered `pools` pools."""
@@ -147,23 +210,31 @@ class LocalFarm:
         if self.tls:
             with open(self.tls[0], "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        with (grpc.secure_channel(self.addr, credentials) if credentials
-              else grpc.insecure_channel(self.addr)) as channel:
+        with (
+            grpc.secure_channel(self.addr, credentials)
+            if credentials
+            else grpc.insecure_channel(self.addr)
+        ) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 for name, proc in self.procs.items():
                     if proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited ({proc.returncode}); see "
-                                           f"{self.log_dir}/{name}.log")
+                        raise RuntimeError(
+                            f"{name} exited ({proc.returncode}); see {self.log_dir}/{name}.log"
+                        )
                 try:
-                    ok = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING
+                    ok = (
+                        health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    )
                 except grpc.RpcError:
                     ok = False
                 if ok and len(store.pools()) >= pools:
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"farm not ready in {timeout_s:.0f} s; logs in {self.log_dir}")
+                    raise RuntimeError(
+                        f"farm not ready in {timeout_s:.0f} s; logs in {self.log_dir}"
+                    )
                 time.sleep(0.2)
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:

@@ -28,9 +28,12 @@ class JsonFormatter(logging.Formatter):
     """One object per line: ts, level, logger, message, the FIELDS present, exc."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
-                 "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         entry.update({f: getattr(record, f) for f in FIELDS if getattr(record, f, "")})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

@@ -15,15 +15,15 @@ def _env(name: str, default: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
-    addr: str = ""                 # TORCHFARM_ADDR host:port; empty = compile locally
-    token: str = ""                # TORCHFARM_TOKEN
+    addr: str = ""  # TORCHFARM_ADDR host:port; empty = compile locally
+    token: str = ""  # TORCHFARM_TOKEN
     connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
     compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
-    progress: bool = True          # TORCHFARM_PROGRESS=0 turns the stderr progress line off
+    progress: bool = True  # TORCHFARM_PROGRESS=0 turns the stderr progress line off
     # TORCHFARM_TLS_CA: PEM certificate(s) to trust for a TLS gateway; "system" = the system's
     # roots; empty = plaintext
     tls_ca: str = ""
-    private: bool = False          # TORCHFARM_PRIVATE=1: entries only this tenant can hit
+    private: bool = False  # TORCHFARM_PRIVATE=1: entries only this tenant can hit
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -53,20 +53,20 @@ def parse_tenants(spec: str, variable: str = "TORCHFARM_TENANTS") -> dict[str, s
 
 @dataclasses.dataclass(frozen=True)
 class GatewaySettings:
-    host: str = "127.0.0.1"          # TORCHFARM_GATEWAY_HOST
-    port: int = 8470                 # TORCHFARM_GATEWAY_PORT (0 = any free port)
-    redis_url: str = "redis://127.0.0.1:6379/0"   # TORCHFARM_REDIS_URL
-    broker_url: str = ""             # TORCHFARM_BROKER_URL (default: redis_url's db 1)
-    tenants: str = ""                # TORCHFARM_TENANTS tenant:sha256(token),...; empty = open farm
+    host: str = "127.0.0.1"  # TORCHFARM_GATEWAY_HOST
+    port: int = 8470  # TORCHFARM_GATEWAY_PORT (0 = any free port)
+    redis_url: str = "redis://127.0.0.1:6379/0"  # TORCHFARM_REDIS_URL
+    broker_url: str = ""  # TORCHFARM_BROKER_URL (default: redis_url's db 1)
+    tenants: str = ""  # TORCHFARM_TENANTS tenant:sha256(token),...; empty = open farm
     max_payload_bytes: int = 64 << 20  # TORCHFARM_MAX_PAYLOAD_BYTES
     compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
-    threads: int = 64                # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
-    chunk_bytes: int = 1 << 20       # TORCHFARM_CHUNK_BYTES
-    metrics_port: int = 9470         # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
-    admins: str = ""                 # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
-    tenant_max_compiles: int = 0     # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
-    tls_cert: str = ""               # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
-    tls_key: str = ""                # TORCHFARM_TLS_KEY: PEM private key
+    threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
+    chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
+    metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
+    tenant_max_compiles: int = 0  # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
+    tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
+    tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -96,21 +96,21 @@ class GatewaySettings:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:
-    redis_url: str = "redis://127.0.0.1:6379/0"   # TORCHFARM_REDIS_URL
-    broker_url: str = ""             # TORCHFARM_BROKER_URL
-    pool: str = "auto"               # TORCHFARM_POOL: "auto" = this machine's own target
-    device: str = "cpu"              # TORCHFARM_DEVICE: cpu or cuda
-    concurrency: int = 1             # TORCHFARM_WORKER_CONCURRENCY: compiles at once
-    sandbox: str = "bwrap"           # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
+    redis_url: str = "redis://127.0.0.1:6379/0"  # TORCHFARM_REDIS_URL
+    broker_url: str = ""  # TORCHFARM_BROKER_URL
+    pool: str = "auto"  # TORCHFARM_POOL: "auto" = this machine's own target
+    device: str = "cpu"  # TORCHFARM_DEVICE: cpu or cuda
+    concurrency: int = 1  # TORCHFARM_WORKER_CONCURRENCY: compiles at once
+    sandbox: str = "bwrap"  # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
     compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
-    memory_limit_mb: int = 0         # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
+    memory_limit_mb: int = 0  # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
     cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
-    cache_ttl_s: float = 0           # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
+    cache_ttl_s: float = 0  # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
     # TORCHFARM_REDELIVERY_TIMEOUT: a task whose worker died unacknowledged goes to another
     # worker this long after it was taken; 0 = compile timeout + 300 s. Must exceed the
     # compile timeout, or a compile still running would be handed out twice.
     redelivery_s: float = 0
-    metrics_port: int = 0            # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
+    metrics_port: int = 0  # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
     # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
     # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
     op_libraries: str = ""
@@ -120,8 +120,10 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
-            raise ValueError(f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
-                             f"exceed the compile timeout ({self.compile_timeout_s:g} s)")
+            raise ValueError(
+                f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
+                f"exceed the compile timeout ({self.compile_timeout_s:g} s)"
+            )
 
     @property
     def visibility_timeout_s(self) -> float:

@@ -12,21 +12,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # ---- transformers (configs only: random initialisation) --------------------------------
 
+
 def _hf(scale: str) -> dict:
-    return dict(hidden=64, layers=2, heads=4, seq=16, batch=2) if scale == "small" else \
-        dict(hidden=512, layers=4, heads=8, seq=128, batch=8)
+    return (
+        dict(hidden=64, layers=2, heads=4, seq=16, batch=2)
+        if scale == "small"
+        else dict(hidden=512, layers=4, heads=8, seq=128, batch=8)
+    )
 
 
 def bert(scale):
     from transformers import BertConfig, BertForSequenceClassification
+
     s = _hf(scale)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=1000, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"], intermediate_size=4 * s["hidden"], num_labels=3,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=1000,
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            intermediate_size=4 * s["hidden"],
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
     ids = torch.randint(0, 1000, (s["batch"], s["seq"]))
     return model, (ids, torch.ones_like(ids), torch.randint(0, 3, (s["batch"],)))
 
@@ -39,83 +51,160 @@ def _causal_lm(model, s):
 
 def gpt2(scale):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     s = _hf(scale)
-    model = GPT2LMHeadModel(GPT2Config(
-        vocab_size=1000, n_positions=256, n_embd=s["hidden"], n_layer=s["layers"],
-        n_head=s["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-        eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=1000,
+            n_positions=256,
+            n_embd=s["hidden"],
+            n_layer=s["layers"],
+            n_head=s["heads"],
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     return _causal_lm(model, s)
 
 
 def llama_gqa(scale):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     s = _hf(scale)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=1000, hidden_size=s["hidden"], intermediate_size=3 * s["hidden"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["heads"] // 2, max_position_embeddings=256))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=s["hidden"],
+            intermediate_size=3 * s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["heads"] // 2,
+            max_position_embeddings=256,
+        )
+    )
     return _causal_lm(model, s)
 
 
 def mixtral_moe(scale):
     from transformers import MixtralConfig, MixtralForCausalLM
+
     s = _hf(scale)
-    model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=1000, hidden_size=s["hidden"], intermediate_size=2 * s["hidden"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["heads"] // 2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256))
+    model = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=1000,
+            hidden_size=s["hidden"],
+            intermediate_size=2 * s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["heads"] // 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=256,
+        )
+    )
     return _causal_lm(model, s)
 
 
 def t5(scale):
     from transformers import T5Config, T5ForConditionalGeneration
+
     s = _hf(scale)
-    model = T5ForConditionalGeneration(T5Config(
-        vocab_size=1000, d_model=s["hidden"], d_kv=s["hidden"] // s["heads"],
-        d_ff=4 * s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    model = T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=1000,
+            d_model=s["hidden"],
+            d_kv=s["hidden"] // s["heads"],
+            d_ff=4 * s["hidden"],
+            num_layers=s["layers"],
+            num_heads=s["heads"],
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    )
     ids = torch.randint(1, 1000, (s["batch"], s["seq"]))
     return model, (ids, None, torch.randint(1, 1000, (s["batch"], s["seq"] // 2)))
 
 
 def bart(scale):
     from transformers import BartConfig, BartForConditionalGeneration
+
     s = _hf(scale)
-    model = BartForConditionalGeneration(BartConfig(
-        vocab_size=1000, d_model=s["hidden"], encoder_layers=s["layers"],
-        decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
-        decoder_attention_heads=s["heads"], encoder_ffn_dim=4 * s["hidden"],
-        decoder_ffn_dim=4 * s["hidden"], max_position_embeddings=256, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0))
+    model = BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=1000,
+            d_model=s["hidden"],
+            encoder_layers=s["layers"],
+            decoder_layers=s["layers"],
+            encoder_attention_heads=s["heads"],
+            decoder_attention_heads=s["heads"],
+            encoder_ffn_dim=4 * s["hidden"],
+            decoder_ffn_dim=4 * s["hidden"],
+            max_position_embeddings=256,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        )
+    )
     ids = torch.randint(3, 1000, (s["batch"], s["seq"]))
     return model, (ids, None, torch.randint(3, 1000, (s["batch"], s["seq"] // 2)))
 
 
 def vit(scale):
     from transformers import ViTConfig, ViTForImageClassification
+
     s = _hf(scale)
     size = 32 if scale == "small" else 224
-    model = ViTForImageClassification(ViTConfig(
-        image_size=size, patch_size=8 if scale == "small" else 16, num_channels=3,
-        hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        intermediate_size=4 * s["hidden"], num_labels=10, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))
-    return model, (torch.randn(s["batch"], 3, size, size), None,
-                   torch.randint(0, 10, (s["batch"],)))
+    model = ViTForImageClassification(
+        ViTConfig(
+            image_size=size,
+            patch_size=8 if scale == "small" else 16,
+            num_channels=3,
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            intermediate_size=4 * s["hidden"],
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
+    return model, (
+        torch.randn(s["batch"], 3, size, size),
+        None,
+        torch.randint(0, 10, (s["batch"],)),
+    )
 
 
 def whisper_encoder(scale):
     from transformers import WhisperConfig, WhisperForAudioClassification
+
     s = _hf(scale)
     frames = 64 if scale == "small" else 1500
-    model = WhisperForAudioClassification(WhisperConfig(
-        num_mel_bins=16, d_model=s["hidden"], encoder_layers=s["layers"],
-        encoder_attention_heads=s["heads"], encoder_ffn_dim=4 * s["hidden"],
-        decoder_layers=1, decoder_attention_heads=s["heads"], max_source_positions=frames,
-        num_labels=5, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
-    return model, (torch.randn(s["batch"], 16, 2 * frames), None,
-                   torch.randint(0, 5, (s["batch"],)))
+    model = WhisperForAudioClassification(
+        WhisperConfig(
+            num_mel_bins=16,
+            d_model=s["hidden"],
+            encoder_layers=s["layers"],
+            encoder_attention_heads=s["heads"],
+            encoder_ffn_dim=4 * s["hidden"],
+            decoder_layers=1,
+            decoder_attention_heads=s["heads"],
+            max_source_positions=frames,
+            num_labels=5,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+        )
+    )
+    return model, (
+        torch.randn(s["batch"], 16, 2 * frames),
+        None,
+        torch.randint(0, 5, (s["batch"],)),
+    )
 
 
 class HFTask(nn.Module):
@@ -136,6 +225,7 @@ class HFTask(nn.Module):
 
 # ---- hand-written and torch.nn architectures -------------------------------------------
 
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -143,8 +233,11 @@ class BasicBlock(nn.Module):
         self.b1 = nn.BatchNorm2d(cout)
         self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.b2 = nn.BatchNorm2d(cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
+        self.down = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x):
         return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))) + self.down(x))
@@ -153,11 +246,13 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, width: int = 16, classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         chans = [width, width * 2, width * 4, width * 8]
-        self.stages = nn.Sequential(*(BasicBlock(chans[max(i - 1, 0)], c, 1 if i == 0 else 2)
-                                      for i, c in enumerate(chans)))
+        self.stages = nn.Sequential(
+            *(BasicBlock(chans[max(i - 1, 0)], c, 1 if i == 0 else 2) for i, c in enumerate(chans))
+        )
         self.fc = nn.Linear(chans[-1], classes)
 
     def forward(self, x):
@@ -170,10 +265,15 @@ class InvertedResidual(nn.Module):
         hidden = cin * expand
         self.use_res = stride == 1 and cin == cout
         self.body = nn.Sequential(
-            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(cin, hidden, 1, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(),
             nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
-            nn.BatchNorm2d(hidden), nn.ReLU6(),
-            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout))
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
 
     def forward(self, x):
         return x + self.body(x) if self.use_res else self.body(x)
@@ -183,9 +283,14 @@ class MobileNetV2(nn.Module):
     def __init__(self, classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
-            InvertedResidual(16, 16, 1), InvertedResidual(16, 24, 2), InvertedResidual(24, 24, 1),
-            InvertedResidual(24, 32, 2))
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU6(),
+            InvertedResidual(16, 16, 1),
+            InvertedResidual(16, 24, 2),
+            InvertedResidual(24, 24, 1),
+            InvertedResidual(24, 32, 2),
+        )
         self.fc = nn.Linear(32, classes)
 
     def forward(self, x):
@@ -220,8 +325,12 @@ class ConvNeXt(nn.Module):
 class UNet(nn.Module):
     def __init__(self, c: int = 8):
         super().__init__()
+
         def conv(cin, cout):
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU()
+            )
+
         self.d1, self.d2, self.mid = conv(3, c), conv(c, 2 * c), conv(2 * c, 2 * c)
         self.up = nn.ConvTranspose2d(2 * c, c, 2, 2)
         self.u1 = conv(2 * c, c)
@@ -261,8 +370,9 @@ class TorchTransformer(nn.Module):
 
     def __init__(self, dim: int = 64, heads: int = 4, layers: int = 2):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
     def forward(self, x):
@@ -364,47 +474,84 @@ def _images(scale, size_small=32, size_large=224, channels=3):
 
 def _dlrm_inputs(scale):
     batch = 8 if scale == "small" else 2048
-    return (torch.randn(batch, 13), torch.randint(0, 1000, (4, batch * 3)),
-            torch.arange(0, batch * 3, 3))
+    return (
+        torch.randn(batch, 13),
+        torch.randint(0, 1000, (4, batch * 3)),
+        torch.arange(0, batch * 3, 3),
+    )
 
 
 # name -> (what it is, builder(scale) -> (model, inputs))
 ARCHITECTURES = {
     "bert": ("transformers BERT, sequence classification", lambda s: _task(bert(s), "input_ids")),
     "gpt2": ("transformers GPT-2, causal LM", lambda s: _task(gpt2(s), "input_ids")),
-    "llama-gqa": ("transformers LLaMA, grouped-query attention (4 heads, 2 KV heads), RoPE",
-                  lambda s: _task(llama_gqa(s), "input_ids")),
-    "mixtral-moe": ("transformers Mixtral, mixture of experts (4 experts, top-2)",
-                    lambda s: _task(mixtral_moe(s), "input_ids")),
-    "t5": ("transformers T5, encoder-decoder, relative position bias",
-           lambda s: _task(t5(s), "input_ids")),
+    "llama-gqa": (
+        "transformers LLaMA, grouped-query attention (4 heads, 2 KV heads), RoPE",
+        lambda s: _task(llama_gqa(s), "input_ids"),
+    ),
+    "mixtral-moe": (
+        "transformers Mixtral, mixture of experts (4 experts, top-2)",
+        lambda s: _task(mixtral_moe(s), "input_ids"),
+    ),
+    "t5": (
+        "transformers T5, encoder-decoder, relative position bias",
+        lambda s: _task(t5(s), "input_ids"),
+    ),
     "bart": ("transformers BART, encoder-decoder", lambda s: _task(bart(s), "input_ids")),
     "vit": ("transformers ViT, image classification", lambda s: _task(vit(s), "pixel_values")),
-    "whisper-encoder": ("transformers Whisper encoder, audio classification",
-                        lambda s: _task(whisper_encoder(s), "input_features")),
+    "whisper-encoder": (
+        "transformers Whisper encoder, audio classification",
+        lambda s: _task(whisper_encoder(s), "input_features"),
+    ),
     "resnet": ("ResNet (basic blocks, BatchNorm)", lambda s: (ResNet(), (_images(s),))),
-    "mobilenet-v2": ("MobileNetV2 (inverted residuals, depthwise convs, ReLU6)",
-                     lambda s: (MobileNetV2(), (_images(s),))),
-    "convnext": ("ConvNeXt blocks (7x7 depthwise, LayerNorm, layer scale)",
-                 lambda s: (ConvNeXt(), (_images(s),))),
-    "unet": ("U-Net (GroupNorm, SiLU, transposed conv, skip concat)",
-             lambda s: (UNet(), (_images(s, 32, 128),))),
+    "mobilenet-v2": (
+        "MobileNetV2 (inverted residuals, depthwise convs, ReLU6)",
+        lambda s: (MobileNetV2(), (_images(s),)),
+    ),
+    "convnext": (
+        "ConvNeXt blocks (7x7 depthwise, LayerNorm, layer scale)",
+        lambda s: (ConvNeXt(), (_images(s),)),
+    ),
+    "unet": (
+        "U-Net (GroupNorm, SiLU, transposed conv, skip concat)",
+        lambda s: (UNet(), (_images(s, 32, 128),)),
+    ),
     # Dynamo unrolls an RNN's time steps into the graph, so the large scale grows the batch
-    "lstm-lm": ("2-layer LSTM language model", lambda s: (
-        LSTMLanguageModel(), (torch.randint(0, 500, (4 if s == "small" else 256, 16)),))),
-    "bigru": ("bidirectional GRU classifier", lambda s: (
-        BiGRUClassifier(), (torch.randn(4 if s == "small" else 256, 20, 48),))),
-    "nn-transformer": ("torch.nn.TransformerEncoder, causal mask", lambda s: (
-        TorchTransformer(), (torch.randn(*((2, 16) if s == "small" else (16, 256)), 64),))),
-    "dlrm": ("DLRM-style recommender (EmbeddingBag, dot interaction)",
-             lambda s: (DLRM(), _dlrm_inputs(s))),
-    "graph-break": ("data-dependent Python branch (graph break at .item())",
-                    lambda s: (DataDependentBranch(), (torch.randn(8, 32),))),
-    "torch-cond": ("the same branch with torch.cond", lambda s: (CondBranch(), (torch.randn(8, 32),))),
-    "batchnorm-train": ("BatchNorm1d/2d buffer updates (in-place) in training",
-                        lambda s: (BatchNormTraining(), (torch.randn(8, 32),))),
-    "custom-function": ("custom torch.autograd.Function with its own backward",
-                        lambda s: (CustomFunction(), (torch.randn(8, 32),))),
+    "lstm-lm": (
+        "2-layer LSTM language model",
+        lambda s: (LSTMLanguageModel(), (torch.randint(0, 500, (4 if s == "small" else 256, 16)),)),
+    ),
+    "bigru": (
+        "bidirectional GRU classifier",
+        lambda s: (BiGRUClassifier(), (torch.randn(4 if s == "small" else 256, 20, 48),)),
+    ),
+    "nn-transformer": (
+        "torch.nn.TransformerEncoder, causal mask",
+        lambda s: (
+            TorchTransformer(),
+            (torch.randn(*((2, 16) if s == "small" else (16, 256)), 64),),
+        ),
+    ),
+    "dlrm": (
+        "DLRM-style recommender (EmbeddingBag, dot interaction)",
+        lambda s: (DLRM(), _dlrm_inputs(s)),
+    ),
+    "graph-break": (
+        "data-dependent Python branch (graph break at .item())",
+        lambda s: (DataDependentBranch(), (torch.randn(8, 32),)),
+    ),
+    "torch-cond": (
+        "the same branch with torch.cond",
+        lambda s: (CondBranch(), (torch.randn(8, 32),)),
+    ),
+    "batchnorm-train": (
+        "BatchNorm1d/2d buffer updates (in-place) in training",
+        lambda s: (BatchNormTraining(), (torch.randn(8, 32),)),
+    ),
+    "custom-function": (
+        "custom torch.autograd.Function with its own backward",
+        lambda s: (CustomFunction(), (torch.randn(8, 32),)),
+    ),
 }
 
 
@@ -420,5 +567,6 @@ def build(name: str, device: str = "cpu", scale: str = "small"):
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    return model.to(device), tuple(x.to(device) if isinstance(x, torch.Tensor) else x
-                                   for x in inputs)
+    return model.to(device), tuple(
+        x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs
+    )

@@ -53,8 +53,14 @@ def step(model, inputs, phase: str) -> list[torch.Tensor]:
 
 
 def _max_diff(ref: list, res: list) -> float:
-    return max(((a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
-               for a, b in zip(ref, res)) if ref else 0.0
+    return (
+        max(
+            ((a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+            for a, b in zip(ref, res)
+        )
+        if ref
+        else 0.0
+    )
 
 
 def _way(base, inputs, phase, reference, compile_with) -> dict:
@@ -66,18 +72,30 @@ def _way(base, inputs, phase, reference, compile_with) -> dict:
     try:
         result = step(compiled, inputs, phase)
     except Exception as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                "trace": traceback.format_exc()[-2000:]}
+        return {
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+            "trace": traceback.format_exc()[-2000:],
+        }
     seconds = time.perf_counter() - started
     same = len(result) == len(reference) and torch._dynamo.utils.same(
-        reference, result, tol=TOLERANCE[phase], equal_nan=True)
-    row = {"ok": bool(same), "seconds": round(seconds, 2),
-           "max_diff": _max_diff(reference, result) if len(result) == len(reference) else None,
-           "graphs": len(backend.history) if compile_with == "torchfarm" else None,
-           "sources": [r.source for r in backend.history] if compile_with == "torchfarm" else None,
-           "why": sorted({r.why[:200] + " ... " + r.why[-600:] if len(r.why) > 800 else r.why
-                          for r in backend.history if r.why}),
-           "result": result}
+        reference, result, tol=TOLERANCE[phase], equal_nan=True
+    )
+    row = {
+        "ok": bool(same),
+        "seconds": round(seconds, 2),
+        "max_diff": _max_diff(reference, result) if len(result) == len(reference) else None,
+        "graphs": len(backend.history) if compile_with == "torchfarm" else None,
+        "sources": [r.source for r in backend.history] if compile_with == "torchfarm" else None,
+        "why": sorted(
+            {
+                r.why[:200] + " ... " + r.why[-600:] if len(r.why) > 800 else r.why
+                for r in backend.history
+                if r.why
+            }
+        ),
+        "result": result,
+    }
     if not same:
         row["error"] = f"differs from eager by {row['max_diff']} (tolerance {TOLERANCE[phase]})"
     return row

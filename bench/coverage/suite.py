@@ -5,7 +5,8 @@ twice (a miss, then a hit in a fresh process), compared with eager.
     python bench/coverage/suite.py --device cuda --scale large --parallel 4   # bench/gpu/run.sh
 
 Writes each architecture's row into bench/coverage/results/<date>-<device>.json as it finishes
-(a rerun replaces its own rows) and regenerates docs/coverage.md from every results file there. tests/test_coverage.py runs the same architectures in CI.
+(a rerun replaces its own rows) and regenerates docs/coverage.md from every results file
+there. tests/integration/test_coverage.py runs the same architectures in CI.
 """
 
 from __future__ import annotations
@@ -33,16 +34,33 @@ PHASES = ("infer", "train")
 OP_LIBRARIES = "transformers.integrations.moe"
 
 
-def run_architecture(name: str, addr: str, token: str = "", device: str = "cpu",
-                     scale: str = "small", timeout_s: float = 1200) -> dict:
+def run_architecture(
+    name: str,
+    addr: str,
+    token: str = "",
+    device: str = "cpu",
+    scale: str = "small",
+    timeout_s: float = 1200,
+) -> dict:
     """Both processes of one architecture; {"name", "first", "second"} (their reports), or an
     "error" where a process itself failed."""
     row = {"name": name}
     for run in ("first", "second"):
-        env = dict(os.environ, TORCHFARM_ADDR=addr, TORCHFARM_TOKEN=token, TORCHFARM_PROGRESS="0",
-                   TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "client.py"), name, run, device,
-                               scale], env=env, capture_output=True, text=True, timeout=timeout_s)
+        env = dict(
+            os.environ,
+            TORCHFARM_ADDR=addr,
+            TORCHFARM_TOKEN=token,
+            TORCHFARM_PROGRESS="0",
+            TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+            TRITON_CACHE_DIR=tempfile.mkdtemp(),
+        )
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "client.py"), name, run, device, scale],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
             row["error"] = f"{run} process failed ({proc.returncode}): {proc.stderr[-3000:]}"
@@ -60,19 +78,24 @@ def farm_failures(row: dict) -> list[str]:
         local = row["first"]["phases"][phase]["local"]
         # split: handed back to Dynamo, as Inductor's own error would be (client/backend.py);
         # a hit in the first run is a graph equal to one compiled earlier in that run
-        for run, wanted in (("first", {"miss", "merged", "hit", "split"}),
-                            ("second", {"hit", "split"})):
+        for run, wanted in (
+            ("first", {"miss", "merged", "hit", "split"}),
+            ("second", {"hit", "split"}),
+        ):
             farm = row[run]["phases"][phase]["farm"]
             if not local["ok"]:
                 continue  # PyTorch's own limitation; docs/coverage.md names it
             if not farm["ok"]:
                 problems.append(f"{phase}, {run} run: {farm.get('error')}")
             elif not farm["sources"]:
-                problems.append(f"{phase}, {run} run: no graph reached the farm, so the row "
-                                "tests nothing")
+                problems.append(
+                    f"{phase}, {run} run: no graph reached the farm, so the row tests nothing"
+                )
             elif not set(farm["sources"]) <= wanted:
-                problems.append(f"{phase}, {run} run: graphs came from {farm['sources']}, "
-                                f"expected only {sorted(wanted)}")
+                problems.append(
+                    f"{phase}, {run} run: graphs came from {farm['sources']}, "
+                    f"expected only {sorted(wanted)}"
+                )
     return problems
 
 
@@ -81,14 +104,16 @@ def farm_failures(row: dict) -> list[str]:
 # PyTorch limitations that make the farm fall back to a local compile (tests expect them).
 COND_NOT_SAVEABLE = (
     "PyTorch limitation (torch 2.11 and 2.13): the AOTAutograd cache cannot save a graph that "
-    "calls the `cond` higher-order op (\"Bypassing autograd cache due to: Unsupported "
-    "call_function target cond\"), and a farm artifact is a saved AOTAutograd entry; the farm "
+    'calls the `cond` higher-order op ("Bypassing autograd cache due to: Unsupported '
+    'call_function target cond"), and a farm artifact is a saved AOTAutograd entry; the farm '
     "therefore answers with an error and the client compiles locally, with the same results. "
-    "Local torch.compile never saves, so it is unaffected.")
+    "Local torch.compile never saves, so it is unaffected."
+)
 FUNCTION_NOT_SAVEABLE = (
     "Training only; the same PyTorch limitation (2.11 and 2.13) for the "
     "`autograd_function_apply` higher-order op that Dynamo makes of a custom "
-    "autograd.Function under grad mode. Inference (no autograd) goes through the farm.")
+    "autograd.Function under grad mode. Inference (no autograd) goes through the farm."
+)
 PYTORCH_LIMITS = {"torch-cond": COND_NOT_SAVEABLE, "custom-function": FUNCTION_NOT_SAVEABLE}
 EXPLAINED = {
     ("cuda", "torch-cond"): COND_NOT_SAVEABLE,
@@ -126,40 +151,47 @@ def _cell(way: dict) -> str:
 
 def render() -> str:
     """docs/coverage.md from every results file."""
-    out = ["# Model coverage: real architectures through the farm", "",
-           "Generated by `make coverage` (`bench/coverage/suite.py`) from "
-           "`bench/coverage/results/*.json`; do not edit by hand.", "",
-           "Each architecture is built with random weights from a fixed seed "
-           "(`bench/coverage/architectures.py`, no downloads, dropout 0). For inference "
-           "(`eval`, `no_grad`) and for a training step (`train`: outputs, every gradient "
-           "and every buffer after the step), it runs eagerly, through local "
-           "`torch.compile` (Inductor), and through the farm: first in a process whose "
-           "graphs the farm has never seen (**miss**), then in a fresh process with empty "
-           "local caches (**hit**). A result is ok when PyTorch's own accuracy check "
-           "(`torch._dynamo.utils.same`) accepts it with the tolerances of PyTorch's "
-           "HuggingFace benchmark runner: 1e-3 for inference, 1e-2 for training. The "
-           "number in brackets is the largest absolute difference from eager. Times are "
-           "to the first result (Dynamo, compile or download, and the run), in seconds. "
-           "Dynamo's `allow_rnn` is on: with its default `nn.LSTM` and `nn.GRU` run eagerly "
-           "and no graph of an RNN model reaches any backend. \"n split\" counts graphs that "
-           "Inductor cannot trace (an op whose output depends on data): the farm hands them back "
-           "to Dynamo, which runs that frame eagerly and compiles the functions it calls, as it "
-           "does for local torch.compile; the graph count includes them.",
-           ""]
+    out = [
+        "# Model coverage: real architectures through the farm",
+        "",
+        "Generated by `make coverage` (`bench/coverage/suite.py`) from "
+        "`bench/coverage/results/*.json`; do not edit by hand.",
+        "",
+        "Each architecture is built with random weights from a fixed seed "
+        "(`bench/coverage/architectures.py`, no downloads, dropout 0). For inference "
+        "(`eval`, `no_grad`) and for a training step (`train`: outputs, every gradient "
+        "and every buffer after the step), it runs eagerly, through local "
+        "`torch.compile` (Inductor), and through the farm: first in a process whose "
+        "graphs the farm has never seen (**miss**), then in a fresh process with empty "
+        "local caches (**hit**). A result is ok when PyTorch's own accuracy check "
+        "(`torch._dynamo.utils.same`) accepts it with the tolerances of PyTorch's "
+        "HuggingFace benchmark runner: 1e-3 for inference, 1e-2 for training. The "
+        "number in brackets is the largest absolute difference from eager. Times are "
+        "to the first result (Dynamo, compile or download, and the run), in seconds. "
+        "Dynamo's `allow_rnn` is on: with its default `nn.LSTM` and `nn.GRU` run eagerly "
+        'and no graph of an RNN model reaches any backend. "n split" counts graphs that '
+        "Inductor cannot trace (an op whose output depends on data): the farm hands them back "
+        "to Dynamo, which runs that frame eagerly and compiles the functions it calls, as it "
+        "does for local torch.compile; the graph count includes them.",
+        "",
+    ]
     for path in sorted(glob.glob(os.path.join(HERE, "results", "*.json"))):
         with open(path) as f:
             run = json.load(f)
         rows = run["rows"]
         failures = sum(bool(farm_failures(r)) for r in rows)
-        out += [f"## {run['device']}, scale {run['scale']}, transformers {run['transformers']}: "
-                f"{run['machine']}", "",
-                f"{run['date']}, torch {run['torch']}, transformers {run['transformers']}, "
-                f"{run.get('parallel', 1)} architecture(s) at a time. {len(rows)} "
-                f"architectures, **{failures} farm-specific failures**. {run.get('note', '')}",
-                "",
-                "| architecture | phase | local torch.compile | farm miss | farm hit | "
-                "farm vs local | graphs | local s | miss s | hit s |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"## {run['device']}, scale {run['scale']}, transformers {run['transformers']}: "
+            f"{run['machine']}",
+            "",
+            f"{run['date']}, torch {run['torch']}, transformers {run['transformers']}, "
+            f"{run.get('parallel', 1)} architecture(s) at a time. {len(rows)} "
+            f"architectures, **{failures} farm-specific failures**. {run.get('note', '')}",
+            "",
+            "| architecture | phase | local torch.compile | farm miss | farm hit | "
+            "farm vs local | graphs | local s | miss s | hit s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if "error" in r:
                 out.append(f"| {r['name']} | | {r['error'][:200]} | | | | | | | |")
@@ -172,13 +204,16 @@ def render() -> str:
                     f"| {r['name']} | {phase} | {_cell(local)} | {_cell(miss)} | {_cell(hit)} | "
                     f"{miss.get('diff_to_local', float('nan')):.0e} | {miss.get('graphs')} | "
                     f"{local.get('seconds', '')} | {miss.get('seconds', '')} | "
-                    f"{hit.get('seconds', '')} |")
+                    f"{hit.get('seconds', '')} |"
+                )
         out.append("")
         problems = {r["name"]: farm_failures(r) for r in rows if farm_failures(r)}
         if problems:
             out += ["Farm-specific failures, and why:", ""]
-            out += [f"- **{name}**: {EXPLAINED.get((run['device'], name), '; '.join(p))}"
-                    for name, p in problems.items()]
+            out += [
+                f"- **{name}**: {EXPLAINED.get((run['device'], name), '; '.join(p))}"
+                for name, p in problems.items()
+            ]
             out.append("")
     out += ["## Architectures", "", "| name | what |", "|---|---|"]
     out += [f"| {name} | {what} |" for name, (what, _) in ARCHITECTURES.items()]
@@ -193,8 +228,12 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated architectures")
     parser.add_argument("--machine", default=f"{platform.node()} ({os.cpu_count()} cores)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="architectures at once (and workers in the embedded farm)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="architectures at once (and workers in the embedded farm)",
+    )
     parser.add_argument("--sandbox", default="bwrap", help="the embedded farm's workers'")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(ARCHITECTURES)
@@ -206,9 +245,15 @@ def main() -> None:
 
     today = datetime.date.today().isoformat()
     path = os.path.join(args.out, f"{today}-{args.device}.json")
-    header = {"date": today, "device": args.device, "scale": args.scale, "machine": args.machine,
-              "parallel": args.parallel, "torch": torch.__version__,
-              "transformers": transformers.__version__}
+    header = {
+        "date": today,
+        "device": args.device,
+        "scale": args.scale,
+        "machine": args.machine,
+        "parallel": args.parallel,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     saving = threading.Lock()
 
     def save(row: dict) -> None:
@@ -222,8 +267,9 @@ def main() -> None:
             rows[row["name"]] = row
             os.makedirs(args.out, exist_ok=True)
             with open(path, "w") as f:
-                json.dump(dict(header, rows=[rows[n] for n in ARCHITECTURES if n in rows]), f,
-                          indent=1)
+                json.dump(
+                    dict(header, rows=[rows[n] for n in ARCHITECTURES if n in rows]), f, indent=1
+                )
 
     def run_one(name: str, addr: str) -> None:
         row = run_architecture(name, addr, device=args.device, scale=args.scale)
@@ -237,8 +283,12 @@ def main() -> None:
     if args.addr:
         run_all(args.addr)
     else:
-        with LocalFarm(device=args.device, workers=args.parallel, sandbox=args.sandbox,
-                       extra_env={"TORCHFARM_OP_LIBRARIES": OP_LIBRARIES}) as farm:
+        with LocalFarm(
+            device=args.device,
+            workers=args.parallel,
+            sandbox=args.sandbox,
+            extra_env={"TORCHFARM_OP_LIBRARIES": OP_LIBRARIES},
+        ) as farm:
             if args.device != "cpu":  # a GPU host serves its CPU graphs too, as in compose
                 farm.start_worker("worker-cpu", device="cpu")
                 farm.wait_ready(120, pools=2)
@@ -246,6 +296,7 @@ def main() -> None:
     if args.out == os.path.join(HERE, "results"):
         with open(os.path.join(ROOT, "docs", "coverage.md"), "w") as f:
             f.write(render())
+
 
 if __name__ == "__main__":
     main()

@@ -28,8 +28,10 @@ def make_step(fn, model, spec):
     def step(x):
         if spec["train"]:
             model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]), \
-                torch.set_grad_enabled(spec["train"]):
+        with (
+            torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]),
+            torch.set_grad_enabled(spec["train"]),
+        ):
             out = fn(x)
             if spec["train"]:
                 if out.dim() == 3 and x.dtype == torch.long:  # GPT logits: next-token loss
@@ -40,6 +42,7 @@ def make_step(fn, model, spec):
         out = out.detach().float().clone()  # CUDA graphs reuse their output buffers
         grads = [p.grad.float().clone() for p in model.parameters()] if spec["train"] else []
         return out, grads
+
     return step
 
 
@@ -83,12 +86,17 @@ def record_runtime_tuning() -> None:
         original = getattr(CachingAutotuner, method)
 
         def record(self, *args, **kwargs):
-            TUNED_AT_RUN.append({
-                "how": how, "kernel": os.path.basename(self.filename or ""),
-                "dir": os.path.dirname(self.filename or "")[-40:],
-                "state": (getattr(self, "autotune_cache_info", None) or {}).get(
-                    "autotune_cache_state"),
-                "configs": len(self.launchers)})
+            TUNED_AT_RUN.append(
+                {
+                    "how": how,
+                    "kernel": os.path.basename(self.filename or ""),
+                    "dir": os.path.dirname(self.filename or "")[-40:],
+                    "state": (getattr(self, "autotune_cache_info", None) or {}).get(
+                        "autotune_cache_state"
+                    ),
+                    "configs": len(self.launchers),
+                }
+            )
             return original(self, *args, **kwargs)
 
         setattr(CachingAutotuner, method, record)
@@ -104,8 +112,11 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     ref_out, ref_grads = eager(x)
     if "dynamic_dim" in spec:
         torch._dynamo.mark_dynamic(x, spec["dynamic_dim"])
-    compiled_model = torch.compile(model, backend="torchfarm" if backend == "farm" else "inductor",
-                                   mode=None if mode == "default" else mode)
+    compiled_model = torch.compile(
+        model,
+        backend="torchfarm" if backend == "farm" else "inductor",
+        mode=None if mode == "default" else mode,
+    )
     compiled = make_step(compiled_model, model, spec)
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -124,14 +135,24 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     compiled_ms, eager_ms = (step_ms(compiled, x), step_ms(eager, x)) if steady else (0.0, 0.0)
     from torchfarm.client.backend import history
 
-    print(json.dumps({
-        "model": name, "mode": mode, "backend": backend, "first_step_s": round(first_s, 2),
-        "max_rel_err": max(errors), "compiled_ms": round(compiled_ms, 3),
-        "eager_ms": round(eager_ms, 3), "ptxas_calls": ptxas_first,
-        "kernels_tuned_at_run": tuned_first, "tuned_sample": TUNED_AT_RUN[:2],
-        "graphs": [r.source for r in history],
-        "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-    }))
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "mode": mode,
+                "backend": backend,
+                "first_step_s": round(first_s, 2),
+                "max_rel_err": max(errors),
+                "compiled_ms": round(compiled_ms, 3),
+                "eager_ms": round(eager_ms, 3),
+                "ptxas_calls": ptxas_first,
+                "kernels_tuned_at_run": tuned_first,
+                "tuned_sample": TUNED_AT_RUN[:2],
+                "graphs": [r.source for r in history],
+                "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,15 +21,17 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int = 6, d: int = 512, heads: int = 8, vocab: int = 8192,
-                 context: int = 512):
+    def __init__(
+        self, layers: int = 6, d: int = 512, heads: int = 8, vocab: int = 8192, context: int = 512
+    ):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(context, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -61,8 +63,11 @@ def build(name: str) -> tuple[nn.Module, list[torch.Tensor], dict]:
         model = torchvision.models.resnet50(weights=None).to(dev, memory_format=torch.channels_last)
         model = model.to(torch.bfloat16).eval()
         x = torch.randn(32, 3, 224, 224, device=dev, dtype=torch.bfloat16)
-        return model, [x.contiguous(memory_format=torch.channels_last)], {"train": False,
-                                                                          "bf16": False}
+        return (
+            model,
+            [x.contiguous(memory_format=torch.channels_last)],
+            {"train": False, "bf16": False},
+        )
     if name == "sdpa-dynamic":
         model = Block(256, 4).to(dev)
         x = torch.randn(8, 128, 256, device=dev)

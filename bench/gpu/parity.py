@@ -26,13 +26,21 @@ from models import build  # noqa: E402
 def main(name: str, rounds: int = 12) -> None:
     model, (x,), spec = build(name)
     x = x.repeat(2, 2)
-    steps = {"eager": make_step(model, model, spec),
-             "farm": make_step(torch.compile(model, backend="torchfarm"), model, spec),
-             "local": make_step(torch.compile(model, backend="inductor"), model, spec)}
+    steps = {
+        "eager": make_step(model, model, spec),
+        "farm": make_step(torch.compile(model, backend="torchfarm"), model, spec),
+        "local": make_step(torch.compile(model, backend="inductor"), model, spec),
+    }
     results = {k: step(x) for k, step in steps.items()}  # compiles both
-    errors = {k: max(rel_err(a, b) for a, b in zip([results[k][0], *results[k][1]],
-                                                   [results["local"][0], *results["local"][1]]))
-              for k in ("farm", "eager")}
+    errors = {
+        k: max(
+            rel_err(a, b)
+            for a, b in zip(
+                [results[k][0], *results[k][1]], [results["local"][0], *results["local"][1]]
+            )
+        )
+        for k in ("farm", "eager")
+    }
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(rounds):  # alternate which compiled model runs first
         for k in ("eager", "farm", "local") if i % 2 else ("eager", "local", "farm"):
@@ -41,13 +49,23 @@ def main(name: str, rounds: int = 12) -> None:
 
     ratios = sorted(f / loc for f, loc in zip(times["farm"], times["local"]))
     farm, local, eager = (statistics.median(times[k]) for k in ("farm", "local", "eager"))
-    print(json.dumps({"model": name, "case": "parity (one process)", "farm_ms": round(farm, 3),
-                      "local_ms": round(local, 3), "eager_ms": round(eager, 3),
-                      "farm_over_local": round(statistics.median(ratios), 4),
-                      "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
-                      "speedup_vs_eager": round(eager / farm, 3),
-                      "farm_vs_local_rel_err": errors["farm"], "graphs": [r.source for r in history],
-                      "rounds_ms": times}))
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "case": "parity (one process)",
+                "farm_ms": round(farm, 3),
+                "local_ms": round(local, 3),
+                "eager_ms": round(eager, 3),
+                "farm_over_local": round(statistics.median(ratios), 4),
+                "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
+                "speedup_vs_eager": round(eager / farm, 3),
+                "farm_vs_local_rel_err": errors["farm"],
+                "graphs": [r.source for r in history],
+                "rounds_ms": times,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,17 +37,33 @@ class Runner:
         self.tensors = tempfile.mkdtemp(prefix="bench-tensors-")
 
     def env(self, cache: str, addr: str) -> dict:
-        return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
-                    TRITON_CACHE_DIR=f"{cache}/triton", TORCHFARM_ADDR=addr,
-                    TORCHFARM_PROGRESS="0", TF_PTXAS_LOG=f"{cache}/ptxas-{time.time_ns()}.log")
+        return dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
+            TRITON_CACHE_DIR=f"{cache}/triton",
+            TORCHFARM_ADDR=addr,
+            TORCHFARM_PROGRESS="0",
+            TF_PTXAS_LOG=f"{cache}/ptxas-{time.time_ns()}.log",
+        )
 
-    def client(self, model: str, mode: str, backend: str, case: str, cache: str,
-               extra_env: dict | None = None) -> subprocess.Popen:
+    def client(
+        self,
+        model: str,
+        mode: str,
+        backend: str,
+        case: str,
+        cache: str,
+        extra_env: dict | None = None,
+    ) -> subprocess.Popen:
         outfile = os.path.join(self.tensors, f"{model}-{mode}-{case}.pt")
         env = self.env(cache, self.farm.addr if backend == "farm" else "")
-        return subprocess.Popen([sys.executable, os.path.join(HERE, "client.py"), model, mode,
-                                 backend, outfile], env={**env, **(extra_env or {})},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "client.py"), model, mode, backend, outfile],
+            env={**env, **(extra_env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, model: str, mode: str, backend: str, case: str, cache: str) -> dict:
         started = time.perf_counter()
@@ -57,8 +73,12 @@ class Runner:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-        row = {"model": model, "mode": mode, "case": case,
-               "process_s": round(time.perf_counter() - started, 1)}
+        row = {
+            "model": model,
+            "mode": mode,
+            "case": case,
+            "process_s": round(time.perf_counter() - started, 1),
+        }
         try:
             row.update(json.loads(out.strip().splitlines()[-1]))
         except (IndexError, json.JSONDecodeError):
@@ -80,25 +100,38 @@ class Runner:
 
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""
+
         def load(c):
             return torch.load(os.path.join(self.tensors, f"{model}-{mode}-{c}.pt"))
+
         try:
             a, b = load(case), load(reference)
         except FileNotFoundError as e:
-            self.rows.append({"model": model, "mode": mode, "case": f"{case} vs {reference}",
-                              "error": str(e)})
+            self.rows.append(
+                {"model": model, "mode": mode, "case": f"{case} vs {reference}", "error": str(e)}
+            )
             return
-        errs = [((x - y).norm() / y.norm().clamp_min(1e-12)).item()
-                for x, y in zip([a["out"], *a["grads"]], [b["out"], *b["grads"]])]
-        row = {"model": model, "mode": mode, "case": f"{case} vs {reference}",
-               "max_rel_err": max(errs)}
+        errs = [
+            ((x - y).norm() / y.norm().clamp_min(1e-12)).item()
+            for x, y in zip([a["out"], *a["grads"]], [b["out"], *b["grads"]])
+        ]
+        row = {
+            "model": model,
+            "mode": mode,
+            "case": f"{case} vs {reference}",
+            "max_rel_err": max(errs),
+        }
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
     def parity(self, model: str) -> None:
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "parity.py"), model],
-                              env=self.env(tempfile.mkdtemp(prefix="parity-"), self.farm.addr),
-                              capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "parity.py"), model],
+            env=self.env(tempfile.mkdtemp(prefix="parity-"), self.farm.addr),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         try:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
@@ -110,9 +143,17 @@ class Runner:
         store = self.farm.store()
         before = store.stats().get("compiles", 0)
         started = time.perf_counter()
-        procs = [self.client("gpt-storm", "default", "farm", f"storm{i}",
-                             tempfile.mkdtemp(prefix="storm-"), {"BENCH_STEADY": "0"})
-                 for i in range(clients)]
+        procs = [
+            self.client(
+                "gpt-storm",
+                "default",
+                "farm",
+                f"storm{i}",
+                tempfile.mkdtemp(prefix="storm-"),
+                {"BENCH_STEADY": "0"},
+            )
+            for i in range(clients)
+        ]
         results = []
         for proc in procs:
             out, err = proc.communicate(timeout=420)
@@ -120,13 +161,17 @@ class Runner:
                 results.append(json.loads(out.strip().splitlines()[-1]))
             except (IndexError, json.JSONDecodeError):
                 results.append({"error": err[-1500:]})
-        row = {"model": "gpt-storm", "mode": "default", "case": f"storm x{clients}",
-               "wall_s": round(time.perf_counter() - started, 1),
-               "worker_compiles": store.stats().get("compiles", 0) - before,
-               "sources": sorted(s for r in results for s in r.get("graphs", ["error"])),
-               "max_rel_err": max(r.get("max_rel_err", float("inf")) for r in results),
-               "first_step_s_max": max(r.get("first_step_s", 0) for r in results),
-               "errors": [r["error"] for r in results if "error" in r][:2]}
+        row = {
+            "model": "gpt-storm",
+            "mode": "default",
+            "case": f"storm x{clients}",
+            "wall_s": round(time.perf_counter() - started, 1),
+            "worker_compiles": store.stats().get("compiles", 0) - before,
+            "sources": sorted(s for r in results for s in r.get("graphs", ["error"])),
+            "max_rel_err": max(r.get("max_rel_err", float("inf")) for r in results),
+            "first_step_s_max": max(r.get("first_step_s", 0) for r in results),
+            "errors": [r["error"] for r in results if "error" in r][:2],
+        }
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
@@ -147,10 +192,12 @@ def main() -> None:
         elif args.part == "default":
             runner.warm_start("gpt", "default")
             runner.warm_start("resnet50", "default")
-            runner.run("sdpa-dynamic", "default", "farm", "farm miss",
-                       tempfile.mkdtemp(prefix="dyn-"))
-            runner.run("sdpa-dynamic", "default", "local", "local cold",
-                       tempfile.mkdtemp(prefix="dyn-"))
+            runner.run(
+                "sdpa-dynamic", "default", "farm", "farm miss", tempfile.mkdtemp(prefix="dyn-")
+            )
+            runner.run(
+                "sdpa-dynamic", "default", "local", "local cold", tempfile.mkdtemp(prefix="dyn-")
+            )
             runner.compare("sdpa-dynamic", "default", "farm miss", "local cold")
         else:
             runner.storm()
@@ -160,12 +207,22 @@ def main() -> None:
             runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
         store = farm.store()
         stats = store.stats()
-        entries = [{k: e.get(k) for k in ("mode", "compile_seconds", "size", "tuned_kernels")}
-                   | {"kernels": len(e.get("kernels", []))}
-                   for key, _ in store.keys() for e in store.entries(key)]
-    result = {"part": args.part, "device": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "sandbox": sandbox, "farm_stats": stats, "entries": entries, "rows": runner.rows}
+        entries = [
+            {k: e.get(k) for k in ("mode", "compile_seconds", "size", "tuned_kernels")}
+            | {"kernels": len(e.get("kernels", []))}
+            for key, _ in store.keys()
+            for e in store.entries(key)
+        ]
+    result = {
+        "part": args.part,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "sandbox": sandbox,
+        "farm_stats": stats,
+        "entries": entries,
+        "rows": runner.rows,
+    }
     with open(os.path.join(args.out, f"results-{args.part}.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -21,8 +21,11 @@ from torchfarm.cache.store import Store, digest_of
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Inspect and manage the farm's cache (talks to Redis directly).")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Inspect and manage the farm's cache (talks to Redis directly).",
+)
 BUNDLE_FORMAT = "torchfarm-bundle-v1"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -37,8 +40,11 @@ def _store(redis_url: str | None) -> Store:
     try:
         store.redis.ping()
     except redis.RedisError as e:
-        typer.echo(f"torchfarm cache: cannot reach Redis at {url} ({e}); "
-                   "pass --redis or set TORCHFARM_REDIS_URL", err=True)
+        typer.echo(
+            f"torchfarm cache: cannot reach Redis at {url} ({e}); "
+            "pass --redis or set TORCHFARM_REDIS_URL",
+            err=True,
+        )
         raise typer.Exit(2) from e
     return store
 
@@ -51,18 +57,27 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _matches(row: dict, target: str | None, mode: str | None, tenant: str | None,
-             older_than: float | None, now: float) -> bool:
-    return ((target is None or target in row.get("target", "") or target in row.get("pool", ""))
-            and (mode is None or row.get("mode") == mode)
-            and (tenant is None or row.get("tenant") == tenant)
-            and (older_than is None or now - row["last_used"] >= older_than))
+def _matches(
+    row: dict,
+    target: str | None,
+    mode: str | None,
+    tenant: str | None,
+    older_than: float | None,
+    now: float,
+) -> bool:
+    return (
+        (target is None or target in row.get("target", "") or target in row.get("pool", ""))
+        and (mode is None or row.get("mode") == mode)
+        and (tenant is None or row.get("tenant") == tenant)
+        and (older_than is None or now - row["last_used"] >= older_than)
+    )
 
 
 def _summary(row: dict) -> dict:
     """An entry without its bulky fields (graph code, op counts, kernels, objects)."""
-    return {k: v for k, v in row.items()
-            if k not in ("graph_code", "op_counts", "kernels", "objects")}
+    return {
+        k: v for k, v in row.items() if k not in ("graph_code", "op_counts", "kernels", "objects")
+    }
 
 
 def _console() -> Console:
@@ -85,19 +100,25 @@ def _resolve(store: Store, prefix: str) -> str:
 
 
 @app.command("ls")
-def ls(target: str = typer.Option(None, help="substring of the target or pool"),
-       mode: str = typer.Option(None, help="default, reduce-overhead, max-autotune, ..."),
-       tenant: str = typer.Option(None, help="tenant that first built the entry"),
-       older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
-       sort: str = typer.Option("age", help="age (most recently used first), hits or size"),
-       limit: int = typer.Option(50, help="rows to show (0: all)"),
-       redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def ls(
+    target: str = typer.Option(None, help="substring of the target or pool"),
+    mode: str = typer.Option(None, help="default, reduce-overhead, max-autotune, ..."),
+    tenant: str = typer.Option(None, help="tenant that first built the entry"),
+    older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
+    sort: str = typer.Option("age", help="age (most recently used first), hits or size"),
+    limit: int = typer.Option(50, help="rows to show (0: all)"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """List cache entries."""
     now = time.time()
     age = parse_age(older_than) if older_than else None
     rows = [r for r in _store(redis_url).rows() if _matches(r, target, mode, tenant, age, now)]
-    order = {"age": lambda r: -r["last_used"], "hits": lambda r: -r["hits"],
-             "size": lambda r: -r.get("size", 0)}
+    order = {
+        "age": lambda r: -r["last_used"],
+        "hits": lambda r: -r["hits"],
+        "size": lambda r: -r.get("size", 0),
+    }
     if sort not in order:
         raise typer.BadParameter(f"--sort {sort!r}: one of {', '.join(order)}")
     rows.sort(key=order[sort])
@@ -105,19 +126,40 @@ def ls(target: str = typer.Option(None, help="substring of the target or pool"),
     if as_json:
         typer.echo(json.dumps([_summary(r) for r in rows], indent=1))
         return
-    table = Table("key", "digest", "mode", "tenant", "target", "bytes", "hits", "compile s",
-                  "created", "last used")
+    table = Table(
+        "key",
+        "digest",
+        "mode",
+        "tenant",
+        "target",
+        "bytes",
+        "hits",
+        "compile s",
+        "created",
+        "last used",
+    )
     for r in rows:
-        table.add_row(r["key"][:16], r["digest"][:12], r.get("mode", ""), r.get("tenant", ""),
-                      r.get("target", "")[:48], f"{r.get('size', 0):,}", str(r["hits"]),
-                      f"{r.get('compile_seconds', 0):.1f}", _age(now - r.get("created", now)),
-                      _age(now - r["last_used"]))
+        table.add_row(
+            r["key"][:16],
+            r["digest"][:12],
+            r.get("mode", ""),
+            r.get("tenant", ""),
+            r.get("target", "")[:48],
+            f"{r.get('size', 0):,}",
+            str(r["hits"]),
+            f"{r.get('compile_seconds', 0):.1f}",
+            _age(now - r.get("created", now)),
+            _age(now - r["last_used"]),
+        )
     _console().print(table)
 
 
 @app.command()
-def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
-         redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def show(
+    key: str = typer.Argument(..., help="a key or a unique prefix of one"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """One key: its entries, guards, metadata, readable graph and kernels."""
     store = _store(redis_url)
     key = _resolve(store, key)
@@ -128,20 +170,38 @@ def show(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
     console = _console()
     for e in entries:
         console.rule(f"{key}  entry {e['digest'][:16]}")
-        for name in ("mode", "tenant", "target", "pool", "torch_version", "size", "stored_bytes",
-                     "compile_seconds", "hits", "nodes", "tuned_kernels", "worker"):
+        for name in (
+            "mode",
+            "tenant",
+            "target",
+            "pool",
+            "torch_version",
+            "size",
+            "stored_bytes",
+            "compile_seconds",
+            "hits",
+            "nodes",
+            "tuned_kernels",
+            "worker",
+        ):
             console.print(f"[bold]{name}[/bold]: {e.get(name, '')}")
         console.print(f"[bold]created[/bold]: {time.ctime(e.get('created', 0))}")
         console.print(f"[bold]guards[/bold]: {e.get('guards_expr') or '(none)'}")
         kernels = e.get("kernels", [])
-        console.print(f"[bold]kernels[/bold] ({len(kernels)}): " + ", ".join(
-            f"{k['name']} ({k.get('source_bytes', 0):,} B source)" for k in kernels))
+        console.print(
+            f"[bold]kernels[/bold] ({len(kernels)}): "
+            + ", ".join(f"{k['name']} ({k.get('source_bytes', 0):,} B source)" for k in kernels)
+        )
         objects = e.get("objects", [])
         if objects:
-            console.print(f"[bold]compiled objects[/bold] ({len(objects)}): " + ", ".join(
-                f"{o['source_sha256']} ({o['bytes']:,} B)" for o in objects))
-        console.print("[bold]ops[/bold]: " + ", ".join(
-            f"{op}×{n}" for op, n in sorted(e.get("op_counts", {}).items())))
+            console.print(
+                f"[bold]compiled objects[/bold] ({len(objects)}): "
+                + ", ".join(f"{o['source_sha256']} ({o['bytes']:,} B)" for o in objects)
+            )
+        console.print(
+            "[bold]ops[/bold]: "
+            + ", ".join(f"{op}×{n}" for op, n in sorted(e.get("op_counts", {}).items()))
+        )
         console.print("[bold]graph[/bold]:")
         console.print(e.get("graph_code", ""), markup=False, highlight=False)
 
@@ -156,32 +216,50 @@ def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
     console = _console()
     for name, value in result.items():
         if name != "pools":
-            console.print(f"[bold]{name}[/bold]: {value:,}" if isinstance(value, int)
-                          else f"[bold]{name}[/bold]: {value}")
+            console.print(
+                f"[bold]{name}[/bold]: {value:,}"
+                if isinstance(value, int)
+                else f"[bold]{name}[/bold]: {value}"
+            )
     table = Table("pool", "entries", "bytes", "hits", "misses", "compiles", "compile s")
     for name, p in sorted(result["pools"].items()):
-        table.add_row(name or "(unknown)", str(p["entries"]), f"{int(p['bytes']):,}",
-                      str(int(p.get("hits", 0))), str(int(p.get("misses", 0))),
-                      str(int(p.get("compiles", 0))), f"{p.get('compile_seconds', 0):.1f}")
+        table.add_row(
+            name or "(unknown)",
+            str(p["entries"]),
+            f"{int(p['bytes']):,}",
+            str(int(p.get("hits", 0))),
+            str(int(p.get("misses", 0))),
+            str(int(p.get("compiles", 0))),
+            f"{p.get('compile_seconds', 0):.1f}",
+        )
     console.print(table)
 
 
 @app.command()
-def rm(key: str = typer.Argument(..., help="a key or a unique prefix of one"),
-       redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def rm(
+    key: str = typer.Argument(..., help="a key or a unique prefix of one"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """Remove a key with all its entries and blobs."""
     store = _store(redis_url)
     key = _resolve(store, key)
     removed = store.drop(key)
-    typer.echo(json.dumps({"key": key, "entries_removed": removed}) if as_json
-               else f"removed {key} ({removed} entries)")
+    typer.echo(
+        json.dumps({"key": key, "entries_removed": removed})
+        if as_json
+        else f"removed {key} ({removed} entries)"
+    )
 
 
 @app.command()
-def purge(older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
-          target: str = typer.Option(None, help="substring of the target or pool"),
-          everything: bool = typer.Option(False, "--all", help="purge every entry"),
-          redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def purge(
+    older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
+    target: str = typer.Option(None, help="substring of the target or pool"),
+    everything: bool = typer.Option(False, "--all", help="purge every entry"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """Remove every key that matches the filters (at least one filter, or --all)."""
     if not (older_than or target or everything):
         raise typer.BadParameter("give --older-than, --target, or --all")
@@ -189,14 +267,20 @@ def purge(older_than: str = typer.Option(None, help="unused for at least this lo
     age, now = (parse_age(older_than) if older_than else None), time.time()
     keys = sorted({r["key"] for r in store.rows() if _matches(r, target, None, None, age, now)})
     removed = sum(store.drop(k) for k in keys)
-    typer.echo(json.dumps({"keys_removed": len(keys), "entries_removed": removed}) if as_json
-               else f"removed {len(keys)} keys ({removed} entries)")
+    typer.echo(
+        json.dumps({"keys_removed": len(keys), "entries_removed": removed})
+        if as_json
+        else f"removed {len(keys)} keys ({removed} entries)"
+    )
 
 
 @app.command("export")
-def export(path: str = typer.Argument(..., help="bundle file to write"),
-           target: str = typer.Option(None, help="only entries whose target/pool has this"),
-           redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def export(
+    path: str = typer.Argument(..., help="bundle file to write"),
+    target: str = typer.Option(None, help="only entries whose target/pool has this"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """Write entries (artifact and metadata) to a bundle, e.g. to warm another farm."""
     store = _store(redis_url)
     bundle = pb.CacheBundle(format=BUNDLE_FORMAT)
@@ -206,19 +290,29 @@ def export(path: str = typer.Argument(..., help="bundle file to write"),
         data = store.read_blob(r["key"], r)
         if data is None:
             continue  # corrupt: dropped by read_blob, not exported
-        meta = {k: v for k, v in r.items()
-                if k not in ("key", "digest", "hits", "last_hit", "last_used")}
-        bundle.entries.add(key=r["key"], digest=r["digest"], meta_json=json.dumps(meta),
-                           artifact=data)
+        meta = {
+            k: v
+            for k, v in r.items()
+            if k not in ("key", "digest", "hits", "last_hit", "last_used")
+        }
+        bundle.entries.add(
+            key=r["key"], digest=r["digest"], meta_json=json.dumps(meta), artifact=data
+        )
     with open(path, "wb") as f:
         f.write(zstandard.ZstdCompressor(level=10).compress(bundle.SerializeToString()))
-    typer.echo(json.dumps({"entries": len(bundle.entries), "path": path}) if as_json
-               else f"exported {len(bundle.entries)} entries to {path}")
+    typer.echo(
+        json.dumps({"entries": len(bundle.entries), "path": path})
+        if as_json
+        else f"exported {len(bundle.entries)} entries to {path}"
+    )
 
 
 @app.command("import")
-def import_(path: str = typer.Argument(..., help="bundle file written by `export`"),
-            redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def import_(
+    path: str = typer.Argument(..., help="bundle file written by `export`"),
+    redis_url: str = RedisOption,
+    as_json: bool = JsonOption,
+) -> None:
     """Load a bundle; every entry's digest and format are verified first, so a damaged
     bundle imports nothing. Import only bundles from a farm you trust: clients run them."""
     try:
@@ -227,15 +321,20 @@ def import_(path: str = typer.Argument(..., help="bundle file written by `export
     except (OSError, zstandard.ZstdError, ValueError) as e:
         raise typer.BadParameter(f"{path}: not a torchfarm bundle ({e})") from e
     if bundle.format != BUNDLE_FORMAT:
-        raise typer.BadParameter(f"{path}: bundle format {bundle.format!r}, "
-                                 f"expected {BUNDLE_FORMAT!r}")
+        raise typer.BadParameter(
+            f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
+        )
     for e in bundle.entries:
         if digest_of(e.artifact) != e.digest or not re.fullmatch(r"[0-9a-f]{64}", e.key):
-            raise typer.BadParameter(f"{path}: entry {e.key[:16]} fails its digest check; "
-                                     "nothing imported")
+            raise typer.BadParameter(
+                f"{path}: entry {e.key[:16]} fails its digest check; nothing imported"
+            )
         pb.Artifact.FromString(e.artifact)  # protobuf parse only: no code runs
     store = _store(redis_url)
     for e in bundle.entries:
         store.import_entry(e.key, e.artifact, json.loads(e.meta_json))
-    typer.echo(json.dumps({"entries": len(bundle.entries)}) if as_json
-               else f"imported {len(bundle.entries)} entries")
+    typer.echo(
+        json.dumps({"entries": len(bundle.entries)})
+        if as_json
+        else f"imported {len(bundle.entries)} entries"
+    )

@@ -40,18 +40,25 @@ def digest_of(data: bytes) -> str:
 
 
 def _connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                health_check_interval=30, retry_on_timeout=True)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=10,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry_on_timeout=True,
+    )
 
 
 def _unless_full(method):
     """Bookkeeping that a full cache Redis skips (with a warning) instead of failing."""
+
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         try:
             return method(*args, **kwargs)
         except redis.exceptions.OutOfMemoryError:
             log.warning("the cache's Redis is at its memory limit: %s skipped", method.__name__)
+
     return wrapper
 
 
@@ -77,23 +84,32 @@ class Store:
         """Entries for a key, newest first: {"digest", "size", "guards_expr", "hits", ...}."""
         raw = self.redis.hgetall(keys.index(key))
         usage = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.usage(key)).items()}
-        found = [dict(json.loads(v), digest=d.decode(),
-                      hits=int(usage.get(f"{d.decode()}:hits", 0)),
-                      last_hit=usage.get(f"{d.decode()}:last_hit", 0.0))
-                 for d, v in raw.items()]
+        found = [
+            dict(
+                json.loads(v),
+                digest=d.decode(),
+                hits=int(usage.get(f"{d.decode()}:hits", 0)),
+                last_hit=usage.get(f"{d.decode()}:last_hit", 0.0),
+            )
+            for d, v in raw.items()
+        ]
         return sorted(found, key=lambda e: e.get("created", 0), reverse=True)
 
     def rows(self) -> list[dict]:
         """Every entry of every key, with its key and last use (the cache CLI's rows)."""
-        return [dict(entry, key=key, last_used=last_used)
-                for key, last_used in self.keys() for entry in self.entries(key)]
+        return [
+            dict(entry, key=key, last_used=last_used)
+            for key, last_used in self.keys()
+            for entry in self.entries(key)
+        ]
 
     def summary(self) -> dict:
         """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool:
         `torchfarm cache stats` and the Admin.Stats RPC."""
         counters, rows = self.stats(), self.rows()
-        per_pool: dict[str, dict] = {name: dict(values, entries=0, bytes=0)
-                                     for name, values in self.pool_stats().items()}
+        per_pool: dict[str, dict] = {
+            name: dict(values, entries=0, bytes=0) for name, values in self.pool_stats().items()
+        }
         for r in rows:
             pool = per_pool.setdefault(r.get("pool", ""), {"entries": 0, "bytes": 0})
             pool["entries"] += 1
@@ -101,9 +117,12 @@ class Store:
         hits, misses, merges = (int(counters.get(k, 0)) for k in ("hits", "misses", "merges"))
         requests = hits + misses + merges
         return {
-            "entries": len(rows), "bytes": sum(r.get("stored_bytes", 0) for r in rows),
+            "entries": len(rows),
+            "bytes": sum(r.get("stored_bytes", 0) for r in rows),
             "artifact_bytes": sum(r.get("size", 0) for r in rows),
-            "hits": hits, "misses": misses, "merges": merges,
+            "hits": hits,
+            "misses": misses,
+            "merges": merges,
             "hit_rate": round(hits / requests, 4) if requests else 0.0,
             "compiles": int(counters.get("compiles", 0)),
             "compile_failures": int(counters.get("compile_failures", 0)),
@@ -131,17 +150,26 @@ class Store:
     def drop(self, key: str, digests: list[str] | None = None) -> int:
         """Remove entries of `key` (all if `digests` is None) with their blobs, in one
         transaction; the number removed. The key leaves the LRU order once it has none."""
+
         def remove(pipe: redis.client.Pipeline) -> int:
             raw = pipe.hgetall(keys.index(key))
-            chosen = {d.decode(): json.loads(v) for d, v in raw.items()
-                      if digests is None or d.decode() in digests}
+            chosen = {
+                d.decode(): json.loads(v)
+                for d, v in raw.items()
+                if digests is None or d.decode() in digests
+            }
             pipe.multi()
             if chosen:
                 pipe.hdel(keys.index(key), *chosen)
-                pipe.hdel(keys.usage(key), *(f"{d}:{f}" for d in chosen for f in ("hits", "last_hit")))
+                pipe.hdel(
+                    keys.usage(key), *(f"{d}:{f}" for d in chosen for f in ("hits", "last_hit"))
+                )
                 pipe.delete(*(keys.blob(d) for d in chosen))
-                pipe.hincrbyfloat(keys.STATS, "stored_bytes",
-                                  -sum(e.get("stored_bytes", 0) for e in chosen.values()))
+                pipe.hincrbyfloat(
+                    keys.STATS,
+                    "stored_bytes",
+                    -sum(e.get("stored_bytes", 0) for e in chosen.values()),
+                )
                 pipe.hincrbyfloat(keys.STATS, "entries", -len(chosen))
             if len(chosen) == len(raw):
                 pipe.zrem(keys.RECENT, key)
@@ -153,8 +181,12 @@ class Store:
     def _put_entry(self, pipe, key: str, data: bytes, meta: dict) -> str:
         digest = digest_of(data)
         compressed = zstandard.ZstdCompressor(level=3).compress(data)
-        entry = dict(meta, size=len(data), stored_bytes=len(compressed),
-                     created=meta.get("created") or time.time())
+        entry = dict(
+            meta,
+            size=len(data),
+            stored_bytes=len(compressed),
+            created=meta.get("created") or time.time(),
+        )
         pipe.set(keys.blob(digest), compressed)
         pipe.hset(keys.index(key), digest, json.dumps(entry, sort_keys=True))
         pipe.zadd(keys.RECENT, {key: time.time()})
@@ -178,8 +210,13 @@ class Store:
         ending = self.jobs.pipeline()
         if not cached:
             entry = dict(meta, digest=digest, size=len(data))
-            ending.set(keys.uncached(job), json.dumps(entry).encode() + b"\n" +
-                       zstandard.ZstdCompressor(level=3).compress(data), ex=UNCACHED_TTL_S)
+            ending.set(
+                keys.uncached(job),
+                json.dumps(entry).encode()
+                + b"\n"
+                + zstandard.ZstdCompressor(level=3).compress(data),
+                ex=UNCACHED_TTL_S,
+            )
         ending.set(keys.done(job), digest, ex=DONE_TTL_S)
         ending.delete(keys.job(job), keys.status(job), keys.claim(job))
         ending.execute()
@@ -224,8 +261,12 @@ class Store:
         pipe.hset(keys.usage(key), f"{entry['digest']}:last_hit", now)
         pipe.zadd(keys.RECENT, {key: now}, xx=True)
         pipe.execute()
-        self.count(entry.get("pool", ""), hits=1, bytes_served=nbytes,
-                   compile_seconds_saved=entry.get("compile_seconds", 0.0))
+        self.count(
+            entry.get("pool", ""),
+            hits=1,
+            bytes_served=nbytes,
+            compile_seconds_saved=entry.get("compile_seconds", 0.0),
+        )
 
     def evict(self, max_bytes: int, ttl_s: float = 0, now: float | None = None) -> list[str]:
         """Drop keys unused for `ttl_s` (0: no TTL), then least recently used keys until the
@@ -320,5 +361,6 @@ class Store:
         found = {}
         for name in self.redis.scan_iter(keys.POOL_STATS_PATTERN, count=100):
             found[name.decode().split(":", 2)[2]] = {
-                k.decode(): float(v) for k, v in self.redis.hgetall(name).items()}
+                k.decode(): float(v) for k, v in self.redis.hgetall(name).items()
+            }
         return found

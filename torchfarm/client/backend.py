@@ -52,14 +52,22 @@ class GraphRecord:
 history: list[GraphRecord] = []
 
 
-def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
-                      options: dict | None = None, *, addr: str | None = None,
-                      token: str | None = None) -> Callable:
+def torchfarm_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    mode: str | None = None,
+    options: dict | None = None,
+    *,
+    addr: str | None = None,
+    token: str | None = None,
+) -> Callable:
     """Compile one Dynamo graph on the farm; `options` are Inductor config patches."""
     settings = ClientSettings.from_env(addr=addr, token=token)
-    farm_options = pb.Options(mode=mode or "default",
-                              config_patches_json=json.dumps(options, sort_keys=True)
-                              if options else "", state=trace_state.capture())
+    farm_options = pb.Options(
+        mode=mode or "default",
+        config_patches_json=json.dumps(options, sort_keys=True) if options else "",
+        state=trace_state.capture(),
+    )
     label = f"graph {next(_graph_numbers)}"
     started = time.perf_counter()
     if not settings.addr:
@@ -70,13 +78,21 @@ def torchfarm_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str 
     except Exception as e:  # the farm must never break training
         log.info("%s: farm failed after %.2f s (%s)", label, time.perf_counter() - started, e)
         _warn_once(f"farm unavailable ({e}); compiling locally")
-        return _compile_locally(gm, example_inputs, farm_options, label, started,
-                                why=f"farm: {type(e).__name__}: {e}")
-    record = GraphRecord(label, header.source, time.perf_counter() - started, header.size,
-                         header.key)
+        return _compile_locally(
+            gm, example_inputs, farm_options, label, started, why=f"farm: {type(e).__name__}: {e}"
+        )
+    record = GraphRecord(
+        label, header.source, time.perf_counter() - started, header.size, header.key
+    )
     history.append(record)
-    log.info("%s: farm %s in %.2f s, %d bytes, key %s", label, record.source, record.seconds,
-             record.bytes, header.key[:16])
+    log.info(
+        "%s: farm %s in %.2f s, %d bytes, key %s",
+        label,
+        record.source,
+        record.seconds,
+        record.bytes,
+        header.key[:16],
+    )
     return compiled
 
 
@@ -91,39 +107,57 @@ def _device_of(gm: torch.fx.GraphModule) -> str:
 
 
 def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.ArtifactHeader]:
-    request = pb.CompileRequest(graph=serialize.dumps(gm), target=local_target(_device_of(gm)),
-                                options=options, label=label, private=settings.private,
-                                size_hints=serialize.size_hints(gm))
+    request = pb.CompileRequest(
+        graph=serialize.dumps(gm),
+        target=local_target(_device_of(gm)),
+        options=options,
+        label=label,
+        private=settings.private,
+        size_hints=serialize.size_hints(gm),
+    )
     inputs = serialize.example_inputs(gm)
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", label, request_id)
     # Entries of this key differ by their guards: take one that holds here, else compile.
-    request.digest = next((c.digest for c in remote.lookup(request, settings, request_id)
-                           if guards.hold(c.guards_expr, inputs)), "")
+    request.digest = next(
+        (
+            c.digest
+            for c in remote.lookup(request, settings, request_id)
+            if guards.hold(c.guards_expr, inputs)
+        ),
+        "",
+    )
     progress = ProgressLine(label, settings.progress)
     try:
-        header, data = remote.fetch(request, settings, on_progress=progress,
-                                    request_id=request_id)
+        header, data = remote.fetch(request, settings, on_progress=progress, request_id=request_id)
     finally:
         progress.close()
     artifact = pb.Artifact.FromString(data)
     if not guards.install(artifact.guards_expr, inputs):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
-    compiled = load_artifact(artifact, cudagraphs=bool(
-        config_patches(options).get("triton.cudagraphs")))
+    compiled = load_artifact(
+        artifact, cudagraphs=bool(config_patches(options).get("triton.cudagraphs"))
+    )
     return (lambda *args: compiled(*args)), header
 
 
-def _compile_locally(gm, example_inputs, options: pb.Options, label: str,
-                     started: float, why: str = "") -> Callable:
+def _compile_locally(
+    gm, example_inputs, options: pb.Options, label: str, started: float, why: str = ""
+) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     try:
         compiled = compile_fx(gm, example_inputs, config_patches=config_patches(options))
         source = "local"
     except exceptions_allowed_to_be_fallback as e:  # Dynamo splits the graph, as for Inductor
-        history.append(GraphRecord(label, "split", time.perf_counter() - started,
-                                   why=f"{why}; local: {type(e).__name__}: {e}"[-2000:]))
+        history.append(
+            GraphRecord(
+                label,
+                "split",
+                time.perf_counter() - started,
+                why=f"{why}; local: {type(e).__name__}: {e}"[-2000:],
+            )
+        )
         log.info("%s: handed back to Dynamo to split (%s: %s)", label, type(e).__name__, e)
         raise
     except Exception as e:

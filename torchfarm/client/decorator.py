@@ -8,14 +8,22 @@ import functools
 import torch
 
 
-def compile(obj=None, *, mode: str = "default", dynamic: bool | None = None,
-            fullgraph: bool = False, options: dict | None = None, addr: str | None = None,
-            token: str | None = None):
+def compile(
+    obj=None,
+    *,
+    mode: str = "default",
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    options: dict | None = None,
+    addr: str | None = None,
+    token: str | None = None,
+):
     """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments."""
     from torchfarm.client.backend import torchfarm_backend
 
-    backend = functools.partial(torchfarm_backend, mode=mode, options=options, addr=addr,
-                                token=token)
+    backend = functools.partial(
+        torchfarm_backend, mode=mode, options=options, addr=addr, token=token
+    )
     kwargs = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
     def wrap(target):

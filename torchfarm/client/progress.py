@@ -8,8 +8,12 @@ import time
 from torchfarm.proto import torchfarm_pb2 as pb
 
 SHOW_AFTER_S = 2.0
-_STAGES = {pb.Progress.QUEUED: "queued", pb.Progress.COMPILING: "compiling",
-           pb.Progress.AUTOTUNING: "autotuning", pb.Progress.DOWNLOADING: "downloading"}
+_STAGES = {
+    pb.Progress.QUEUED: "queued",
+    pb.Progress.COMPILING: "compiling",
+    pb.Progress.AUTOTUNING: "autotuning",
+    pb.Progress.DOWNLOADING: "downloading",
+}
 
 
 class ProgressLine:

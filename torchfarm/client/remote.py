@@ -23,16 +23,19 @@ class FarmError(RuntimeError):
 @functools.cache
 def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
     """One channel per gateway: TLS when `tls_ca` names PEM roots to trust (or "system")."""
-    options = [("grpc.max_send_message_length", MAX_MESSAGE),
-               ("grpc.max_receive_message_length", MAX_MESSAGE)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ]
     if not tls_ca:
         return grpc.insecure_channel(addr, options=options)
     roots = None
     if tls_ca != "system":
         with open(tls_ca, "rb") as f:
             roots = f.read()
-    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=roots),
-                               options=options)
+    return grpc.secure_channel(
+        addr, grpc.ssl_channel_credentials(root_certificates=roots), options=options
+    )
 
 
 def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
@@ -40,10 +43,11 @@ def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
     try:
         grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
     except grpc.FutureTimeoutError:
-        raise FarmError(f"farm at {settings.addr} unreachable within "
-                        f"{settings.connect_timeout_s:g} s"
-                        + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)"
-                           if settings.tls_ca else "")) from None
+        raise FarmError(
+            f"farm at {settings.addr} unreachable within "
+            f"{settings.connect_timeout_s:g} s"
+            + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)" if settings.tls_ca else "")
+        ) from None
     return pb_grpc.FarmStub(farm_channel)
 
 
@@ -54,29 +58,36 @@ def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]
     return metadata
 
 
-def lookup(request: pb.CompileRequest, settings: ClientSettings,
-           request_id: str = "") -> list[pb.Candidate]:
+def lookup(
+    request: pb.CompileRequest, settings: ClientSettings, request_id: str = ""
+) -> list[pb.Candidate]:
     """The entries cached for this graph, with the guards under which each applies."""
     stub = _stub(settings)
     try:
-        reply = stub.Lookup(request, timeout=settings.connect_timeout_s + 30,
-                            metadata=_metadata(settings, request_id))
+        reply = stub.Lookup(
+            request,
+            timeout=settings.connect_timeout_s + 30,
+            metadata=_metadata(settings, request_id),
+        )
     except grpc.RpcError as e:
         raise FarmError(f"{e.code().name}: {e.details()}") from None
     return list(reply.candidates)
 
 
-def fetch(request: pb.CompileRequest, settings: ClientSettings,
-          on_progress: Callable[[pb.Progress], None] | None = None, request_id: str = ""
-          ) -> tuple[pb.ArtifactHeader, bytes]:
+def fetch(
+    request: pb.CompileRequest,
+    settings: ClientSettings,
+    on_progress: Callable[[pb.Progress], None] | None = None,
+    request_id: str = "",
+) -> tuple[pb.ArtifactHeader, bytes]:
     """Send one graph; returns the header and the artifact bytes (digest verified).
     `request_id` appears in the gateway's and the worker's log lines for this compile."""
     stub = _stub(settings)
     header, chunks = None, []
     try:
         for event in stub.Compile(
-                request, timeout=settings.compile_timeout_s,
-                metadata=_metadata(settings, request_id)):
+            request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+        ):
             kind = event.WhichOneof("event")
             if kind == "progress" and on_progress:
                 on_progress(event.progress)

@@ -35,10 +35,13 @@ def canonical_options(options: pb.Options) -> pb.Options:
     state = pb.TraceState()
     state.CopyFrom(options.state)
     state.autocast[:] = sorted(set(options.state.autocast))
-    return pb.Options(mode=options.mode or "default",
-                      config_patches_json=json.dumps(patches, sort_keys=True,
-                                                     separators=(",", ":")) if patches else "",
-                      state=state)
+    return pb.Options(
+        mode=options.mode or "default",
+        config_patches_json=json.dumps(patches, sort_keys=True, separators=(",", ":"))
+        if patches
+        else "",
+        state=state,
+    )
 
 
 def job_id(key: str, size_hints) -> str:
@@ -47,8 +50,9 @@ def job_id(key: str, size_hints) -> str:
     return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()
 
 
-def cache_key(payload: bytes, target: pb.Target, options: pb.Options,
-              private_to: str | None = None) -> str:
+def cache_key(
+    payload: bytes, target: pb.Target, options: pb.Options, private_to: str | None = None
+) -> str:
     """The key of a request; `private_to` (a tenant) makes it that tenant's alone."""
     h = hashlib.sha256(KEY_FORMAT)
     parts = [payload, _canonical(target), _canonical(canonical_options(options))]

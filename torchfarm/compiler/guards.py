@@ -16,12 +16,15 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 
 def _symbol_inputs(example_inputs: Sequence[object]) -> list[torch.SymInt]:
-    return [x for x in example_inputs
-            if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol)]
+    return [
+        x
+        for x in example_inputs
+        if isinstance(x, torch.SymInt) and isinstance(x.node.expr, sympy.Symbol)
+    ]
 
 
 def produce(shape_env: ShapeEnv, example_inputs: Sequence[object]) -> str:
-    """Worker: every guard on the graph's size inputs, as an expression over L['t0'], L['t1'], ..."""
+    """Worker: every guard on the graph's size inputs, as an expression over L['t0'], ..."""
     symints = _symbol_inputs(example_inputs)
     if not symints:
         return ""

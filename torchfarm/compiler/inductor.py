@@ -30,8 +30,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 # Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
 # the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
-_WORKER_CONFIG = {"cpp_cache_precompile_headers": False,
-                  "triton.autotune_at_compile_time": True}
+_WORKER_CONFIG = {"cpp_cache_precompile_headers": False, "triton.autotune_at_compile_time": True}
 # Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
 # backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
 _WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}
@@ -53,9 +52,13 @@ def config_patches(options: pb.Options) -> dict:
     return patches
 
 
-def compile_payload(payload: bytes, options: pb.Options, threads: int,
-                    size_hints: dict[str, int] | None = None,
-                    on_stage: Callable[[str], None] | None = None) -> pb.Artifact:
+def compile_payload(
+    payload: bytes,
+    options: pb.Options,
+    threads: int,
+    size_hints: dict[str, int] | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> pb.Artifact:
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
     `on_stage("autotuning")` / `on_stage("compiling")` mark where benchmarking starts and ends."""
     started = time.perf_counter()
@@ -65,24 +68,34 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
     inputs = serialize.example_inputs(gm)
     # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
     fake_mode = torch._guards.detect_fake_mode(inputs) or torch._subclasses.FakeTensorMode(
-        shape_env=serialize.shape_env_of(inputs) or ShapeEnv())
+        shape_env=serialize.shape_env_of(inputs) or ShapeEnv()
+    )
     objects: dict[str, bytes] = {}
-    with (inductor_config.patch(_WORKER_CONFIG), functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
-          torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
-          trace_state.applied(options.state),
-          native.capture(objects), _reporting_autotuning(on_stage),
-          _AutogradCacheLog() as cache_log):
+    with (
+        inductor_config.patch(_WORKER_CONFIG),
+        functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
+        torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
+        trace_state.applied(options.state),
+        native.capture(objects),
+        _reporting_autotuning(on_stage),
+        _AutogradCacheLog() as cache_log,
+    ):
         compiled = torch._inductor.standalone_compile(
-            gm, inputs, dynamic_shapes="from_graph",
-            options={"config_patches": config_patches(options)})
+            gm,
+            inputs,
+            dynamic_shapes="from_graph",
+            options={"config_patches": config_patches(options)},
+        )
     guards_expr = guards.produce(fake_mode.shape_env, inputs)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "artifact.bin")
         try:
             compiled.save(path=path, format="binary")
         except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
-            raise RuntimeError(f"Inductor compiled the graph but cannot save it: "
-                               f"{'; '.join(cache_log.messages) or e}") from e
+            raise RuntimeError(
+                f"Inductor compiled the graph but cannot save it: "
+                f"{'; '.join(cache_log.messages) or e}"
+            ) from e
         with open(path, "rb") as f:
             inductor_bytes = f.read()
     return pb.Artifact(
@@ -100,9 +113,10 @@ def compile_payload(payload: bytes, options: pb.Options, threads: int,
 
 # Where Inductor benchmarks choices: algorithm selection (max-autotune GEMM/conv templates) and
 # Triton kernel configs (tuned at compile time on the worker, see _WORKER_CONFIG).
-_AUTOTUNING = (("torch._inductor.select_algorithm", "AlgorithmSelectorCache", "do_autotuning"),
-               ("torch._inductor.runtime.triton_heuristics", "CachingAutotuner",
-                "benchmark_all_configs"))
+_AUTOTUNING = (
+    ("torch._inductor.select_algorithm", "AlgorithmSelectorCache", "do_autotuning"),
+    ("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "benchmark_all_configs"),
+)
 
 
 @contextlib.contextmanager
@@ -129,6 +143,7 @@ def _reporting_autotuning(on_stage: Callable[[str], None] | None) -> Iterator[No
                 depth[0] -= 1
                 if depth[0] == 0:
                     on_stage("compiling")
+
         setattr(owner, method, reporting)
         patched.append((owner, method, original))
     try:
@@ -140,7 +155,8 @@ def _reporting_autotuning(on_stage: Callable[[str], None] | None) -> Iterator[No
 
 # `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.
 _KERNEL_DEFINITION = re.compile(
-    rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(.*?'''(.*?)'''", re.S)
+    rb"\b((?:triton|cpp)_\w+) = async_compile\.(\w+)\(.*?'''(.*?)'''", re.S
+)
 
 
 def _tuned_configs() -> dict[str, bytes]:
@@ -163,8 +179,9 @@ def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
     size of each one's source."""
     found = {}
     for name, kind, source in _KERNEL_DEFINITION.findall(inductor_bytes):
-        found.setdefault(name, pb.Kernel(name=name.decode(), kind=kind.decode(),
-                                         source_bytes=len(source)))
+        found.setdefault(
+            name, pb.Kernel(name=name.decode(), kind=kind.decode(), source_bytes=len(source))
+        )
     return list(found.values())
 
 
@@ -229,10 +246,12 @@ def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
         path = os.path.join(directory, "artifact.bin")
         if not os.path.exists(path):
             files.write_atomically(path, artifact.inductor)
-        with (inductor_config.patch(_LOAD_CONFIG),
-              native.provide(objects, os.path.join(directory, "native")),
-              _autotune_results_here(directory, artifact.tuned_configs),
-              _post_compile_cudagraphs(cudagraphs)):
+        with (
+            inductor_config.patch(_LOAD_CONFIG),
+            native.provide(objects, os.path.join(directory, "native")),
+            _autotune_results_here(directory, artifact.tuned_configs),
+            _post_compile_cudagraphs(cudagraphs),
+        ):
             return torch._inductor.CompiledArtifact.load(path=path, format="binary")
 
 
@@ -272,7 +291,8 @@ def _autotune_results_here(directory: str, tuned: Mapping[str, bytes]) -> Iterat
             self.filename = os.path.join(directory, *self.filename.split(os.sep)[-2:])
         configs = [result.config for result in self.compile_results]
         cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(
-            configs, self.filename, self.inductor_meta)
+            configs, self.filename, self.inductor_meta
+        )
         if self.autotune_cache_info.get("autotune_cache_state") == "hit":
             best = cached[0]
         elif (best := _tuned_on_worker(self, configs)) is not None:
@@ -318,8 +338,9 @@ def _tuned_on_worker(autotuner, configs: list):
     best = cache._read() if cache else None
     if not best:
         return None
-    return autotune_cache._load_cached_autotuning(best, best.get("configs_hash"), configs,
-                                                  autotuner.inductor_meta)
+    return autotune_cache._load_cached_autotuning(
+        best, best.get("configs_hash"), configs, autotuner.inductor_meta
+    )
 
 
 _TUNED_CONFIG_NAME = re.compile(r"\w{2}/\w+\.best_config")
@@ -353,4 +374,3 @@ def _post_compile_cudagraphs(enabled: bool) -> Iterator[None]:
             yield
     finally:
         loader.BoxedBool = saved
-

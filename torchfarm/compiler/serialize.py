@@ -20,9 +20,9 @@ import dataclasses
 
 import sympy
 import torch
+import torch.fx._graph_pickler as graph_pickler
 from torch._guards import ShapeGuard, SLoc
 from torch._subclasses import FakeTensorMode
-import torch.fx._graph_pickler as graph_pickler
 from torch.fx._graph_pickler import GraphPickler, Options, _ShapeEnvPickleData, _TensorPickleData
 from torch.fx.experimental.sym_node import SymNode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
@@ -36,12 +36,27 @@ _BUILTIN_OP = Options().ops_filter  # PyTorch's own namespaces (aten, prims, ...
 _PICKLE_OPTIONS = Options(ops_filter=None)
 
 # ShapeEnv fields that are debugging state, per-process ids or source locations.
-_DROPPED_SHAPE_ENV_FIELDS = frozenset({
-    "var_to_stack", "specialization_stacks", "events", "log", "tracked_fakes",
-    "fake_tensor_cache", "co_fields", "fx_node_cache", "_equality_graph", "dim_constraints",
-    "source_name_to_debug_name", "_expr_sym_node_id", "_prev_cache_key", "_version_counter",
-    "counter", "symbol_guard_counter", "_replacements_version_counter",
-})
+_DROPPED_SHAPE_ENV_FIELDS = frozenset(
+    {
+        "var_to_stack",
+        "specialization_stacks",
+        "events",
+        "log",
+        "tracked_fakes",
+        "fake_tensor_cache",
+        "co_fields",
+        "fx_node_cache",
+        "_equality_graph",
+        "dim_constraints",
+        "source_name_to_debug_name",
+        "_expr_sym_node_id",
+        "_prev_cache_key",
+        "_version_counter",
+        "counter",
+        "symbol_guard_counter",
+        "_replacements_version_counter",
+    }
+)
 _NO_SLOC = SLoc("", None)
 # Where the ShapeEnv keeps size hints (torch 2.11 / 2.13 name); "val_to_var" is its inverse.
 _HINT_FIELDS = ("var_to_val", "backed_var_to_val")
@@ -79,8 +94,11 @@ class _PortableShapeEnv(_ShapeEnvPickleData):
     def unpickle(self, unpickle_state) -> ShapeEnv:
         env = super().unpickle(unpickle_state)
         symbols = {str(s): s for s in env.var_to_range}
-        values = {symbols[name]: sympy.Integer(v) for name, v in _loading_hints.get().items()
-                  if name in symbols}
+        values = {
+            symbols[name]: sympy.Integer(v)
+            for name, v in _loading_hints.get().items()
+            if name in symbols
+        }
         for field in _HINT_FIELDS:
             if field in env.__dict__:
                 env.__dict__[field].update(values)
@@ -96,8 +114,9 @@ class _PortableSymInt:
 
     def unpickle(self, unpickle_state) -> torch.SymInt:
         hint = self.expr.xreplace(_integer_hints(self.shape_env))
-        return torch.SymInt(SymNode(self.expr, self.shape_env, self.pytype,
-                                    int(hint) if hint.is_number else None))
+        return torch.SymInt(
+            SymNode(self.expr, self.shape_env, self.pytype, int(hint) if hint.is_number else None)
+        )
 
 
 class _PortableTensor(_TensorPickleData):
@@ -109,7 +128,8 @@ class _PortableTensor(_TensorPickleData):
         base = self.metadata.base
         if base is not None and base.fake_mode is not None:
             self.metadata = dataclasses.replace(
-                self.metadata, base=dataclasses.replace(base, fake_mode=None))
+                self.metadata, base=dataclasses.replace(base, fake_mode=None)
+            )
 
 
 def _fresh(value):
@@ -147,7 +167,9 @@ class _PortablePickler(GraphPickler):
     def reducer_override(self, obj: object):
         if isinstance(obj, torch._subclasses.FakeTensor):
             return _PortableTensor.unpickle, (
-                _PortableTensor(self._meta_tensor_describer, obj), self._unpickle_state)
+                _PortableTensor(self._meta_tensor_describer, obj),
+                self._unpickle_state,
+            )
         if isinstance(obj, ShapeEnv):
             return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
         if isinstance(obj, torch.SymInt):
@@ -170,7 +192,8 @@ class _PortableUnpickler(graph_pickler._GraphUnpickler):
         if rebuild is None:
             return loaded[number]
         if rebuild not in (copyreg.__newobj__, copyreg.__newobj_ex__) or not (
-                isinstance(args[0], type) and issubclass(args[0], sympy.Basic)):
+            isinstance(args[0], type) and issubclass(args[0], sympy.Basic)
+        ):
             raise ValueError(f"payload rebuilds a sympy value with {rebuild!r}{args[:1]!r}")
         expr = rebuild(*args)
         if state is not None:
@@ -201,13 +224,16 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op == "get_attr":
             value = _attribute(gm, node.target)
             if not isinstance(value, torch.fx.GraphModule):
-                raise ValueError(f"graph reads {type(value).__name__} {node.target!r} with "
-                                 "get_attr; the farm needs parameters lifted to inputs")
+                raise ValueError(
+                    f"graph reads {type(value).__name__} {node.target!r} with "
+                    "get_attr; the farm needs parameters lifted to inputs"
+                )
             _set_attribute(root, node.target, _metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
         if isinstance(node.target, torch._ops.OpOverload) and not _BUILTIN_OP(
-                torch.fx.Node._pretty_print_target(node.target)):
+            torch.fx.Node._pretty_print_target(node.target)
+        ):
             new.meta[_OP_SCHEMA] = str(node.target._schema)
         env[node] = new
     return torch.fx.GraphModule(root, graph)
@@ -237,8 +263,11 @@ def shape_env_of(inputs: list) -> ShapeEnv | None:
     """The ShapeEnv behind a graph's inputs (FakeTensors or SymInts), if any."""
     for value in inputs:
         node = getattr(value, "node", None)
-        env = node.shape_env if isinstance(value, torch.SymInt) else getattr(
-            getattr(value, "fake_mode", None), "shape_env", None)
+        env = (
+            node.shape_env
+            if isinstance(value, torch.SymInt)
+            else getattr(getattr(value, "fake_mode", None), "shape_env", None)
+        )
         if env is not None:
             return env
     return None
@@ -261,17 +290,21 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
     except AttributeError as e:
         if "_OpNamespace" not in str(e):
             raise
-        raise ValueError(f"the graph calls a custom operator this worker does not have ({e}); "
-                         "its operator adds the Python module that defines it to "
-                         "TORCHFARM_OP_LIBRARIES") from e
+        raise ValueError(
+            f"the graph calls a custom operator this worker does not have ({e}); "
+            "its operator adds the Python module that defines it to "
+            "TORCHFARM_OP_LIBRARIES"
+        ) from e
     finally:
         _loading_hints.reset(token)
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"payload holds {type(gm).__name__}, not a GraphModule")
     for node in gm.graph.nodes:
         if _OP_SCHEMA in node.meta and str(node.target._schema) != node.meta[_OP_SCHEMA]:
-            raise ValueError(f"custom operator {node.target} differs on this worker: client "
-                             f"{node.meta[_OP_SCHEMA]!r}, worker {str(node.target._schema)!r}")
+            raise ValueError(
+                f"custom operator {node.target} differs on this worker: client "
+                f"{node.meta[_OP_SCHEMA]!r}, worker {str(node.target._schema)!r}"
+            )
     return gm
 
 
@@ -285,7 +318,10 @@ def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
-            name = node.target if isinstance(node.target, str) else getattr(
-                node.target, "__name__", str(node.target))
+            name = (
+                node.target
+                if isinstance(node.target, str)
+                else getattr(node.target, "__name__", str(node.target))
+            )
             counts[name] = counts.get(name, 0) + 1
     return counts

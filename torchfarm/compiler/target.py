@@ -43,8 +43,9 @@ def _compiler() -> str:
     if not shutil.which(cxx):
         return "none"
     try:
-        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            [cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         out = "unknown"
     return f"{os.path.basename(cxx)} {out}"
@@ -84,11 +85,15 @@ def pool_name(target: pb.Target) -> str:
     thread count, and one pool's workers share one toolchain image.
     """
     if target.device == "cuda":
-        arch = f"sm{target.cuda_capability.replace('.', '')}-cuda{target.cuda_version}" \
-               f"-triton{target.triton_version}"
+        arch = (
+            f"sm{target.cuda_capability.replace('.', '')}-cuda{target.cuda_version}"
+            f"-triton{target.triton_version}"
+        )
     else:
-        arch = f"{target.cpu_capability.lower()}-" + hashlib.sha256(
-            " ".join(target.cpu_flags).encode()).hexdigest()[:8]
+        arch = (
+            f"{target.cpu_capability.lower()}-"
+            + hashlib.sha256(" ".join(target.cpu_flags).encode()).hexdigest()[:8]
+        )
     torch_short = target.torch_version.split("+")[0]
     torch_hash = hashlib.sha256(target.torch_version.encode()).hexdigest()[:6]
     return f"{target.device}-{arch}-torch{torch_short}.{torch_hash}-py{target.python_version}"
@@ -97,8 +102,12 @@ def pool_name(target: pb.Target) -> str:
 def describe(target: pb.Target) -> str:
     """One line for humans: what the target is."""
     if target.device == "cuda":
-        return (f"cuda sm_{target.cuda_capability} CUDA {target.cuda_version} triton "
-                f"{target.triton_version}, torch {target.torch_version}")
-    return (f"cpu {target.cpu_capability} ({len(target.cpu_flags)} ISA flags), "
-            f"{target.threads} threads, {target.compiler}, torch {target.torch_version}, "
-            f"Python {target.python_version}")
+        return (
+            f"cuda sm_{target.cuda_capability} CUDA {target.cuda_version} triton "
+            f"{target.triton_version}, torch {target.torch_version}"
+        )
+    return (
+        f"cpu {target.cpu_capability} ({len(target.cpu_flags)} ISA flags), "
+        f"{target.threads} threads, {target.compiler}, torch {target.torch_version}, "
+        f"Python {target.python_version}"
+    )

@@ -23,8 +23,11 @@ def capture() -> pb.TraceState:
     """This thread's current state (the client calls it inside the backend)."""
     return pb.TraceState(
         grad_enabled=torch.is_grad_enabled(),
-        autocast=[f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
-                  for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)],
+        autocast=[
+            f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        ],
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
     )
@@ -35,8 +38,10 @@ def validate(state: pb.TraceState) -> None:
     for entry in state.autocast:
         device, _, dtype = entry.partition(":")
         if device not in _AUTOCAST_DEVICES or dtype not in _AUTOCAST_DTYPES:
-            raise ValueError(f"unknown autocast {entry!r}; expected device:dtype with device in "
-                             f"{_AUTOCAST_DEVICES} and dtype in {_AUTOCAST_DTYPES}")
+            raise ValueError(
+                f"unknown autocast {entry!r}; expected device:dtype with device in "
+                f"{_AUTOCAST_DEVICES} and dtype in {_AUTOCAST_DTYPES}"
+            )
     if state.float32_matmul_precision not in ("", *_PRECISIONS):
         raise ValueError(f"unknown float32_matmul_precision {state.float32_matmul_precision!r}")
 

@@ -15,7 +15,7 @@ def hash_token(token: str) -> str:
 def bearer_token(metadata) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+            return value[len("Bearer ") :]
     return None
 
 

@@ -9,15 +9,21 @@ import redis
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-REQUESTS = Counter("torchfarm_requests", "RPCs answered, by method and gRPC status",
-                   ["rpc", "status"])
-RESULTS = Counter("torchfarm_cache_results",
-                  "Compile requests by outcome: hit, miss, merged, failed (a remembered failure)",
-                  ["result"])
+REQUESTS = Counter(
+    "torchfarm_requests", "RPCs answered, by method and gRPC status", ["rpc", "status"]
+)
+RESULTS = Counter(
+    "torchfarm_cache_results",
+    "Compile requests by outcome: hit, miss, merged, failed (a remembered failure)",
+    ["result"],
+)
 BYTES_SERVED = Counter("torchfarm_bytes_served", "Artifact bytes streamed to clients")
-COMPILE_SECONDS = Histogram("torchfarm_compile_seconds", "Worker compile time of each miss",
-                            ["pool", "mode"],
-                            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800))
+COMPILE_SECONDS = Histogram(
+    "torchfarm_compile_seconds",
+    "Worker compile time of each miss",
+    ["pool", "mode"],
+    buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800),
+)
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
@@ -29,6 +35,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             return None
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.unary_unary:
+
             def unary(request, context, behavior=handler.unary_unary):
                 try:
                     response = behavior(request, context)
@@ -37,8 +44,10 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                     raise
                 _count(rpc, context)
                 return response
+
             return handler._replace(unary_unary=unary)
         if handler.unary_stream:
+
             def stream(request, context, behavior=handler.unary_stream):
                 try:
                     yield from behavior(request, context)
@@ -46,6 +55,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                     _count(rpc, context, failed=True)
                     raise
                 _count(rpc, context)
+
             return handler._replace(unary_stream=stream)
         return handler
 
@@ -63,8 +73,9 @@ class QueueDepth:
         self.broker, self.pools = broker, pools
 
     def collect(self):
-        family = GaugeMetricFamily("torchfarm_queue_depth", "Compile tasks waiting, by pool",
-                                   labels=["pool"])
+        family = GaugeMetricFamily(
+            "torchfarm_queue_depth", "Compile tasks waiting, by pool", labels=["pool"]
+        )
         try:
             for pool in self.pools():
                 family.add_metric([pool], self.broker.llen(pool))

@@ -61,25 +61,32 @@ class FarmServicer(pb_grpc.FarmServicer):
     def Lookup(self, request: pb.CompileRequest, context) -> pb.LookupReply:
         tenant = self._authenticate(context)
         options = self._validate(request, context)
-        key = cache_key(request.graph, request.target, options,
-                        tenant if request.private else None)
-        return pb.LookupReply(key=key, candidates=[
-            pb.Candidate(digest=e["digest"], guards_expr=e.get("guards_expr", ""))
-            for e in self.store.entries(key)])
+        key = cache_key(request.graph, request.target, options, tenant if request.private else None)
+        return pb.LookupReply(
+            key=key,
+            candidates=[
+                pb.Candidate(digest=e["digest"], guards_expr=e.get("guards_expr", ""))
+                for e in self.store.entries(key)
+            ],
+        )
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
         options = self._validate(request, context)
-        key = cache_key(request.graph, request.target, options,
-                        tenant if request.private else None)
+        key = cache_key(request.graph, request.target, options, tenant if request.private else None)
         job = job_id(key, request.size_hints)
         rid = _request_id(context)
         started = time.monotonic()
 
         hit = self._cached(key, request.digest)
         if hit is not None:
-            log.info("hit %s for %s: %s", key[:16], tenant, request.label,
-                     extra={"request_id": rid, "tenant": tenant, "key": key})
+            log.info(
+                "hit %s for %s: %s",
+                key[:16],
+                tenant,
+                request.label,
+                extra={"request_id": rid, "tenant": tenant, "key": key},
+            )
             self.store.record_hit(key, hit[0], len(hit[1]))
             metrics.RESULTS.labels("hit").inc()
             metrics.BYTES_SERVED.inc(len(hit[1]))
@@ -89,26 +96,45 @@ class FarmServicer(pb_grpc.FarmServicer):
         failure = self.store.failure(job)
         if failure is not None:
             metrics.RESULTS.labels("failed").inc()
-            context.abort(grpc.StatusCode.ABORTED, f"compile failed on the farm: {failure}\n(a "
-                          "recent compile of this graph, not retried for the worker's "
-                          "TORCHFARM_FAILURE_MEMORY)")
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"compile failed on the farm: {failure}\n(a "
+                "recent compile of this graph, not retried for the worker's "
+                "TORCHFARM_FAILURE_MEMORY)",
+            )
         pool = pool_name(request.target)
         pools = self.store.pools()
         if pool not in pools:
-            served = "; ".join(f"{name} ({info.get('describe', '')})" for name, info in
-                               sorted(pools.items())) or "none"
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"no pool serves target {describe(request.target)} (pool {pool}). "
-                          f"Pools available: {served}")
+            served = (
+                "; ".join(
+                    f"{name} ({info.get('describe', '')})" for name, info in sorted(pools.items())
+                )
+                or "none"
+            )
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no pool serves target {describe(request.target)} (pool {pool}). "
+                f"Pools available: {served}",
+            )
         with self._compile_slot(tenant, context):
-            source = "miss" if self._claim_and_enqueue(key, job, request, options, pool, tenant,
-                                                       rid) else "merged"
+            source = (
+                "miss"
+                if self._claim_and_enqueue(key, job, request, options, pool, tenant, rid)
+                else "merged"
+            )
             self.store.count(pool, **{"misses" if source == "miss" else "merges": 1})
             metrics.RESULTS.labels(source).inc()
-            log.info("%s %s for %s: %s", source, key[:16], tenant, request.label,
-                     extra={"request_id": rid, "tenant": tenant, "key": key, "pool": pool})
-            yield from self._wait(key, job, request, options, pool, tenant, rid, started,
-                                  source, context)
+            log.info(
+                "%s %s for %s: %s",
+                source,
+                key[:16],
+                tenant,
+                request.label,
+                extra={"request_id": rid, "tenant": tenant, "key": key, "pool": pool},
+            )
+            yield from self._wait(
+                key, job, request, options, pool, tenant, rid, started, source, context
+            )
 
     @contextlib.contextmanager
     def _compile_slot(self, tenant: str, context) -> Iterator[None]:
@@ -118,9 +144,11 @@ class FarmServicer(pb_grpc.FarmServicer):
         with self._waiting_lock:
             waiting = self._waiting.get(tenant, 0)
             if limit and waiting >= limit:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"tenant {tenant or '(open farm)'} already waits on {waiting} "
-                              f"compiles (limit {limit}); retry when one finishes")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"tenant {tenant or '(open farm)'} already waits on {waiting} "
+                    f"compiles (limit {limit}); retry when one finishes",
+                )
             self._waiting[tenant] = waiting + 1
         try:
             yield
@@ -132,22 +160,30 @@ class FarmServicer(pb_grpc.FarmServicer):
         if not request.graph:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty graph payload")
         if len(request.graph) > self.settings.max_payload_bytes:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"graph payload {len(request.graph)} bytes exceeds the limit of "
-                          f"{self.settings.max_payload_bytes}")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"graph payload {len(request.graph)} bytes exceeds the limit of "
+                f"{self.settings.max_payload_bytes}",
+            )
         if request.target.device not in ("cpu", "cuda") or not request.target.torch_version:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "target needs device 'cpu' or 'cuda' and a torch_version")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "target needs device 'cpu' or 'cuda' and a torch_version",
+            )
         if len(request.size_hints) > MAX_SIZE_HINTS or any(
-                not _SYMBOL.fullmatch(name) or value < 0
-                for name, value in request.size_hints.items()):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"size_hints: at most {MAX_SIZE_HINTS} entries of symbol -> size >= 0")
+            not _SYMBOL.fullmatch(name) or value < 0 for name, value in request.size_hints.items()
+        ):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"size_hints: at most {MAX_SIZE_HINTS} entries of symbol -> size >= 0",
+            )
         if request.digest and not _DIGEST.fullmatch(request.digest):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")
         if (request.options.mode or "default") not in MODES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unknown mode {request.options.mode!r}; one of {', '.join(MODES)}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown mode {request.options.mode!r}; one of {', '.join(MODES)}",
+            )
         try:
             return canonical_options(request.options)
         except ValueError as e:
@@ -156,8 +192,11 @@ class FarmServicer(pb_grpc.FarmServicer):
     def _cached(self, key: str, digest: str) -> tuple[dict, bytes] | None:
         """The entry the client chose (its guards hold there), or else an unguarded entry
         (it holds everywhere), verified; None means compile."""
-        entry = (self.store.entry(key, digest) if digest else
-                 next((e for e in self.store.entries(key) if not e.get("guards_expr")), None))
+        entry = (
+            self.store.entry(key, digest)
+            if digest
+            else next((e for e in self.store.entries(key) if not e.get("guards_expr")), None)
+        )
         if entry is None:
             return None
         data = self.store.read_blob(key, entry)
@@ -171,11 +210,15 @@ class FarmServicer(pb_grpc.FarmServicer):
         if not self.store.claim(job, ttl):
             return False
         self.store.put_job(job, request.graph)
-        details = {"target": json_format.MessageToDict(request.target),
-                   "options": json_format.MessageToDict(options),
-                   "size_hints": dict(request.size_hints),
-                   "tenant": tenant, "private": request.private, "label": request.label,
-                   "request_id": rid}
+        details = {
+            "target": json_format.MessageToDict(request.target),
+            "options": json_format.MessageToDict(options),
+            "size_hints": dict(request.size_hints),
+            "tenant": tenant,
+            "private": request.private,
+            "label": request.label,
+            "request_id": rid,
+        }
         self.celery.send_task(TASK_NAME, args=[key, job, details], queue=pool, routing_key=pool)
         return True
 
@@ -188,7 +231,9 @@ class FarmServicer(pb_grpc.FarmServicer):
             # one step, so a claim seen gone here means the checks below see its outcome.
             claimed = self.store.claimed(job)
             digest = self.store.done(job)
-            hit = (self._cached(key, digest) or self.store.uncached(job, digest)) if digest else None
+            hit = (
+                (self._cached(key, digest) or self.store.uncached(job, digest)) if digest else None
+            )
             if hit is not None:
                 yield from self._send(key, *hit, source=source)
                 saved = hit[0].get("compile_seconds", 0.0) if source == "merged" else 0.0
@@ -196,16 +241,22 @@ class FarmServicer(pb_grpc.FarmServicer):
                 metrics.BYTES_SERVED.inc(len(hit[1]))
                 if source == "miss":
                     metrics.COMPILE_SECONDS.labels(pool, options.mode).observe(
-                        hit[0].get("compile_seconds", 0.0))
+                        hit[0].get("compile_seconds", 0.0)
+                    )
                 return
             error = self.store.error(job)
             if error is not None:
-                status = (grpc.StatusCode.DEADLINE_EXCEEDED if error.startswith(TIMED_OUT)
-                          else grpc.StatusCode.ABORTED)
+                status = (
+                    grpc.StatusCode.DEADLINE_EXCEEDED
+                    if error.startswith(TIMED_OUT)
+                    else grpc.StatusCode.ABORTED
+                )
                 context.abort(status, f"compile failed on the farm: {error}")
             if now > deadline:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"compile did not finish in {self.settings.compile_timeout_s:.0f} s")
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"compile did not finish in {self.settings.compile_timeout_s:.0f} s",
+                )
             if not claimed:  # the compiler vanished without a result: take over
                 self._claim_and_enqueue(key, job, request, options, pool, tenant, rid)
             if now >= next_progress:
@@ -215,12 +266,18 @@ class FarmServicer(pb_grpc.FarmServicer):
             time.sleep(POLL_S)
 
     def _send(self, key: str, entry: dict, data: bytes, source: str) -> Iterator[pb.CompileEvent]:
-        yield pb.CompileEvent(header=pb.ArtifactHeader(
-            key=key, digest=entry["digest"], size=len(data), source=source,
-            compile_seconds=entry.get("compile_seconds", 0.0)))
+        yield pb.CompileEvent(
+            header=pb.ArtifactHeader(
+                key=key,
+                digest=entry["digest"],
+                size=len(data),
+                source=source,
+                compile_seconds=entry.get("compile_seconds", 0.0),
+            )
+        )
         step = self.settings.chunk_bytes
         for offset in range(0, len(data), step):
-            yield pb.CompileEvent(chunk=data[offset:offset + step])
+            yield pb.CompileEvent(chunk=data[offset : offset + step])
 
 
 class _Undecodable:
@@ -250,9 +307,11 @@ class UndecodableRequests(grpc.ServerInterceptor):
 
         def checked(request, context):
             if isinstance(request, _Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"the request is not a valid {handler_call_details.method} "
-                              f"message: {request.error}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is not a valid {handler_call_details.method} "
+                    f"message: {request.error}",
+                )
             return behavior(request, context)
 
         return handler._replace(request_deserializer=tolerant_parse, **{behavior_field: checked})
@@ -281,8 +340,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             return admin
         if auth.tenant_for(token, self.tenants) is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                      "admin RPCs need a token listed in TORCHFARM_ADMINS")
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, "admin RPCs need a token listed in TORCHFARM_ADMINS"
+        )
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         self._authorize(context)
@@ -300,10 +360,11 @@ class AdminServicer(pb_grpc.AdminServicer):
 def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     """A started-ready server (call .start()) and the port it bound."""
     store = Store.from_url(settings.redis_url, settings.broker_url)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.threads),
-                         interceptors=[metrics.MetricsInterceptor(), UndecodableRequests()],
-                         options=[("grpc.max_receive_message_length",
-                                   settings.max_payload_bytes + (1 << 20))])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.threads),
+        interceptors=[metrics.MetricsInterceptor(), UndecodableRequests()],
+        options=[("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20))],
+    )
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store), server)
     health_servicer = health.HealthServicer()
@@ -312,9 +373,14 @@ def build_server(settings: GatewaySettings) -> tuple[grpc.Server, int]:
     service_name = pb.DESCRIPTOR.services_by_name["Farm"].full_name
     health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (service_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name,
-         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+        (
+            service_name,
+            pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert:
         with open(settings.tls_key, "rb") as key, open(settings.tls_cert, "rb") as cert:
@@ -332,10 +398,17 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     server, port = build_server(settings)
     server.start()
     pools = Store.from_url(settings.redis_url, settings.broker_url).pools
-    metrics.serve_metrics(settings.metrics_port,
-                          broker_url(settings.redis_url, settings.broker_url), lambda: list(pools()))
-    log.info("gateway listening on %s:%d (%s)", settings.host, port,
-             "TLS" if settings.tls_cert else "plaintext")
+    metrics.serve_metrics(
+        settings.metrics_port,
+        broker_url(settings.redis_url, settings.broker_url),
+        lambda: list(pools()),
+    )
+    log.info(
+        "gateway listening on %s:%d (%s)",
+        settings.host,
+        port,
+        "TLS" if settings.tls_cert else "plaintext",
+    )
     if ready:
         ready(port)
     stop = threading.Event()

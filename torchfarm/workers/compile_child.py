@@ -1,7 +1,8 @@
 """Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child DIR`.
 
 Imports the modules named in DIR/op_libraries (the operator's TORCHFARM_OP_LIBRARIES: they
-register custom operators), reads DIR/payload.bin and DIR/request.json, writes DIR/artifact.pb, and keeps DIR/stage
+register custom operators), reads DIR/payload.bin and DIR/request.json, writes
+DIR/artifact.pb, and keeps DIR/stage
 (compiling / autotuning) current for the worker's progress reports. Everything it reads is
 hostile; it runs with no network, no secrets and no access to the cache.
 """
@@ -25,13 +26,15 @@ def main(workdir: str) -> int:
         request = json_format.Parse(f.read(), pb.CompileRequest())
     with open(os.path.join(workdir, "payload.bin"), "rb") as f:
         payload = f.read()
+
     def on_stage(stage: str) -> None:
         with open(os.path.join(workdir, "stage.tmp"), "w") as f:
             f.write(stage)
         os.replace(os.path.join(workdir, "stage.tmp"), os.path.join(workdir, "stage"))
 
-    artifact = compile_payload(payload, request.options, request.target.threads,
-                               dict(request.size_hints), on_stage)
+    artifact = compile_payload(
+        payload, request.options, request.target.threads, dict(request.size_hints), on_stage
+    )
     tmp = os.path.join(workdir, "artifact.pb.tmp")
     with open(tmp, "wb") as f:
         f.write(artifact.SerializeToString())

@@ -37,11 +37,17 @@ def _metrics():
     from prometheus_client import Counter, Histogram
 
     return (
-        Counter("torchfarm_worker_compiles", "Compile tasks by pool, mode and result "
-                "(compiled, failed, error, cached, expired)", ["pool", "mode", "result"]),
-        Histogram("torchfarm_worker_compile_seconds", "Wall time of each compile task that "
-                  "ran a compile, sandbox start included", ["pool", "mode"],
-                  buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)),
+        Counter(
+            "torchfarm_worker_compiles",
+            "Compile tasks by pool, mode and result (compiled, failed, error, cached, expired)",
+            ["pool", "mode", "result"],
+        ),
+        Histogram(
+            "torchfarm_worker_compile_seconds",
+            "Wall time of each compile task that ran a compile, sandbox start included",
+            ["pool", "mode"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800),
+        ),
         Counter("torchfarm_worker_bytes_stored", "Artifact bytes written to the cache", ["pool"]),
     )
 

@@ -42,12 +42,16 @@ def check_available(settings: WorkerSettings) -> None:
     """Refuse to run without a sandbox unless the operator asked for that explicitly."""
     if settings.sandbox == "bwrap":
         if not shutil.which("bwrap"):
-            raise SystemExit("torchfarm worker: bubblewrap (bwrap) not found. Install it "
-                             "(apt-get install bubblewrap) or run with --sandbox none "
-                             "(compiles untrusted graphs unconfined).")
+            raise SystemExit(
+                "torchfarm worker: bubblewrap (bwrap) not found. Install it "
+                "(apt-get install bubblewrap) or run with --sandbox none "
+                "(compiles untrusted graphs unconfined)."
+            )
     elif settings.sandbox == "none":
-        log.warning("!!! SANDBOX DISABLED: untrusted graphs are unpickled and compiled without "
-                    "isolation. Use only with clients you trust. !!!")
+        log.warning(
+            "!!! SANDBOX DISABLED: untrusted graphs are unpickled and compiled without "
+            "isolation. Use only with clients you trust. !!!"
+        )
     else:
         raise SystemExit(f"torchfarm worker: unknown sandbox {settings.sandbox!r}")
 
@@ -56,9 +60,13 @@ def _code_paths_under_tmp() -> list[str]:
     """Python and torchfarm may live under /tmp (a CI clone); keep them visible, read-only."""
     import torchfarm
 
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-             os.path.dirname(os.path.dirname(os.path.abspath(torchfarm.__file__))),
-             *(p for p in sys.path if p and os.path.isdir(p))}
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        os.path.dirname(os.path.dirname(os.path.abspath(torchfarm.__file__))),
+        *(p for p in sys.path if p and os.path.isdir(p)),
+    }
     return sorted(p for p in paths if p.startswith("/tmp/"))
 
 
@@ -66,9 +74,17 @@ def _bwrap(workdir: str, device: str) -> list[str]:
     cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for path in _code_paths_under_tmp():
         cmd += ["--ro-bind", path, path]
-    cmd += ["--bind", workdir, workdir,
-            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--die-with-parent", "--new-session"]
+    cmd += [
+        "--bind",
+        workdir,
+        workdir,
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--die-with-parent",
+        "--new-session",
+    ]
     if device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
         for node in sorted(os.listdir("/dev")):
             if node.startswith("nvidia"):
@@ -76,16 +92,22 @@ def _bwrap(workdir: str, device: str) -> list[str]:
     return cmd
 
 
-def _run_reporting(cmd: list[str], workdir: str, settings: WorkerSettings,
-                   on_stage: Callable[[str], None] | None) -> tuple[int, str]:
+def _run_reporting(
+    cmd: list[str], workdir: str, settings: WorkerSettings, on_stage: Callable[[str], None] | None
+) -> tuple[int, str]:
     """Run the child to its end or the timeout, passing on each new stage it writes to
     workdir/stage; its exit status and stderr."""
     stage_path, seen = os.path.join(workdir, "stage"), ""
     deadline = time.monotonic() + settings.compile_timeout_s
     with tempfile.TemporaryFile() as stderr:  # outside the child's view
-        proc = subprocess.Popen(cmd, env=_environment(workdir), stdout=subprocess.DEVNULL,
-                                stderr=stderr, stdin=subprocess.DEVNULL,
-                                preexec_fn=_limits(settings.memory_limit_mb, settings.device))
+        proc = subprocess.Popen(
+            cmd,
+            env=_environment(workdir),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_limits(settings.memory_limit_mb, settings.device),
+        )
         while True:
             try:
                 proc.wait(timeout=min(STAGE_POLL_S, max(0.0, deadline - time.monotonic())))
@@ -96,7 +118,8 @@ def _run_reporting(cmd: list[str], workdir: str, settings: WorkerSettings,
                     proc.wait()
                     raise CompileFailed(
                         f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
-                        "(TORCHFARM_COMPILE_TIMEOUT_WORKER)") from None
+                        "(TORCHFARM_COMPILE_TIMEOUT_WORKER)"
+                    ) from None
             stage = _read_stage(stage_path)
             if on_stage and stage and stage != seen:
                 seen = stage
@@ -118,8 +141,10 @@ def _read_stage(path: str) -> str:
 def _limits(memory_mb: int, device: str):
     # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
     if memory_mb > 0 and device == "cuda":
-        log.warning("TORCHFARM_COMPILE_MEMORY_MB is ignored on CUDA workers (address-space "
-                    "limits break CUDA); limit the worker's container memory instead")
+        log.warning(
+            "TORCHFARM_COMPILE_MEMORY_MB is ignored on CUDA workers (address-space "
+            "limits break CUDA); limit the worker's container memory instead"
+        )
         memory_mb = 0
 
     def apply() -> None:
@@ -127,6 +152,7 @@ def _limits(memory_mb: int, device: str):
             limit = memory_mb << 20
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
     return apply
 
 
@@ -147,11 +173,17 @@ def _environment(workdir: str) -> dict[str, str]:
 
 def _how_it_ended(returncode: int, sandbox: str) -> str:
     """`exit N`, or the signal that killed the child (bwrap reports that as exit 128 + N)."""
-    signum = -returncode if returncode < 0 else (
-        returncode - 128 if sandbox == "bwrap" and returncode > 128 else 0)
+    signum = (
+        -returncode
+        if returncode < 0
+        else (returncode - 128 if sandbox == "bwrap" and returncode > 128 else 0)
+    )
     try:
-        return f"killed by signal {signum} ({signal.Signals(signum).name})" if signum else \
-            f"exit {returncode}"
+        return (
+            f"killed by signal {signum} ({signal.Signals(signum).name})"
+            if signum
+            else f"exit {returncode}"
+        )
     except ValueError:  # not a signal number after all
         return f"exit {returncode}"
 
@@ -160,9 +192,14 @@ def _how_it_ended(returncode: int, sandbox: str) -> str:
 TIMED_OUT = "DEADLINE_EXCEEDED: "
 
 
-def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
-                size_hints: dict[str, int], settings: WorkerSettings,
-                on_stage: Callable[[str], None] | None = None) -> bytes:
+def run_compile(
+    payload: bytes,
+    target: pb.Target,
+    options: pb.Options,
+    size_hints: dict[str, int],
+    settings: WorkerSettings,
+    on_stage: Callable[[str], None] | None = None,
+) -> bytes:
     """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes.
     `on_stage(stage)` hears the child's stage (compiling / autotuning) as it changes."""
     with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as workdir:
@@ -170,8 +207,11 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         with open(os.path.join(workdir, "payload.bin"), "wb") as f:
             f.write(payload)
         with open(os.path.join(workdir, "request.json"), "w") as f:
-            f.write(json_format.MessageToJson(pb.CompileRequest(
-                target=target, options=options, size_hints=size_hints)))
+            f.write(
+                json_format.MessageToJson(
+                    pb.CompileRequest(target=target, options=options, size_hints=size_hints)
+                )
+            )
         with open(os.path.join(workdir, "op_libraries"), "w") as f:
             f.write(settings.op_libraries)
         cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
@@ -181,8 +221,9 @@ def run_compile(payload: bytes, target: pb.Target, options: pb.Options,
         out_path = os.path.join(workdir, "artifact.pb")
         if returncode != 0 or not os.path.exists(out_path):
             how = _how_it_ended(returncode, settings.sandbox)
-            raise CompileFailed(f"compile child failed ({how}):\n{stderr[-3000:]}",
-                                lasting=returncode == 1)
+            raise CompileFailed(
+                f"compile child failed ({how}):\n{stderr[-3000:]}", lasting=returncode == 1
+            )
         with open(out_path, "rb") as f:
             data = f.read()
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs

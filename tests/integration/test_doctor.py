@@ -8,17 +8,27 @@ import tempfile
 
 import pytest
 
-from conftest import TOKENS
+from tests.integration.helpers import TOKENS
 
 pytestmark = pytest.mark.integration
 
 
 def _doctor(addr: str, token: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TORCHFARM_ADDR=addr, TORCHFARM_TOKEN=token,
-               TORCHFARM_CONNECT_TIMEOUT="1", TORCHFARM_PROGRESS="0",
-               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
-    return subprocess.run([sys.executable, "-m", "torchfarm", "doctor"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=addr,
+        TORCHFARM_TOKEN=token,
+        TORCHFARM_CONNECT_TIMEOUT="1",
+        TORCHFARM_PROGRESS="0",
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "torchfarm", "doctor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_doctor_passes_every_check_against_a_healthy_farm(farm):

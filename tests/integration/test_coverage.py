@@ -12,21 +12,32 @@ import sys
 
 import pytest
 
-from conftest import HERE, TOKENS
+from tests.integration.helpers import HERE, TOKENS
 
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench", "coverage"))
-from suite import (ARCHITECTURES, PHASES, PYTORCH_LIMITS, farm_failures,  # noqa: E402
-                   run_architecture)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "coverage"))
+from suite import ARCHITECTURES, PHASES, PYTORCH_LIMITS, farm_failures, run_architecture  # noqa: E402
 
 pytestmark = pytest.mark.integration
-IN_CI = ("mixtral-moe", "torch-cond", "custom-function", "batchnorm-train", "graph-break",
-         "lstm-lm")
+IN_CI = (
+    "mixtral-moe",
+    "torch-cond",
+    "custom-function",
+    "batchnorm-train",
+    "graph-break",
+    "lstm-lm",
+)
 CHOSEN = list(ARCHITECTURES) if os.environ.get("TORCHFARM_COVERAGE") == "all" else IN_CI
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=PYTORCH_LIMITS[name], strict=True))
-    if name in PYTORCH_LIMITS else name for name in CHOSEN])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(reason=PYTORCH_LIMITS[name], strict=True))
+        if name in PYTORCH_LIMITS
+        else name
+        for name in CHOSEN
+    ],
+)
 def test_the_farm_compiles_it_like_local_torch_compile(farm, name):
     row = run_architecture(name, farm.addr, TOKENS["alice"])
     for phase in PHASES:  # even a fallback must give eager's results

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import TOKENS, direct_request
+from tests.integration.helpers import TOKENS, direct_request
 from torchfarm.cache import keys
 from torchfarm.client import remote
 from torchfarm.gateway.auth import hash_token
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 
 
 def _request(width: int) -> pb.CompileRequest:
-    return direct_request(torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Softplus()),
-                          torch.randn(2, 3))
+    return direct_request(
+        torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Softplus()), torch.randn(2, 3)
+    )
 
 
 def test_a_tenant_over_its_compile_limit_is_refused_and_others_are_not():

@@ -10,9 +10,15 @@ PAYLOAD = b"graph bytes"
 
 
 def _target(**changes) -> pb.Target:
-    target = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11",
-                       cpu_capability="AVX512", cpu_flags=["avx2", "avx512f", "fma"], threads=8,
-                       compiler="g++ 12.2.0")
+    target = pb.Target(
+        device="cpu",
+        torch_version="2.13.0+gitabc",
+        python_version="3.11",
+        cpu_capability="AVX512",
+        cpu_flags=["avx2", "avx512f", "fma"],
+        threads=8,
+        compiler="g++ 12.2.0",
+    )
     for name, value in changes.items():
         if name == "cpu_flags":
             del target.cpu_flags[:]
@@ -28,14 +34,23 @@ def test_key_ignores_json_key_order_and_default_mode():
     assert cache_key(PAYLOAD, _target(), a) == cache_key(PAYLOAD, _target(), b)
 
 
-@pytest.mark.parametrize("change", [
-    {"cpu_capability": "AVX2"}, {"cpu_flags": ["avx2", "fma"]}, {"threads": 4},
-    {"torch_version": "2.13.0+gitdef"}, {"compiler": "g++ 13.1.0"}, {"python_version": "3.12"},
-    {"device": "cuda", "cuda_capability": "9.0"}, {"triton_version": "3.6.0"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cpu_capability": "AVX2"},
+        {"cpu_flags": ["avx2", "fma"]},
+        {"threads": 4},
+        {"torch_version": "2.13.0+gitdef"},
+        {"compiler": "g++ 13.1.0"},
+        {"python_version": "3.12"},
+        {"device": "cuda", "cuda_capability": "9.0"},
+        {"triton_version": "3.6.0"},
+    ],
+)
 def test_every_target_field_changes_the_key(change):
-    assert cache_key(PAYLOAD, _target(), pb.Options()) != \
-        cache_key(PAYLOAD, _target(**change), pb.Options())
+    assert cache_key(PAYLOAD, _target(), pb.Options()) != cache_key(
+        PAYLOAD, _target(**change), pb.Options()
+    )
 
 
 def test_payload_mode_and_patches_change_the_key():
@@ -55,7 +70,9 @@ def test_pool_name_follows_isa_and_torch_not_threads():
     assert pool_name(_target()) != pool_name(_target(cpu_capability="AVX2"))
     assert pool_name(_target()) != pool_name(_target(cpu_flags=["avx2"]))
     assert pool_name(_target()) != pool_name(_target(torch_version="2.11.0+gitabc"))
-    cuda = _target(device="cuda", cuda_capability="9.0", cuda_version="13.0", triton_version="3.6.0")
+    cuda = _target(
+        device="cuda", cuda_capability="9.0", cuda_version="13.0", triton_version="3.6.0"
+    )
     assert pool_name(cuda).startswith("cuda-sm90-cuda13.0-triton3.6.0")
 
 
@@ -65,13 +82,19 @@ def test_local_target_describes_this_machine():
     assert target.torch_version.startswith(__import__("torch").__version__)
 
 
-@pytest.mark.parametrize("state", [
-    pb.TraceState(grad_enabled=True), pb.TraceState(autocast=["cuda:bfloat16"]),
-    pb.TraceState(float32_matmul_precision="high"), pb.TraceState(deterministic_algorithms=True),
-])
+@pytest.mark.parametrize(
+    "state",
+    [
+        pb.TraceState(grad_enabled=True),
+        pb.TraceState(autocast=["cuda:bfloat16"]),
+        pb.TraceState(float32_matmul_precision="high"),
+        pb.TraceState(deterministic_algorithms=True),
+    ],
+)
 def test_trace_state_changes_the_key(state):
-    assert cache_key(PAYLOAD, _target(), pb.Options()) != \
-        cache_key(PAYLOAD, _target(), pb.Options(state=state))
+    assert cache_key(PAYLOAD, _target(), pb.Options()) != cache_key(
+        PAYLOAD, _target(), pb.Options(state=state)
+    )
 
 
 def test_autocast_order_does_not_change_the_key():
@@ -80,10 +103,14 @@ def test_autocast_order_does_not_change_the_key():
     assert cache_key(PAYLOAD, _target(), a) == cache_key(PAYLOAD, _target(), b)
 
 
-@pytest.mark.parametrize("state", [
-    pb.TraceState(autocast=["cuda:int8"]), pb.TraceState(autocast=["__import__('os')"]),
-    pb.TraceState(float32_matmul_precision="fastest"),
-])
+@pytest.mark.parametrize(
+    "state",
+    [
+        pb.TraceState(autocast=["cuda:int8"]),
+        pb.TraceState(autocast=["__import__('os')"]),
+        pb.TraceState(float32_matmul_precision="fastest"),
+    ],
+)
 def test_unknown_trace_state_is_refused(state):
     with pytest.raises(ValueError):
         canonical_options(pb.Options(state=state))

@@ -13,12 +13,11 @@ import pytest
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.integration.helpers import TOKENS, direct_request
 from torchfarm import logs
 from torchfarm.client import remote
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-
-from conftest import TOKENS, direct_request
 
 pytestmark = pytest.mark.integration
 
@@ -32,8 +31,11 @@ def _metrics(farm, port: int = 0) -> str:
 
 def _sum(text: str, name: str, label: str) -> float:
     """Sum of the series of `name` whose labels contain `label`, e.g. result="compiled"."""
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
 
 
 def _value(text: str, series: str) -> float:
@@ -45,8 +47,9 @@ def _value(text: str, series: str) -> float:
 
 def test_metrics_count_requests_results_and_bytes(farm):
     # A model no other test compiles, so that its first request is a miss.
-    request = direct_request(torch.nn.Sequential(torch.nn.Linear(12, 28), torch.nn.Softsign()),
-                             torch.randn(3, 12))
+    request = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(12, 28), torch.nn.Softsign()), torch.randn(3, 12)
+    )
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     before = _metrics(farm)
     worker_port = farm.worker_metrics_ports["worker0"]
@@ -63,8 +66,11 @@ def test_metrics_count_requests_results_and_bytes(farm):
         ('torchfarm_requests_total{rpc="Compile",status="UNAUTHENTICATED"}', 1),
     ]:
         assert _value(after, series) - _value(before, series) == grew_by, series
-    assert _value(after, "torchfarm_bytes_served_total") - \
-        _value(before, "torchfarm_bytes_served_total") == 2 * header.size
+    assert (
+        _value(after, "torchfarm_bytes_served_total")
+        - _value(before, "torchfarm_bytes_served_total")
+        == 2 * header.size
+    )
     assert "torchfarm_compile_seconds_bucket" in after
     assert "torchfarm_queue_depth{pool=" in after
     # The worker's own metrics, summed over its Celery pool processes: one compile, stored.
@@ -80,16 +86,20 @@ def test_metrics_count_requests_results_and_bytes(farm):
 def test_server_reflection_lists_the_farm_service(farm):
     with grpc.insecure_channel(farm.addr) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        reply = next(stub.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(list_services="")])))
+        reply = next(
+            stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+        )
     names = {s.name for s in reply.list_services_response.service}
     assert {"torchfarm.v1.Farm", "grpc.health.v1.Health"} <= names
 
 
 def test_request_id_follows_a_compile_from_client_to_worker(farm):
     # A model no other test compiles, so that the request reaches a worker.
-    request = direct_request(torch.nn.Sequential(torch.nn.Linear(10, 18), torch.nn.Hardswish()),
-                             torch.randn(3, 10))
+    request = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(10, 18), torch.nn.Hardswish()), torch.randn(3, 10)
+    )
     settings = dataclasses.replace(ClientSettings(token=TOKENS["alice"]), addr=farm.addr)
     rid = f"req-{uuid.uuid4().hex[:12]}"
     remote.fetch(request, settings, request_id=rid)
@@ -102,8 +112,9 @@ def test_request_id_follows_a_compile_from_client_to_worker(farm):
 
 
 def test_text_log_lines_carry_the_request_id_too():
-    record = logging.LogRecord("torchfarm.gateway", logging.INFO, __file__, 1, "miss %s",
-                               ("abc",), None)
+    record = logging.LogRecord(
+        "torchfarm.gateway", logging.INFO, __file__, 1, "miss %s", ("abc",), None
+    )
     record.request_id = "req-1"
     assert logs.TextFormatter().format(record).endswith("miss abc [request req-1]")
     entry = json.loads(logs.JsonFormatter().format(record))
@@ -113,16 +124,20 @@ def test_text_log_lines_carry_the_request_id_too():
 def test_progress_streams_each_stage_of_a_max_autotune_compile(farm):
     """On a CPU, max-autotune benchmarks C++ and ATen choices for a bmm (about 4 s here):
     the worker's child reports it, and the client hears it while it waits."""
+
     class Bmm(torch.nn.Module):
         def forward(self, a, b):
             return torch.bmm(a, b).relu()
 
-    request = direct_request(Bmm(), torch.randn(8, 64, 96), torch.randn(8, 96, 64),
-                             mode="max-autotune")
+    request = direct_request(
+        Bmm(), torch.randn(8, 64, 96), torch.randn(8, 96, 64), mode="max-autotune"
+    )
     stages = []
     header, data = remote.fetch(
-        request, ClientSettings(addr=farm.addr, token=TOKENS["alice"]),
-        on_progress=lambda p: stages.append(pb.Progress.Stage.Name(p.stage)))
+        request,
+        ClientSettings(addr=farm.addr, token=TOKENS["alice"]),
+        on_progress=lambda p: stages.append(pb.Progress.Stage.Name(p.stage)),
+    )
     assert header.source == "miss" and data
     seen = [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s]
     assert "AUTOTUNING" in seen and seen[-1] == "DOWNLOADING", stages

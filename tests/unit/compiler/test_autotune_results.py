@@ -23,18 +23,28 @@ def test_the_worker_ships_the_result_files_of_its_cache_dir(tmp_path, monkeypatc
 def test_the_client_writes_only_well_formed_names_inside_the_artifact_dir(tmp_path):
     directory = tmp_path / "artifact"
     directory.mkdir()
-    tuned = {"ab/k1.best_config": b"{}", "../escape.best_config": b"{}",
-             "ab/../../escape2.best_config": b"{}", "/tmp/abs.best_config": b"{}",
-             "ab/k2.py": b"import os"}
+    tuned = {
+        "ab/k1.best_config": b"{}",
+        "../escape.best_config": b"{}",
+        "ab/../../escape2.best_config": b"{}",
+        "/tmp/abs.best_config": b"{}",
+        "ab/k2.py": b"import os",
+    }
     with inductor._autotune_results_here(str(directory), tuned):
         pass
-    written = sorted(os.path.relpath(os.path.join(root, f), tmp_path)
-                     for root, _, names in os.walk(tmp_path) for f in names)
+    written = sorted(
+        os.path.relpath(os.path.join(root, f), tmp_path)
+        for root, _, names in os.walk(tmp_path)
+        for f in names
+    )
     assert written == ["artifact/ab/k1.best_config"]
 
 
 def test_torch_is_patched_only_while_loading(tmp_path):
-    populate, recheck = AutotuneCacheArtifact.populate_cache, CachingAutotuner.recheck_autotune_cache
+    populate, recheck = (
+        AutotuneCacheArtifact.populate_cache,
+        CachingAutotuner.recheck_autotune_cache,
+    )
     with inductor._autotune_results_here(str(tmp_path), {"ab/k.best_config": b"{}"}):
         assert AutotuneCacheArtifact.populate_cache is not populate
         assert CachingAutotuner.recheck_autotune_cache is not recheck

@@ -14,8 +14,9 @@ def test_capture_sees_no_grad_and_autocast():
 
 
 def test_applied_restores_what_it_changed():
-    state = pb.TraceState(grad_enabled=False, autocast=["cpu:bfloat16"],
-                          float32_matmul_precision="medium")
+    state = pb.TraceState(
+        grad_enabled=False, autocast=["cpu:bfloat16"], float32_matmul_precision="medium"
+    )
     with trace_state.applied(state):
         assert trace_state.capture() == state
         x = torch.randn(4, 4)

@@ -9,9 +9,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models import build  # noqa: E402
-
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+)
+from tests.models import build  # noqa: E402
 from torchfarm.client.backend import history  # noqa: E402
 
 
@@ -33,12 +34,16 @@ def main(name: str, mode: str) -> None:
             expected, out = model(x), compiled(x)
         grad_err = 0.0
     counters = torch._dynamo.utils.counters["inductor"]
-    print(json.dumps({
-        "sources": [r.source for r in history],
-        "out_err": (out - expected).abs().max().item(),
-        "grad_err": grad_err,
-        "local_inductor_compiles": counters["fxgraph_cache_miss"],
-    }))
+    print(
+        json.dumps(
+            {
+                "sources": [r.source for r in history],
+                "out_err": (out - expected).abs().max().item(),
+                "grad_err": grad_err,
+                "local_inductor_compiles": counters["fxgraph_cache_miss"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,20 +12,21 @@ import pytest
 import torch
 
 import torchfarm
-from conftest import TOKENS, direct_request
+from tests.integration.helpers import TOKENS, direct_request
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _call(farm, method: str, request, tenant: str = "alice"):
     with grpc.insecure_channel(farm.addr) as channel:
         reply = getattr(pb_grpc.FarmStub(channel), method)(
-            request, metadata=[("authorization", f"Bearer {TOKENS[tenant]}")], timeout=300)
+            request, metadata=[("authorization", f"Bearer {TOKENS[tenant]}")], timeout=300
+        )
         return list(reply) if method == "Compile" else reply
 
 
@@ -52,8 +53,11 @@ def test_malicious_pickle_writes_nothing_reaches_nobody_and_sees_no_secret(farm,
     listener.settimeout(3)
     port = listener.getsockname()[1]
     os.makedirs(os.path.join(ROOT, ".cache"), exist_ok=True)
-    markers = [str(tmp_path / "pwned"), os.path.join(ROOT, ".cache", f"pwned-{uuid.uuid4().hex}"),
-               os.path.expanduser(f"~/pwned-{uuid.uuid4().hex}")]
+    markers = [
+        str(tmp_path / "pwned"),
+        os.path.join(ROOT, ".cache", f"pwned-{uuid.uuid4().hex}"),
+        os.path.expanduser(f"~/pwned-{uuid.uuid4().hex}"),
+    ]
     code = f"""
 import os, socket
 for path in {markers!r}:
@@ -88,8 +92,9 @@ raise RuntimeError("exploit ran; environment: " + ",".join(sorted(os.environ)))
 
 
 def _real_payload() -> bytes:
-    return direct_request(torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.ELU()),
-                          torch.randn(2, 7)).graph
+    return direct_request(
+        torch.nn.Sequential(torch.nn.Linear(7, 11), torch.nn.ELU()), torch.randn(2, 7)
+    ).graph
 
 
 def test_malformed_payloads_get_precise_errors(farm):
@@ -110,19 +115,23 @@ def test_malformed_payloads_get_precise_errors(farm):
 
 
 def test_admin_rpcs_need_an_admin_token(farm, store):
-    from conftest import ADMIN_TOKEN
+    from tests.integration.helpers import ADMIN_TOKEN
 
     def admin(method: str, request, token: str | None):
         with grpc.insecure_channel(farm.addr) as channel:
             metadata = [("authorization", f"Bearer {token}")] if token else []
-            return getattr(pb_grpc.AdminStub(channel), method)(request, metadata=metadata,
-                                                               timeout=30)
+            return getattr(pb_grpc.AdminStub(channel), method)(
+                request, metadata=metadata, timeout=30
+            )
 
-    key = _header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
-                                                  target=local_target()))).key
-    for token, status in [(TOKENS["alice"], grpc.StatusCode.PERMISSION_DENIED),
-                          ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
-                          (None, grpc.StatusCode.UNAUTHENTICATED)]:
+    key = _header(
+        _compile(farm, pb.CompileRequest(graph=_real_payload(), target=local_target()))
+    ).key
+    for token, status in [
+        (TOKENS["alice"], grpc.StatusCode.PERMISSION_DENIED),
+        ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+    ]:
         for method, request in [("Stats", pb.StatsRequest()), ("Drop", pb.DropRequest(key=key))]:
             with pytest.raises(grpc.RpcError) as e:
                 admin(method, request, token)
@@ -132,14 +141,16 @@ def test_admin_rpcs_need_an_admin_token(farm, store):
     assert stats["entries"] >= 1 and "pools" in stats
     assert admin("Drop", pb.DropRequest(key=key), ADMIN_TOKEN).entries >= 1
     assert not store.entries(key)
-    rebuilt = _header(_compile(farm, pb.CompileRequest(graph=_real_payload(),
-                                                      target=local_target())))
+    rebuilt = _header(
+        _compile(farm, pb.CompileRequest(graph=_real_payload(), target=local_target()))
+    )
     assert rebuilt.source == "miss"  # rebuilt on the next request
 
 
 def test_a_tenant_can_neither_hit_nor_see_another_tenants_private_entry(farm, store):
-    request = direct_request(torch.nn.Sequential(torch.nn.Linear(19, 7), torch.nn.Tanh()),
-                             torch.randn(3, 19))
+    request = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(19, 7), torch.nn.Tanh()), torch.randn(3, 19)
+    )
     request.private = True
     mine = _header(_compile(farm, request, "alice"))
     assert mine.source == "miss"
@@ -161,20 +172,22 @@ def test_wrong_field_types_get_invalid_argument(farm):
     graph = _real_payload()
     valid = pb.CompileRequest(graph=graph, target=local_target()).SerializeToString()
     wrong = [
-        b"\x08\x2a" + valid[2:],      # field 1 (graph, bytes) sent as a varint
-        b"\x12\x05hello",             # field 2 (target, a message) holding no message
-        b"\x1a\x03\xff\xff\xff",      # field 3 (options) with a truncated inner message
+        b"\x08\x2a" + valid[2:],  # field 1 (graph, bytes) sent as a varint
+        b"\x12\x05hello",  # field 2 (target, a message) holding no message
+        b"\x1a\x03\xff\xff\xff",  # field 3 (options) with a truncated inner message
         b"\x2a\x04\x0a\x02\x00\x01",  # size_hints entry whose value is not an int64
-        b"\xff\xff\xff\xff",          # not protobuf at all
+        b"\xff\xff\xff\xff",  # not protobuf at all
     ]
     with grpc.insecure_channel(farm.addr) as channel:
         for method, streams in (("Lookup", False), ("Compile", True)):
             call = (channel.unary_stream if streams else channel.unary_unary)(
-                f"/torchfarm.v1.Farm/{method}")
+                f"/torchfarm.v1.Farm/{method}"
+            )
             for raw in wrong:
                 with pytest.raises(grpc.RpcError) as e:
-                    reply = call(raw, metadata=[("authorization", f"Bearer {TOKENS['alice']}")],
-                                 timeout=60)
+                    reply = call(
+                        raw, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=60
+                    )
                     list(reply) if streams else reply
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw, e.value)
     assert _compile(farm, pb.CompileRequest(graph=graph, target=local_target()))[-1].chunk

@@ -16,14 +16,13 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 import torchfarm
+from tests.integration.helpers import TOKENS, direct_request, run_client
+from tests.models import build
 from torchfarm.client import backend, remote
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
-
-from conftest import TOKENS, run_client, direct_request
-from models import build
 
 pytestmark = pytest.mark.integration
 ATOL = 1e-4
@@ -53,7 +52,8 @@ def test_outputs_and_gradients_match_eager(farm, name, train):
             expected, out = model(x), compiled(x)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-4)
     assert [r.source for r in backend.history] and all(
-        r.source in ("miss", "hit", "merged") for r in backend.history)
+        r.source in ("miss", "hit", "merged") for r in backend.history
+    )
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
@@ -72,8 +72,9 @@ def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, com
     first = run_client(farm, "model_client.py", "transformer96", "train", tenant="alice")
     assert first["sources"] == ["miss"]
     bindir, log = compiler_log
-    second = run_client(farm, "model_client.py", "transformer96", "train", tenant="bob",
-                        path_prefix=bindir)
+    second = run_client(
+        farm, "model_client.py", "transformer96", "train", tenant="bob", path_prefix=bindir
+    )
     assert second["sources"] == ["hit"]  # another tenant, the same artifact
     assert store.stats().get("compiles", 0) == compiles_before + 1
     assert second["local_inductor_compiles"] == 0
@@ -129,8 +130,9 @@ ALICE = ClientSettings(addr="", token=TOKENS["alice"])
 
 
 def test_eight_concurrent_identical_requests_compile_once(farm, store):
-    request = direct_request(torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()),
-                              torch.randn(5, 24))
+    request = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()), torch.randn(5, 24)
+    )
     settings = dataclasses.replace(ALICE, addr=farm.addr)
     before = store.stats().get("compiles", 0)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -174,8 +176,10 @@ def _call(farm, request, token=TOKENS["alice"]):
         return list(pb_grpc.FarmStub(channel).Compile(request, metadata=metadata, timeout=30))
 
 
-@pytest.mark.parametrize("token,status", [(None, grpc.StatusCode.UNAUTHENTICATED),
-                                          ("wrong", grpc.StatusCode.UNAUTHENTICATED)])
+@pytest.mark.parametrize(
+    "token,status",
+    [(None, grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.UNAUTHENTICATED)],
+)
 def test_gateway_refuses_unknown_tokens(farm, token, status):
     request = pb.CompileRequest(graph=b"x", target=local_target(), options=pb.Options())
     with pytest.raises(grpc.RpcError) as e:
@@ -187,24 +191,43 @@ def test_gateway_refuses_bad_requests_precisely(farm):
     target = local_target()
     cases = [
         (pb.CompileRequest(graph=b"", target=target), grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=target, options=pb.Options(mode="turbo")),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=target,
-                           options=pb.Options(config_patches_json="{not json")),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=pb.Target(device="tpu", torch_version="1")),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=target, size_hints={"__import__('os')": 1}),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=target, digest="../../etc/passwd"),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (pb.CompileRequest(graph=b"x", target=target, options=pb.Options(
-            state=pb.TraceState(autocast=["cuda:int3"]))), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            pb.CompileRequest(graph=b"x", target=target, options=pb.Options(mode="turbo")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(
+                graph=b"x", target=target, options=pb.Options(config_patches_json="{not json")
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(graph=b"x", target=pb.Target(device="tpu", torch_version="1")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(graph=b"x", target=target, size_hints={"__import__('os')": 1}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(graph=b"x", target=target, digest="../../etc/passwd"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(
+                graph=b"x",
+                target=target,
+                options=pb.Options(state=pb.TraceState(autocast=["cuda:int3"])),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ]
     unknown = pb.Target()
     unknown.CopyFrom(target)
     unknown.cpu_capability = "NEON"
-    cases.append((pb.CompileRequest(graph=b"x", target=unknown), grpc.StatusCode.FAILED_PRECONDITION))
+    cases.append(
+        (pb.CompileRequest(graph=b"x", target=unknown), grpc.StatusCode.FAILED_PRECONDITION)
+    )
     for request, status in cases:
         with pytest.raises(grpc.RpcError) as e:
             _call(farm, request)
@@ -223,8 +246,9 @@ def test_hostile_payload_fails_cleanly_and_farm_keeps_serving(farm):
 
 
 def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
-    request = direct_request(torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()),
-                              torch.randn(3, 12))
+    request = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Tanh()), torch.randn(3, 12)
+    )
     settings = dataclasses.replace(ALICE, addr=farm.addr)
     header, data = remote.fetch(request, settings)
     from torchfarm.cache import keys
@@ -272,8 +296,7 @@ def _double_setup(ctx, inputs, output):
 _double.register_autograd(_double_backward, setup_context=_double_setup)
 
 
-def test_a_graph_inductor_cannot_trace_is_split_by_dynamo_as_for_local_torch_compile(
-        farm, store):
+def test_a_graph_inductor_cannot_trace_is_split_by_dynamo_as_for_local_torch_compile(farm, store):
     # The op's backward reads a tensor's values, so tracing it with fake tensors fails; local
     # torch.compile then runs the frame eagerly and compiles the functions it calls. Through
     # the farm (whose worker lacks the op), those must go to the farm the same way, and the
@@ -301,8 +324,9 @@ def test_a_graph_inductor_cannot_trace_is_split_by_dynamo_as_for_local_torch_com
 
     expected = gradient(program)
     torch._dynamo.reset()
-    torch.testing.assert_close(gradient(torch.compile(program, backend=counting_inductor)),
-                               expected)
+    torch.testing.assert_close(
+        gradient(torch.compile(program, backend=counting_inductor)), expected
+    )
     torch._dynamo.reset()
     backend.history.clear()
     torch.testing.assert_close(gradient(_farm_compile(program, farm)), expected)

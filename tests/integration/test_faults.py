@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from conftest import HERE, run_client
+from tests.integration.helpers import HERE, run_client
 from torchfarm.cache import keys
 from torchfarm.cache.store import Store
 from torchfarm.local_farm import LocalFarm
@@ -62,18 +62,29 @@ def test_a_full_cache_redis_still_compiles_and_serves_without_caching():
 
 
 def _start_client(farm, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, TORCHFARM_ADDR=farm.addr, TORCHFARM_PROGRESS="0",
-               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "clients", "model_client.py"),
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=farm.addr,
+        TORCHFARM_PROGRESS="0",
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+        TRITON_CACHE_DIR=tempfile.mkdtemp(),
+    )
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "clients", "model_client.py"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_status(store: Store, status: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(store.jobs.get(k) == status.encode()
-               for k in store.jobs.scan_iter(match=keys.status("*"))):
+        if any(
+            store.jobs.get(k) == status.encode()
+            for k in store.jobs.scan_iter(match=keys.status("*"))
+        ):
             return
         time.sleep(0.2)
     raise AssertionError(f"no job reached {status!r} in {timeout_s:.0f} s")
@@ -82,8 +93,9 @@ def _wait_for_status(store: Store, status: str, timeout_s: float) -> None:
 def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
     # Redelivery waits for the broker's visibility timeout: shortened here (it must exceed
     # the compile timeout), 1900 s by default.
-    with LocalFarm(extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "90",
-                              "TORCHFARM_REDELIVERY_TIMEOUT": "100"}) as farm:
+    with LocalFarm(
+        extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "90", "TORCHFARM_REDELIVERY_TIMEOUT": "100"}
+    ) as farm:
         store = farm.store()
         client = _start_client(farm, "mlp", "train")
         _wait_for_status(store, "compiling", timeout_s=120)
@@ -97,8 +109,9 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
         assert store.stats().get("compiles") == 1  # the killed compile stored nothing
 
 
-@pytest.mark.parametrize("where", ["a stopped gateway (closed port)",
-                                   "a hung gateway (accepts TCP, never answers)"])
+@pytest.mark.parametrize(
+    "where", ["a stopped gateway (closed port)", "a hung gateway (accepts TCP, never answers)"]
+)
 def test_a_client_decides_the_farm_is_down_within_the_connect_timeout(where):
     from torchfarm.client import remote
     from torchfarm.compiler.target import local_target
@@ -107,8 +120,11 @@ def test_a_client_decides_the_farm_is_down_within_the_connect_timeout(where):
     from torchfarm.settings import ClientSettings
 
     hung = socket.create_server(("127.0.0.1", 0))  # listens; the kernel completes handshakes
-    addr = (f"127.0.0.1:{free_port()}" if where.startswith("a stopped")
-            else f"127.0.0.1:{hung.getsockname()[1]}")
+    addr = (
+        f"127.0.0.1:{free_port()}"
+        if where.startswith("a stopped")
+        else f"127.0.0.1:{hung.getsockname()[1]}"
+    )
     settings = ClientSettings.from_env(addr=addr)  # the default connect timeout: 2 s
     started = time.monotonic()
     with pytest.raises(remote.FarmError, match="unreachable"):

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import torchfarm
+from tests.integration.test_attacks import _Exploit
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-
-from test_attacks import _Exploit
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +22,9 @@ pytestmark = pytest.mark.integration
 def limited_farm():
     # 45 s: short for the hanging child, and room for an honest compile on a loaded CI machine
     # (20 s was once too little for Linear + Mish there)
-    with LocalFarm(extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "45",
-                              "TORCHFARM_COMPILE_MEMORY_MB": "16384"}) as farm:
+    with LocalFarm(
+        extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "45", "TORCHFARM_COMPILE_MEMORY_MB": "16384"}
+    ) as farm:
         yield farm
 
 
@@ -35,16 +35,30 @@ def _attack(farm, code: str) -> grpc.RpcError:
     return e.value
 
 
-@pytest.mark.parametrize("name,code,status,says", [
-    ("hangs", "import time\ntime.sleep(3600)", grpc.StatusCode.DEADLINE_EXCEEDED,
-     "compile exceeded 45 s"),
-    # 1 GiB mappings, never touched: the address-space limit stops them, not the host's RAM
-    ("allocates without bound",
-     "import mmap\nchunks = []\nwhile True:\n    chunks.append(mmap.mmap(-1, 1 << 30))",
-     grpc.StatusCode.ABORTED, "Cannot allocate memory"),
-    ("crashes", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
-     grpc.StatusCode.ABORTED, "signal 11"),
-])
+@pytest.mark.parametrize(
+    "name,code,status,says",
+    [
+        (
+            "hangs",
+            "import time\ntime.sleep(3600)",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "compile exceeded 45 s",
+        ),
+        # 1 GiB mappings, never touched: the address-space limit stops them, not the host's RAM
+        (
+            "allocates without bound",
+            "import mmap\nchunks = []\nwhile True:\n    chunks.append(mmap.mmap(-1, 1 << 30))",
+            grpc.StatusCode.ABORTED,
+            "Cannot allocate memory",
+        ),
+        (
+            "crashes",
+            "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
+            grpc.StatusCode.ABORTED,
+            "signal 11",
+        ),
+    ],
+)
 def test_a_bad_compile_child_gets_a_precise_error(limited_farm, name, code, status, says):
     error = _attack(limited_farm, code)
     assert error.code() == status, error.details()

@@ -14,7 +14,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from torchfarm.compiler import serialize
 
-SCRIPT = '''
+SCRIPT = """
 import hashlib, torch
 from torchfarm.compiler import serialize
 torch.manual_seed({seed})
@@ -23,7 +23,7 @@ def backend(gm, example_inputs):
     print(hashlib.sha256(serialize.dumps(gm)).hexdigest())
     return gm.forward
 torch.compile(m, backend=backend, dynamic=True)(torch.randn(8, 16))
-'''
+"""
 
 
 def _payload_digest(tmp_path, name: str, seed: int) -> str:
@@ -31,8 +31,9 @@ def _payload_digest(tmp_path, name: str, seed: int) -> str:
     folder.mkdir()
     script = folder / f"{name}.py"
     script.write_text(SCRIPT.format(seed=seed))
-    out = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=folder, capture_output=True, text=True, check=True
+    )
     return out.stdout.split()[-1]
 
 
@@ -64,13 +65,16 @@ def test_payload_carries_no_weights():
 
 
 def test_round_trip_rebuilds_graph_with_fake_inputs():
-    captured = _capture(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
-                        torch.randn(3, 8), dynamic=True)
+    captured = _capture(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), torch.randn(3, 8), dynamic=True
+    )
     gm = serialize.loads(captured["payload"])
     inputs = serialize.example_inputs(gm)
     assert [type(i).__name__ for i in inputs] == [
         type(n.meta["example_value"]).__name__
-        for n in captured["gm"].graph.nodes if n.op == "placeholder"]
+        for n in captured["gm"].graph.nodes
+        if n.op == "placeholder"
+    ]
     assert serialize.op_counts(gm) == serialize.op_counts(captured["gm"])
 
 
@@ -126,8 +130,9 @@ def test_equal_sympy_expressions_give_the_same_bytes_whether_or_not_they_are_one
     assert loaded[3].assumptions0 == one.assumptions0
 
 
-@pytest.mark.parametrize("rebuild, args", [(print, ("run",)),
-                                            (copyreg.__newobj__, (subprocess.Popen, "true"))])
+@pytest.mark.parametrize(
+    "rebuild, args", [(print, ("run",)), (copyreg.__newobj__, (subprocess.Popen, "true"))]
+)
 def test_a_payload_rebuilds_nothing_but_sympy_values(rebuild, args):
     unpickler = serialize._PortableUnpickler(io.BytesIO(b""), None)
     with pytest.raises(ValueError, match="rebuilds a sympy value"):

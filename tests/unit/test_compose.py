@@ -11,7 +11,7 @@ import yaml
 
 from torchfarm.cli import app
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMA = os.path.join(ROOT, ".cache", "compose-spec.json")  # made by `make test`
 _VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 

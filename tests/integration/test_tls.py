@@ -20,10 +20,28 @@ pytestmark = pytest.mark.integration
 
 def _self_signed(directory) -> tuple[str, str]:
     cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", key, "-out", cert, "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -55,9 +73,19 @@ def test_a_client_that_does_not_trust_the_gateway_gets_nothing(tls_farm, tmp_pat
 
 def test_doctor_reports_tls(tls_farm):
     farm, cert = tls_farm
-    env = dict(os.environ, TORCHFARM_ADDR=farm.addr, TORCHFARM_TLS_CA=cert,
-               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TORCHFARM_PROGRESS="0")
-    proc = subprocess.run([sys.executable, "-m", "torchfarm", "doctor"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=farm.addr,
+        TORCHFARM_TLS_CA=cert,
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+        TORCHFARM_PROGRESS="0",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchfarm", "doctor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TLS, trusting" in proc.stdout and "output equals eager" in proc.stdout

@@ -1,0 +1,45 @@
+"""Fixtures: one real embedded farm (redis-server, gateway, Celery worker) per session."""
+
+import subprocess
+
+import pytest
+
+from tests.integration.helpers import ADMIN_TOKEN, OP_LIBRARIES, TOKENS
+from torchfarm.cache.store import Store
+from torchfarm.gateway.auth import hash_token
+from torchfarm.local_farm import LocalFarm
+
+
+@pytest.fixture(scope="session")
+def farm():
+    tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
+    # JSON log lines: test_operations checks that a request id follows a compile in them.
+    with LocalFarm(
+        tenants=tenants,
+        extra_env={
+            "TORCHFARM_LOG_FORMAT": "json",
+            # the coverage suite's MoE model calls transformers' custom grouped-mm operator
+            "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
+            "TORCHFARM_ADMINS": f"ops:{hash_token(ADMIN_TOKEN)}",
+        },
+    ) as f:
+        yield f
+
+
+@pytest.fixture
+def store(farm) -> Store:
+    return farm.store()
+
+
+@pytest.fixture
+def compiler_log(tmp_path):
+    """A PATH whose g++/gcc/c++ log every call before running the real compiler."""
+    bindir, log = tmp_path / "bin", tmp_path / "cc.log"
+    bindir.mkdir()
+    for name in ("g++", "gcc", "c++", "cc"):
+        real = subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
+        if real:
+            script = bindir / name
+            script.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
+            script.chmod(0o755)
+    return str(bindir), log
