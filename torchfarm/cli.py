@@ -31,6 +31,10 @@ def up(
     workers: int = typer.Option(1, help="workers to start"),
     device: str = typer.Option("cpu", help="what the workers compile for: cpu or cuda"),
     sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)"),
+    tenants: str = typer.Option(
+        "", envvar="TORCHFARM_TENANTS", help="tenant:sha256(token),... (empty: an open farm)"
+    ),
+    admins: str = typer.Option("", envvar="TORCHFARM_ADMINS", help="admin:sha256(token),..."),
 ) -> None:
     """Start an embedded local farm; prints TORCHFARM_ADDR=host:port when ready."""
     from torchfarm.local_farm import LocalFarm
@@ -45,10 +49,15 @@ def up(
         workers=workers,
         sandbox=sandbox,
         device=device,
+        tenants=tenants,
+        admins=admins,
     ) as farm:
         print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
         typer.echo(
-            f"redis {farm.redis_url}; logs in {farm.log_dir}; Ctrl-C stops the farm", err=True
+            f"redis on 127.0.0.1:{farm.redis_port} (password in {farm.workdir}/redis/redis.conf); "
+            f"{'tenants' if tenants else 'OPEN farm (no TORCHFARM_TENANTS)'}; "
+            f"logs in {farm.log_dir}; Ctrl-C stops the farm",
+            err=True,
         )
         stop.wait()
     typer.echo("farm stopped", err=True)

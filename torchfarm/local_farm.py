@@ -7,6 +7,7 @@ process group, so stopping the farm also ends the compile children it started.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,13 +28,20 @@ def free_port() -> int:
 
 
 class LocalFarm:
-    """Start with `with LocalFarm() as farm:`; `farm.addr` is host:port of the gateway."""
+    """Start with `with LocalFarm() as farm:`; `farm.addr` is host:port of the gateway.
+
+    `tenants` / `admins` (name:sha256(token),...) default to TORCHFARM_TENANTS /
+    TORCHFARM_ADMINS of the environment, never silently to an open farm. Its redis-servers
+    listen on loopback only and require a password made for this farm, which reaches the
+    gateway and workers through their environment (never their command line).
+    """
 
     def __init__(
         self,
         grpc_port: int = 0,
         redis_port: int = 0,
-        tenants: str = "",
+        tenants: str | None = None,
+        admins: str | None = None,
         sandbox: str = "bwrap",
         workers: int = 1,
         host: str = "127.0.0.1",
@@ -47,7 +55,10 @@ class LocalFarm:
         # A second redis-server for Celery and job state (as in docker-compose.yml); without
         # it they use database 1 of the cache's server.
         self.broker_port = 0 if separate_broker else None
-        self.tenants, self.sandbox, self.workers = tenants, sandbox, workers
+        self.tenants = os.environ.get("TORCHFARM_TENANTS", "") if tenants is None else tenants
+        self.admins = os.environ.get("TORCHFARM_ADMINS", "") if admins is None else admins
+        self.sandbox, self.workers = sandbox, workers
+        self.redis_password = secrets.token_hex(16)
         self.device = device  # what the workers compile for: cpu or cuda
         self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
@@ -57,13 +68,16 @@ class LocalFarm:
         self.metrics_port = 0  # the gateway's Prometheus port, once started
         self.worker_metrics_ports: dict[str, int] = {}  # each worker's Prometheus port
 
+    def _url(self, port: int | None) -> str:
+        return f"redis://:{self.redis_password}@127.0.0.1:{port}/0"
+
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return self._url(self.redis_port)
 
     @property
     def broker_url(self) -> str:
-        return f"redis://127.0.0.1:{self.broker_port}/0" if self.broker_port is not None else ""
+        return self._url(self.broker_port) if self.broker_port is not None else ""
 
     def store(self) -> Store:
         return Store.from_url(self.redis_url, self.broker_url)
@@ -119,10 +133,14 @@ class LocalFarm:
         setattr(self, attr, port)
         directory = os.path.join(self.workdir, name)
         os.makedirs(directory, exist_ok=True)
+        config = os.path.join(directory, "redis.conf")  # the password, readable by us alone
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"requirepass {self.redis_password}\n")
         self._spawn(
             name,
             [
                 server,
+                config,
                 "--port",
                 str(port),
                 "--bind",
@@ -139,7 +157,7 @@ class LocalFarm:
                 "yes",
             ],
         )
-        client = redis.Redis(port=port)
+        client = redis.Redis(port=port, password=self.redis_password)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -164,11 +182,11 @@ class LocalFarm:
                 self.host,
                 "--port",
                 str(self.grpc_port),
-                "--redis-url",
-                self.redis_url,
             ],
             env={
+                "TORCHFARM_REDIS_URL": self.redis_url,
                 "TORCHFARM_TENANTS": self.tenants,
+                "TORCHFARM_ADMINS": self.admins,
                 "TORCHFARM_BROKER_URL": self.broker_url,
                 "TORCHFARM_METRICS_PORT": str(self.metrics_port),
                 "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
@@ -186,14 +204,13 @@ class LocalFarm:
                 "-m",
                 "torchfarm",
                 "worker",
-                "--redis-url",
-                self.redis_url,
                 "--sandbox",
                 self.sandbox,
                 "--device",
                 device or self.device,
             ],
             env={
+                "TORCHFARM_REDIS_URL": self.redis_url,
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
             },

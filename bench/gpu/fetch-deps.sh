@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch what bench/gpu/run.sh carries to the GPU machine (no internet there): CPython 3.12
 # x86-64 wheels of the server extra's packages into .whl/, and Debian's redis-server and
-# bubblewrap packages into .debs/. Both folders are ignored by git (.git/info/exclude).
+# bubblewrap packages into .debs/. Both folders are ignored by git (.gitignore).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .whl .debs
@@ -17,6 +17,3 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     pydantic==2.14.3 pydantic-core==2.50.4 typing-inspection==0.4.5 annotated-types==0.8.0 \
     typing-extensions==4.16.0
 (cd .debs && apt-get download redis-server redis-tools liblzf1 libjemalloc2 bubblewrap)
-for p in /.whl/ /.debs/; do
-    grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
-done

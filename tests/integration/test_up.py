@@ -1,4 +1,5 @@
-"""`torchfarm up`: prints TORCHFARM_ADDR when ready, and SIGTERM leaves no process behind."""
+"""`torchfarm up`: prints TORCHFARM_ADDR when ready, SIGTERM leaves no process behind, and it is
+closed where asked: tenants from the environment are honoured, its Redis wants a password."""
 
 import os
 import signal
@@ -8,7 +9,14 @@ import time
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.helpers import TOKENS
+from torchfarm.gateway.auth import hash_token
+from torchfarm.local_farm import free_port
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -23,12 +31,25 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def test_up_prints_address_serves_and_stops_cleanly():
+def _compile_status(channel, token: str | None) -> grpc.StatusCode:
+    """The status of a Compile with an empty graph: INVALID_ARGUMENT once authenticated."""
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.FarmStub(channel).Compile(pb.CompileRequest(), metadata=metadata, timeout=10))
+    return e.value.code()
+
+
+def test_up_prints_address_serves_honours_tenants_and_stops_cleanly():
+    # Started with tenants in the environment (it once overrode them with an open farm).
+    redis_port = free_port()
+    env = dict(os.environ, TORCHFARM_TENANTS=f"alice:{hash_token(TOKENS['alice'])}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torchfarm", "up", "--grpc-port", "0"],
+        [sys.executable, "-m", "torchfarm", "up", "--grpc-port", "0"]
+        + ["--redis-port", str(redis_port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     )
     try:
         line = proc.stdout.readline().strip()
@@ -40,7 +61,12 @@ def test_up_prints_address_serves_and_stops_cleanly():
                 .Check(health_pb2.HealthCheckRequest(), timeout=5)
                 .status
             )
-        assert status == health_pb2.HealthCheckResponse.SERVING
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            assert _compile_status(channel, None) == grpc.StatusCode.UNAUTHENTICATED
+            assert _compile_status(channel, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+            assert _compile_status(channel, TOKENS["alice"]) == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(redis.AuthenticationError):  # no password, no cache
+            redis.Redis(port=redis_port, socket_timeout=5).get("tf1:stats")
         started = _descendants(proc.pid)
         assert len(started) >= 3  # redis-server, gateway, worker (and its pool)
         proc.send_signal(signal.SIGTERM)
