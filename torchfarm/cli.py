@@ -127,5 +127,14 @@ def doctor(
     raise typer.Exit(1 if any(c.ok is False for c in checks) else 0)
 
 
+@app.command()
+def keygen(path: str = typer.Argument(..., help="private key file to create (mode 0600)")) -> None:
+    """Make the farm's entry-signing key: give PATH to workers (TORCHFARM_SIGNING_KEY); the
+    printed public key goes to the gateway and clients (TORCHFARM_VERIFY_KEYS)."""
+    from torchfarm import signing
+
+    print(signing.generate(path).public_key)
+
+
 def main() -> None:
     app()
