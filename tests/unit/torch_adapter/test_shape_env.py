@@ -13,9 +13,7 @@ def _traced_shape_env() -> shape_env.ShapeEnv:
     envs = []
 
     def backend(gm, example_inputs):
-        envs.extend(
-            x.node.shape_env for x in example_inputs if isinstance(x, torch.SymInt)
-        )
+        envs.extend(x.node.shape_env for x in example_inputs if isinstance(x, torch.SymInt))
         return gm.forward
 
     torch._dynamo.reset()
