@@ -79,7 +79,7 @@ def compile_payload(
         AutogradCacheLog() as cache_log,
     ):
         compiled = standalone.compile_graph(gm, inputs, config_patches(options))
-    guards_expr = guards.produce(fake_mode.shape_env, inputs)
+    guards_expr = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
     try:
         inductor_bytes = standalone.save(compiled)
     except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
@@ -111,7 +111,7 @@ def _tuned_configs() -> dict[str, bytes]:
     Inductor records a kernel's first result in the artifact; under max-autotune, coordinate
     descent then finds a better config and rewrites only the file. The files are final.
     """
-    found = {}
+    found: dict[str, bytes] = {}
     for path in glob.glob(os.path.join(standalone.cache_dir(), "*", "*.best_config")):
         with open(path, "rb") as f:
             found[os.path.join(*path.split(os.sep)[-2:])] = f.read()
@@ -121,7 +121,7 @@ def _tuned_configs() -> dict[str, bytes]:
 def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
     """The kernels the artifact's wrapper code defines: names as Inductor gave them, and the
     size of each one's source."""
-    found = {}
+    found: dict[bytes, pb.Kernel] = {}
     for name, kind, source in _KERNEL_DEFINITION.findall(inductor_bytes):
         found.setdefault(
             name, pb.Kernel(name=name.decode(), kind=kind.decode(), source_bytes=len(source))

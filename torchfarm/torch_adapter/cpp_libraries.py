@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch._inductor import codecache
 
 
-def load_library(cls: type, path: str, key: str) -> object:
+def load_library(cls: Any, path: str, key: str) -> object:
     """dlopen a built library as Inductor's cache class `cls` does (a module or a CDLL)."""
     return cls._load_library(path, key)
 
 
-def library_path(lib: object) -> str:
+def library_path(lib: Any) -> str:
     """The file a loaded library came from."""
     return getattr(lib, "__file__", None) or lib._name  # module or ctypes.CDLL
 
@@ -37,8 +38,8 @@ def wrapped_load_async(replacement: Callable) -> Iterator[None]:
     def load_async(cls, main_code, *args, **kwargs):
         return replacement(cls, original, main_code, *args, **kwargs)
 
-    codecache.CppCodeCache.load_async = classmethod(load_async)
+    setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))  # noqa: B010
     try:
         yield
     finally:
-        codecache.CppCodeCache.load_async = saved
+        setattr(codecache.CppCodeCache, "load_async", saved)  # noqa: B010

@@ -33,9 +33,9 @@ def cudagraphs_on_load(enabled: bool) -> Iterator[None]:
     def with_cudagraphs(self, args, aot_config, fx_config):
         return original(self, args, aot_config, {**fx_config, "cudagraphs": BoxedBool(True)})
 
-    GenericAOTAutogradResult.wrap_post_compile = with_cudagraphs
+    setattr(GenericAOTAutogradResult, "wrap_post_compile", with_cudagraphs)  # noqa: B010
     try:
         with inductor_config.patch({"triton.cudagraphs": True}):
             yield
     finally:
-        GenericAOTAutogradResult.wrap_post_compile = original
+        setattr(GenericAOTAutogradResult, "wrap_post_compile", original)  # noqa: B010

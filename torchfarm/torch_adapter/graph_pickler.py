@@ -33,13 +33,15 @@ __all__ = [
 ]
 
 # PyTorch's own operator namespaces (aten, prims, ...): what GraphPickler pickles by default.
-_is_builtin_op = Options().ops_filter
+_BUILTIN_OPS = Options().ops_filter
 
 
 def custom_op_schema(target: object) -> str | None:
     """The schema of a custom operator (one outside PyTorch's own namespaces), else None."""
-    if isinstance(target, torch._ops.OpOverload) and not _is_builtin_op(
-        torch.fx.Node._pretty_print_target(target)
+    if (
+        isinstance(target, torch._ops.OpOverload)
+        and _BUILTIN_OPS is not None
+        and not _BUILTIN_OPS(torch.fx.Node._pretty_print_target(target))
     ):
         return op_schema(target)
     return None
@@ -54,8 +56,8 @@ def op_schema(target: torch._ops.OpOverload) -> str:
 def unpickler_class(cls: type[GraphUnpickler]) -> Iterator[None]:
     """Make GraphPickler.loads unpickle with `cls` (a GraphUnpickler subclass)."""
     original = _module._GraphUnpickler
-    _module._GraphUnpickler = cls
+    setattr(_module, "_GraphUnpickler", cls)  # noqa: B010  (a module global, not a type)
     try:
         yield
     finally:
-        _module._GraphUnpickler = original
+        setattr(_module, "_GraphUnpickler", original)  # noqa: B010

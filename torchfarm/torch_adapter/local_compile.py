@@ -8,6 +8,7 @@ graph). Verified: torch 2.11.0, 2.13.0, 2.15.0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch._dynamo.exc import exceptions_allowed_to_be_fallback
@@ -21,4 +22,4 @@ def compile_locally(
     """Inductor in this process, as torch.compile's default backend does it."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    return cast(Callable, compile_fx(gm, example_inputs, config_patches=config_patches))
