@@ -8,18 +8,38 @@ STAMP := $(VENV)/.installed
 # compose test validates docker-compose.yml against it (no Docker engine runs here).
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
-.PHONY: demo test unit integration lint deps system proto bench coverage clean
+# Supported torch releases besides .venv's (2.13.0): each gets a venv of its own (.venv-2.15)
+# for the unit tier and one end-to-end miss-then-hit (`make test-versions`). CUDA builds
+# from PyPI run torch.compile on the CPU too (2.15.0: 5.3 GB).
+OTHER_TORCH := 2.15.0
+
+.PHONY: demo test unit integration lint deps system proto bench coverage clean test-versions
 
 demo: deps
 	$(PY) examples/demo.py
 
-test: lint unit integration
+test: lint unit integration test-versions
 
 unit: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 integration: deps
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+test-versions: $(COMPOSE_SCHEMA)
+	@set -e; for version in $(OTHER_TORCH); do \
+		venv=.venv-$${version%.*}; \
+		if [ ! $$venv/.installed-$$version -nt pyproject.toml ]; then \
+			python3 -m venv $$venv; \
+			$$venv/bin/pip install -q --upgrade pip; \
+			$$venv/bin/pip install -q torch==$$version; \
+			$$venv/bin/pip install -q -e '.[server,dev]'; \
+			touch $$venv/.installed-$$version; \
+		fi; \
+		echo "== torch $$version ($$venv)"; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit \
+			tests/integration/test_versions.py; \
+	done
 
 lint: deps
 	$(VENV)/bin/ruff check torchfarm tests bench examples
@@ -56,4 +76,4 @@ coverage: deps
 	$(PY) bench/coverage/suite.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-* build *.egg-info

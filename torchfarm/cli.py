@@ -89,7 +89,9 @@ def worker(
 ) -> None:
     """Run a Celery compile worker for one hardware pool."""
     from torchfarm.settings import WorkerSettings
+    from torchfarm.torch_adapter.gate import require_verified_for_worker
 
+    require_verified_for_worker()  # before torch: a worker on an unverified torch never starts
     _logging(log_level)
     settings = WorkerSettings.from_env(
         pool=pool, device=device, redis_url=redis_url, concurrency=concurrency, sandbox=sandbox

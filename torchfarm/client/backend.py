@@ -20,8 +20,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from torch._dynamo.exc import exceptions_allowed_to_be_fallback
 
+from torchfarm import torch_adapter
 from torchfarm.client import remote
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import guards, serialize, trace_state
@@ -29,6 +29,7 @@ from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
+from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
 
 log = logging.getLogger("torchfarm")
 _graph_numbers = itertools.count(1)
@@ -73,6 +74,11 @@ def torchfarm_backend(
     if not settings.addr:
         _warn_once("TORCHFARM_ADDR is not set: compiling locally")
         return _compile_locally(gm, example_inputs, farm_options, label, started)
+    if torch_adapter.UNVERIFIED:  # never drift silently: the farm's torch code may not fit
+        _warn_once(f"{torch_adapter.UNVERIFIED}; compiling locally")
+        return _compile_locally(
+            gm, example_inputs, farm_options, label, started, why=torch_adapter.UNVERIFIED
+        )
     try:
         compiled, header = _compile_on_farm(gm, settings, farm_options, label)
     except Exception as e:  # the farm must never break training
@@ -144,10 +150,8 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
 def _compile_locally(
     gm, example_inputs, options: pb.Options, label: str, started: float, why: str = ""
 ) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
-
     try:
-        compiled = compile_fx(gm, example_inputs, config_patches=config_patches(options))
+        compiled = compile_locally(gm, example_inputs, config_patches(options))
         source = "local"
     except exceptions_allowed_to_be_fallback as e:  # Dynamo splits the graph, as for Inductor
         history.append(

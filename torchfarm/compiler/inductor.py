@@ -5,22 +5,20 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib
 import json
-import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from torchfarm.compiler import files, guards, native, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter import autotune_progress, autotune_results, fake_tensors, standalone
+from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
+from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
+from torchfarm.torch_adapter.shape_env import ShapeEnv
 
 ARTIFACT_FORMAT = 1
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -43,7 +41,7 @@ def config_patches(options: pb.Options) -> dict:
     mode = options.mode or "default"
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
+    patches = standalone.mode_options(mode) if mode != "default" else {}
     if options.config_patches_json:
         user = json.loads(options.config_patches_json)
         if not isinstance(user, dict):
@@ -67,37 +65,27 @@ def compile_payload(
     gm = serialize.loads(payload, size_hints)
     inputs = serialize.example_inputs(gm)
     # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
-    fake_mode = torch._guards.detect_fake_mode(inputs) or torch._subclasses.FakeTensorMode(
+    fake_mode = fake_tensors.detect_fake_mode(inputs) or fake_tensors.FakeTensorMode(
         shape_env=serialize.shape_env_of(inputs) or ShapeEnv()
     )
     objects: dict[str, bytes] = {}
     with (
-        inductor_config.patch(_WORKER_CONFIG),
-        functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
-        torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
+        standalone.inductor_config.patch(_WORKER_CONFIG),
+        standalone.functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
+        fake_tensors.tracing(fake_mode),
         trace_state.applied(options.state),
         native.capture(objects),
-        _reporting_autotuning(on_stage),
-        _AutogradCacheLog() as cache_log,
+        autotune_progress.reporting(on_stage),
+        AutogradCacheLog() as cache_log,
     ):
-        compiled = torch._inductor.standalone_compile(
-            gm,
-            inputs,
-            dynamic_shapes="from_graph",
-            options={"config_patches": config_patches(options)},
-        )
-    guards_expr = guards.produce(fake_mode.shape_env, inputs)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "artifact.bin")
-        try:
-            compiled.save(path=path, format="binary")
-        except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
-            raise RuntimeError(
-                f"Inductor compiled the graph but cannot save it: "
-                f"{'; '.join(cache_log.messages) or e}"
-            ) from e
-        with open(path, "rb") as f:
-            inductor_bytes = f.read()
+        compiled = standalone.compile_graph(gm, inputs, config_patches(options))
+    guards_expr = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
+    try:
+        inductor_bytes = standalone.save(compiled)
+    except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
+        raise RuntimeError(
+            f"Inductor compiled the graph but cannot save it: {'; '.join(cache_log.messages) or e}"
+        ) from e
     return pb.Artifact(
         format=ARTIFACT_FORMAT,
         inductor=inductor_bytes,
@@ -109,48 +97,6 @@ def compile_payload(
         kernels=_kernels(inductor_bytes),
         tuned_configs=_tuned_configs(),
     )
-
-
-# Where Inductor benchmarks choices: algorithm selection (max-autotune GEMM/conv templates) and
-# Triton kernel configs (tuned at compile time on the worker, see _WORKER_CONFIG).
-_AUTOTUNING = (
-    ("torch._inductor.select_algorithm", "AlgorithmSelectorCache", "do_autotuning"),
-    ("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "benchmark_all_configs"),
-)
-
-
-@contextlib.contextmanager
-def _reporting_autotuning(on_stage: Callable[[str], None] | None) -> Iterator[None]:
-    """Call `on_stage` around every benchmarking call of Inductor's (outermost only)."""
-    if on_stage is None:
-        yield
-        return
-    depth = [0]
-    patched = []
-    for module, owner_name, method in _AUTOTUNING:
-        owner = getattr(importlib.import_module(module), owner_name, None)
-        original = getattr(owner, method, None)
-        if original is None:  # another torch version: no report, still correct
-            continue
-
-        def reporting(*args, _original=original, **kwargs):
-            depth[0] += 1
-            if depth[0] == 1:
-                on_stage("autotuning")
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    on_stage("compiling")
-
-        setattr(owner, method, reporting)
-        patched.append((owner, method, original))
-    try:
-        yield
-    finally:
-        for owner, method, original in patched:
-            setattr(owner, method, original)
 
 
 # `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.
@@ -165,10 +111,8 @@ def _tuned_configs() -> dict[str, bytes]:
     Inductor records a kernel's first result in the artifact; under max-autotune, coordinate
     descent then finds a better config and rewrites only the file. The files are final.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    found = {}
-    for path in glob.glob(os.path.join(cache_dir(), "*", "*.best_config")):
+    found: dict[str, bytes] = {}
+    for path in glob.glob(os.path.join(standalone.cache_dir(), "*", "*.best_config")):
         with open(path, "rb") as f:
             found[os.path.join(*path.split(os.sep)[-2:])] = f.read()
     return found
@@ -177,39 +121,12 @@ def _tuned_configs() -> dict[str, bytes]:
 def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
     """The kernels the artifact's wrapper code defines: names as Inductor gave them, and the
     size of each one's source."""
-    found = {}
+    found: dict[bytes, pb.Kernel] = {}
     for name, kind, source in _KERNEL_DEFINITION.findall(inductor_bytes):
         found.setdefault(
             name, pb.Kernel(name=name.decode(), kind=kind.decode(), source_bytes=len(source))
         )
     return list(found.values())
-
-
-class _AutogradCacheLog(logging.Handler):
-    """Collects why AOTAutograd bypassed its cache: an artifact is saved from that cache."""
-
-    _LOGGER = "torch._functorch._aot_autograd.autograd_cache"
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "Bypassing" in message or "unable to" in message:
-            self.messages.append(message[:2000])
-
-    def __enter__(self) -> _AutogradCacheLog:
-        logger = logging.getLogger(self._LOGGER)
-        self._saved_level = logger.level
-        logger.addHandler(self)
-        logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger(self._LOGGER)
-        logger.removeHandler(self)
-        logger.setLevel(self._saved_level)
 
 
 @contextlib.contextmanager
@@ -221,16 +138,10 @@ def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
     dynamic graph (say batch <= 4096 and batch > 4096) share that key: loaded into one
     directory, the second would silently run the first one's code.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     digest = hashlib.sha256(artifact.inductor).hexdigest()
-    directory = os.path.join(cache_dir(), "torchfarm", digest[:32])
-    saved = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
-    try:
+    directory = os.path.join(standalone.cache_dir(), "torchfarm", digest[:32])
+    with standalone.cache_dir_at(directory):
         yield directory
-    finally:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
@@ -247,100 +158,29 @@ def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
         if not os.path.exists(path):
             files.write_atomically(path, artifact.inductor)
         with (
-            inductor_config.patch(_LOAD_CONFIG),
+            standalone.inductor_config.patch(_LOAD_CONFIG),
             native.provide(objects, os.path.join(directory, "native")),
             _autotune_results_here(directory, artifact.tuned_configs),
-            _post_compile_cudagraphs(cudagraphs),
+            cudagraphs_on_load(cudagraphs),
         ):
-            return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+            return standalone.load(path)
 
 
 @contextlib.contextmanager
 def _autotune_results_here(directory: str, tuned: Mapping[str, bytes]) -> Iterator[None]:
     """Make the artifact's Triton kernels use the autotune results it carries.
 
-    - The worker's final results (`tuned`) are written under `directory`, as
-      `<2 chars>/<hash>.best_config` like on the worker, and win over the first ones that
-      Inductor recorded in its own artifact.
-    - A Triton kernel comes out of the artifact as a pickled CachingAutotuner that remembers
-      where its source lay on the worker, and on load it looks for its `.best_config` beside
-      that path, in a directory of the worker's: point it at `directory` first.
-    - Torch's recheck then finds no result for a kernel that the worker tuned at compile
-      time (see `_tuned_on_worker`), and torch 2.11's ignores one for a kernel with a single
-      config, which is what coordinate descent (max-autotune) leaves: the first call would
-      tune and compile the kernel again. The recheck used while loading is torch 2.13's,
-      with the worker's results found.
+    The worker's final results (`tuned`) are written under `directory`, as
+    `<2 chars>/<hash>.best_config` like on the worker, and win over the first ones that
+    Inductor recorded in its own artifact (see torch_adapter/autotune_results.py).
     """
-    from torch._inductor.runtime import triton_heuristics as heuristics
-    from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
-
+    written = set()
     for name, data in tuned.items():
         if _is_tuned_config_name(name):
             files.write_atomically(os.path.join(directory, name), data)
-    populate = AutotuneCacheArtifact.populate_cache
-
-    def populate_unless_tuned(self):
-        if self.key not in tuned:
-            populate(self)
-
-    autotuner = heuristics.CachingAutotuner
-    original = getattr(autotuner, "recheck_autotune_cache", None)
-
-    def recheck_here(self, reload_kernel_from_src):
-        if self.filename:
-            self.filename = os.path.join(directory, *self.filename.split(os.sep)[-2:])
-        configs = [result.config for result in self.compile_results]
-        cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(
-            configs, self.filename, self.inductor_meta
-        )
-        if self.autotune_cache_info.get("autotune_cache_state") == "hit":
-            best = cached[0]
-        elif (best := _tuned_on_worker(self, configs)) is not None:
-            self.autotune_cache_info = {"autotune_cache_state": "hit", "source": "torchfarm"}
-        else:
-            return
-        by_coordesc = getattr(best, "found_by_coordesc", False)
-        wanted = heuristics.triton_config_to_hashable(best)
-        for result in self.compile_results:
-            if heuristics.triton_config_to_hashable(result.config) == wanted:
-                result.config.found_by_coordesc = by_coordesc
-                self.compile_results = [result]
-                return
-        # Found by coordinate descent after the kernel was bundled: compile that config.
-        if self.fn.fn is None:
-            self.fn = reload_kernel_from_src().fn
-        self.compile_results = [self._precompile_config(best)]
-
-    AutotuneCacheArtifact.populate_cache = populate_unless_tuned
-    if original is not None:  # a torch without statically launched kernels has none
-        autotuner.recheck_autotune_cache = recheck_here
-    try:
+            written.add(name)
+    with autotune_results.worker_results_win(directory, written):
         yield
-    finally:
-        AutotuneCacheArtifact.populate_cache = populate
-        if original is not None:
-            autotuner.recheck_autotune_cache = original
-
-
-def _tuned_on_worker(autotuner, configs: list):
-    """The worker's autotune result for this kernel, or None.
-
-    Inductor files a result under a hash of the configs the kernel started from. The worker
-    tuned at compile time, so the bundled kernel keeps only the winner, and the hash over
-    its configs no longer matches the file's: check the file against its own hash. The file
-    was written for this kernel's source in the same compile.
-    """
-    from torch._inductor.runtime import autotune_cache
-
-    if not autotuner.filename:
-        return None
-    cache = autotune_cache.AutotuneCache.create(autotuner.inductor_meta, autotuner.filename, "")
-    best = cache._read() if cache else None
-    if not best:
-        return None
-    return autotune_cache._load_cached_autotuning(
-        best, best.get("configs_hash"), configs, autotuner.inductor_meta
-    )
 
 
 _TUNED_CONFIG_NAME = re.compile(r"\w{2}/\w+\.best_config")
@@ -349,28 +189,3 @@ _TUNED_CONFIG_NAME = re.compile(r"\w{2}/\w+\.best_config")
 def _is_tuned_config_name(name: str) -> bool:
     """`<2 chars>/<hash>.best_config` and nothing else: the names come from the network."""
     return _TUNED_CONFIG_NAME.fullmatch(name) is not None
-
-
-@contextlib.contextmanager
-def _post_compile_cudagraphs(enabled: bool) -> Iterator[None]:
-    """Make `CompiledArtifact.load` run Inductor's cudagraph post-compile step.
-
-    The loader hard-codes `cudagraphs=BoxedBool(False)` in the post-compile kwargs; the
-    artifact itself was compiled with `triton.cudagraphs` on, so it carries what cudagraph
-    trees need. Patch the one name the loader builds that flag from.
-    """
-    if not enabled:
-        yield
-        return
-    from torch._inductor.utils import BoxedBool
-
-    # The module, not the function of the same name that torch._inductor exports.
-    loader = importlib.import_module("torch._inductor.standalone_compile")
-
-    saved = loader.BoxedBool
-    loader.BoxedBool = lambda _value: BoxedBool(True)
-    try:
-        with inductor_config.patch({"triton.cudagraphs": True}):
-            yield
-    finally:
-        loader.BoxedBool = saved

@@ -12,9 +12,8 @@ import hashlib
 import os
 from collections.abc import Iterator
 
-from torch._inductor import codecache
-
 from torchfarm.compiler import files
+from torchfarm.torch_adapter import cpp_libraries
 
 
 class MissingNativeObject(RuntimeError):
@@ -28,27 +27,22 @@ def _source_digest(main_code: str, optimized_code: str | None) -> str:
     return h.hexdigest()
 
 
-def _library_path(lib: object) -> str:
-    return getattr(lib, "__file__", None) or lib._name  # module or ctypes.CDLL
-
-
 @contextlib.contextmanager
 def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
     """Worker side: record every C++ library Inductor builds and loads into `objects`."""
-    original = codecache.CppCodeCache.load_async.__func__
 
-    def load_async(cls, main_code, *args, optimized_code=None, **kwargs):
+    def load_async(cls, original, main_code, *args, optimized_code=None, **kwargs):
         load = original(cls, main_code, *args, optimized_code=optimized_code, **kwargs)
 
         def load_and_record():
             lib = load()
-            with open(_library_path(lib), "rb") as f:
+            with open(cpp_libraries.library_path(lib), "rb") as f:
                 objects[_source_digest(main_code, optimized_code)] = f.read()
             return lib
 
         return load_and_record
 
-    with _patched_load_async(load_async):
+    with cpp_libraries.wrapped_load_async(load_async):
         yield objects
 
 
@@ -56,7 +50,7 @@ def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
 def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
     """Client side: load C++ libraries from `objects` (written under `directory`), never g++."""
 
-    def load_async(cls, main_code, *args, optimized_code=None, **kwargs):
+    def load_async(cls, original, main_code, *args, optimized_code=None, **kwargs):
         digest = _source_digest(main_code, optimized_code)
         binary = objects.get(digest)
         if binary is None:
@@ -64,18 +58,8 @@ def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
         path = os.path.join(directory, f"{digest}.so")
         if not os.path.exists(path):
             files.write_atomically(path, binary)
-        lib = cls._load_library(path, f"torchfarm_{digest[:32]}")
+        lib = cpp_libraries.load_library(cls, path, f"torchfarm_{digest[:32]}")
         return lambda: lib
 
-    with _patched_load_async(load_async):
+    with cpp_libraries.wrapped_load_async(load_async):
         yield
-
-
-@contextlib.contextmanager
-def _patched_load_async(replacement) -> Iterator[None]:
-    saved = codecache.CppCodeCache.__dict__["load_async"]
-    codecache.CppCodeCache.load_async = classmethod(replacement)
-    try:
-        yield
-    finally:
-        codecache.CppCodeCache.load_async = saved

@@ -13,81 +13,54 @@ library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schem
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copyreg
 import dataclasses
 
 import sympy
 import torch
-import torch.fx._graph_pickler as graph_pickler
-from torch._guards import ShapeGuard, SLoc
-from torch._subclasses import FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler, Options, _ShapeEnvPickleData, _TensorPickleData
-from torch.fx.experimental.sym_node import SymNode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, ValueRangesSLoc
+
+from torchfarm.torch_adapter import graph_pickler, shape_env
+from torchfarm.torch_adapter.fake_tensors import FakeTensor, FakeTensorMode
+from torchfarm.torch_adapter.graph_pickler import GraphPickler, Options
+from torchfarm.torch_adapter.shape_env import NO_SLOC, ShapeEnv, ShapeGuard, SymNode
 
 # Node metadata the compiler needs; everything else (stack traces, module paths, and
 # "grapharg", which holds the real weights) stays home.
 _KEPT_NODE_META = ("example_value",)
 # A custom operator's schema, kept on its nodes: part of the payload, hence of the key.
 _OP_SCHEMA = "torchfarm_op_schema"
-_BUILTIN_OP = Options().ops_filter  # PyTorch's own namespaces (aten, prims, ...)
 _PICKLE_OPTIONS = Options(ops_filter=None)
-
-# ShapeEnv fields that are debugging state, per-process ids or source locations.
-_DROPPED_SHAPE_ENV_FIELDS = frozenset(
-    {
-        "var_to_stack",
-        "specialization_stacks",
-        "events",
-        "log",
-        "tracked_fakes",
-        "fake_tensor_cache",
-        "co_fields",
-        "fx_node_cache",
-        "_equality_graph",
-        "dim_constraints",
-        "source_name_to_debug_name",
-        "_expr_sym_node_id",
-        "_prev_cache_key",
-        "_version_counter",
-        "counter",
-        "symbol_guard_counter",
-        "_replacements_version_counter",
-    }
-)
-_NO_SLOC = SLoc("", None)
-# Where the ShapeEnv keeps size hints (torch 2.11 / 2.13 name); "val_to_var" is its inverse.
-_HINT_FIELDS = ("var_to_val", "backed_var_to_val")
+# How pickle rebuilds an object of a class (copyreg's names, missing from typeshed).
+_NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
 # The hints `loads` puts back while it unpickles.
 _loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
 
 
-def _integer_hints(env: ShapeEnv) -> dict:
-    for field in _HINT_FIELDS:
-        if field in env.__dict__:
-            return {s: v for s, v in env.__dict__[field].items() if isinstance(v, sympy.Integer)}
-    return {}  # a str location: torch 2.11 cannot print a None one
+def _integer_hints(env: ShapeEnv | None) -> dict:
+    hints = env.__dict__.get(shape_env.HINT_FIELD, {}) if env is not None else {}
+    return {s: v for s, v in hints.items() if isinstance(v, sympy.Integer)}
 
 
-class _PortableShapeEnv(_ShapeEnvPickleData):
-    """ShapeEnv state without source locations or per-process ids."""
+class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
+    """The ShapeEnv fields the payload keeps (shape_env.KEPT_FIELDS), without source
+    locations or size hints."""
 
     def __init__(self, env: ShapeEnv) -> None:
-        data = {k: v for k, v in env.__dict__.items() if k not in _DROPPED_SHAPE_ENV_FIELDS}
-        data["guards"] = [ShapeGuard(g.expr, _NO_SLOC, g.size_oblivious) for g in env.guards]
+        data = shape_env.kept_fields(env)
+        data["guards"] = [ShapeGuard(g.expr, NO_SLOC, g.size_oblivious) for g in env.guards]
         data["deferred_runtime_asserts"] = {}
         if "var_to_range_sloc" in data:
             data["var_to_range_sloc"] = {
-                k: ValueRangesSLoc(_NO_SLOC, _NO_SLOC) for k in env.var_to_range_sloc
+                k: shape_env.ValueRangesSLoc(NO_SLOC, NO_SLOC) for k in env.var_to_range_sloc
             }
         if "replacements_slocs" in data:
-            data["replacements_slocs"] = {k: _NO_SLOC for k in env.replacements_slocs}
+            data["replacements_slocs"] = {k: NO_SLOC for k in env.replacements_slocs}
         hinted = _integer_hints(env)
-        for field in _HINT_FIELDS:
-            if field in data:
-                data[field] = {s: v for s, v in data[field].items() if s not in hinted}
+        if shape_env.HINT_FIELD in data:
+            data[shape_env.HINT_FIELD] = {
+                s: v for s, v in data[shape_env.HINT_FIELD].items() if s not in hinted
+            }
         data["val_to_var"] = {}
         self.data = data
 
@@ -99,9 +72,7 @@ class _PortableShapeEnv(_ShapeEnvPickleData):
             for name, v in _loading_hints.get().items()
             if name in symbols
         }
-        for field in _HINT_FIELDS:
-            if field in env.__dict__:
-                env.__dict__[field].update(values)
+        env.__dict__.setdefault(shape_env.HINT_FIELD, {}).update(values)
         env.val_to_var.update({int(v): s for s, v in values.items()})
         return env
 
@@ -110,7 +81,11 @@ class _PortableSymInt:
     """A SymInt without its hint; `loads` recomputes the hint from the restored ShapeEnv."""
 
     def __init__(self, node: SymNode) -> None:
-        self.expr, self.shape_env, self.pytype = node._expr, node.shape_env, node.pytype
+        self.expr, self.shape_env, self.pytype = (
+            shape_env.expr_of(node),
+            node.shape_env,
+            node.pytype,
+        )
 
     def unpickle(self, unpickle_state) -> torch.SymInt:
         hint = self.expr.xreplace(_integer_hints(self.shape_env))
@@ -119,7 +94,7 @@ class _PortableSymInt:
         )
 
 
-class _PortableTensor(_TensorPickleData):
+class _PortableTensor(graph_pickler.TensorPickleData):
     """A FakeTensor's description; also drops the fake mode of a view's base (torch 2.13
     clears it only on the view itself, and a FakeTensorMode cannot be pickled)."""
 
@@ -165,7 +140,7 @@ class _PortablePickler(GraphPickler):
         return super().persistent_id(obj)
 
     def reducer_override(self, obj: object):
-        if isinstance(obj, torch._subclasses.FakeTensor):
+        if isinstance(obj, FakeTensor):
             return _PortableTensor.unpickle, (
                 _PortableTensor(self._meta_tensor_describer, obj),
                 self._unpickle_state,
@@ -174,12 +149,12 @@ class _PortablePickler(GraphPickler):
             return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
         if isinstance(obj, torch.SymInt):
             return _PortableSymInt.unpickle, (_PortableSymInt(obj.node), self._unpickle_state)
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor):
             raise ValueError("refusing to serialize a real tensor: the farm takes metadata only")
         return super().reducer_override(obj)
 
 
-class _PortableUnpickler(graph_pickler._GraphUnpickler):
+class _PortableUnpickler(graph_pickler.GraphUnpickler):
     def persistent_load(self, pid: object) -> object:
         if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "device":
             return torch.device(pid[1])
@@ -191,7 +166,7 @@ class _PortableUnpickler(graph_pickler._GraphUnpickler):
         loaded = self.__dict__.setdefault("_sympy_loaded", {})
         if rebuild is None:
             return loaded[number]
-        if rebuild not in (copyreg.__newobj__, copyreg.__newobj_ex__) or not (
+        if rebuild not in _NEWOBJ or not (
             isinstance(args[0], type) and issubclass(args[0], sympy.Basic)
         ):
             raise ValueError(f"payload rebuilds a sympy value with {rebuild!r}{args[:1]!r}")
@@ -200,17 +175,6 @@ class _PortableUnpickler(graph_pickler._GraphUnpickler):
             expr.__setstate__(state)
         loaded[number] = expr
         return expr
-
-
-@contextlib.contextmanager
-def _portable_unpickler():
-    """GraphPickler.loads with devices restored (it names its unpickler class globally)."""
-    original = graph_pickler._GraphUnpickler
-    graph_pickler._GraphUnpickler = _PortableUnpickler
-    try:
-        yield
-    finally:
-        graph_pickler._GraphUnpickler = original
 
 
 def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -231,10 +195,9 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             _set_attribute(root, node.target, _metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
-        if isinstance(node.target, torch._ops.OpOverload) and not _BUILTIN_OP(
-            torch.fx.Node._pretty_print_target(node.target)
-        ):
-            new.meta[_OP_SCHEMA] = str(node.target._schema)
+        schema = graph_pickler.custom_op_schema(node.target)
+        if schema is not None:
+            new.meta[_OP_SCHEMA] = schema
         env[node] = new
     return torch.fx.GraphModule(root, graph)
 
@@ -262,9 +225,8 @@ def dumps(gm: torch.fx.GraphModule) -> bytes:
 def shape_env_of(inputs: list) -> ShapeEnv | None:
     """The ShapeEnv behind a graph's inputs (FakeTensors or SymInts), if any."""
     for value in inputs:
-        node = getattr(value, "node", None)
         env = (
-            node.shape_env
+            value.node.shape_env
             if isinstance(value, torch.SymInt)
             else getattr(getattr(value, "fake_mode", None), "shape_env", None)
         )
@@ -285,7 +247,7 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     token = _loading_hints.set(dict(hints or {}))
     try:
-        with _portable_unpickler():
+        with graph_pickler.unpickler_class(_PortableUnpickler):
             gm = GraphPickler.loads(payload, fake_mode)
     except AttributeError as e:
         if "_OpNamespace" not in str(e):
@@ -300,10 +262,13 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
     if not isinstance(gm, torch.fx.GraphModule):
         raise ValueError(f"payload holds {type(gm).__name__}, not a GraphModule")
     for node in gm.graph.nodes:
-        if _OP_SCHEMA in node.meta and str(node.target._schema) != node.meta[_OP_SCHEMA]:
+        if _OP_SCHEMA not in node.meta:
+            continue
+        schema = graph_pickler.op_schema(node.target)
+        if schema != node.meta[_OP_SCHEMA]:
             raise ValueError(
                 f"custom operator {node.target} differs on this worker: client "
-                f"{node.meta[_OP_SCHEMA]!r}, worker {str(node.target._schema)!r}"
+                f"{node.meta[_OP_SCHEMA]!r}, worker {schema!r}"
             )
     return gm
 

@@ -1,0 +1,129 @@
+"""Make a loaded artifact's Triton kernels use the autotune results the worker found.
+
+A Triton kernel comes out of an artifact as a pickled CachingAutotuner that remembers where
+its source lay on the worker, and on load torch rechecks the autotune cache beside that
+path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is entered:
+- `AutotuneCacheArtifact.populate_cache` skips the results the worker's final files
+  replace (Inductor records a kernel's first result in the artifact; coordinate descent
+  may find a better one after that);
+- `recheck_autotune_cache` first points the kernel at the artifact's directory and files
+  the worker's result under this kernel's configs: the worker tuned at compile time, so the
+  bundled kernel keeps only the winner and the hash of its configs no longer matches the
+  one the result was filed under. Then torch's own recheck runs, whatever its version does
+  (2.14.1 added `dynamic_scale_rblock_eligible` and turned an assert into a raise).
+- torch 2.11's recheck ignores a kernel with a single config, which is what coordinate
+  descent (max-autotune) leaves, so there it is replaced by `_recheck_2_11` (the body of
+  2.13's recheck, with the worker's result found).
+
+Uses AutotuneCacheArtifact.populate_cache, CachingAutotuner.recheck_autotune_cache (and the
+autotuner's compile_results, filename, inductor_meta, fn, _precompile_config),
+check_autotune_cache, hash_configs, triton_config_to_hashable, AutotuneCache.create / its
+local_cache, and autotune_cache._load_cached_autotuning.
+Verified: torch 2.11.0 (replacement, on the GPU), 2.13.0 and 2.15.0 (wrapper; CPU only, so
+the patching is tested and the effect read from the sources).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection, Iterator
+
+from torch._inductor.runtime import autotune_cache
+from torch._inductor.runtime import triton_heuristics as heuristics
+from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
+
+from torchfarm.torch_adapter import gate
+
+# Before 2.13 the recheck considered only kernels with more than one config.
+_RECHECK_IGNORES_SINGLE_CONFIGS = gate.release_tuple() < (2, 13)
+
+
+@contextlib.contextmanager
+def worker_results_win(directory: str, tuned: Collection[str]) -> Iterator[None]:
+    """Load kernels with the results under `directory`; `tuned` names those written there
+    (`<2 chars>/<hash>.best_config`), which win over the ones recorded in the artifact."""
+    populate = AutotuneCacheArtifact.populate_cache
+    autotuner = heuristics.CachingAutotuner
+    original = autotuner.recheck_autotune_cache
+
+    def populate_unless_tuned(self):
+        if self.key not in tuned:
+            populate(self)
+
+    def recheck_here(self, *args, **kwargs):
+        if self.filename:
+            self.filename = os.path.join(directory, *self.filename.split(os.sep)[-2:])
+        if _RECHECK_IGNORES_SINGLE_CONFIGS:
+            return _recheck_2_11(self, *args, **kwargs)
+        _file_under_these_configs(self)
+        return original(self, *args, **kwargs)
+
+    setattr(AutotuneCacheArtifact, "populate_cache", populate_unless_tuned)  # noqa: B010
+    setattr(autotuner, "recheck_autotune_cache", recheck_here)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(AutotuneCacheArtifact, "populate_cache", populate)  # noqa: B010
+        setattr(autotuner, "recheck_autotune_cache", original)  # noqa: B010
+
+
+def _local_result(autotuner):
+    """(store, key, result) of the kernel's result file, or None."""
+    if not autotuner.filename:
+        return None
+    cache = autotune_cache.AutotuneCache.create(autotuner.inductor_meta, autotuner.filename, "")
+    if cache is None or cache.local_cache is None:
+        return None
+    store, key = cache.local_cache
+    result = store.get(key)
+    return (store, key, result) if isinstance(result, dict) and result else None
+
+
+def _result_for(result: dict, configs: list, inductor_meta) -> object | None:
+    """The config `result` names for a kernel that started from `configs`, checked against
+    the configs hash it was filed under (the file was written for this kernel's source)."""
+    return autotune_cache._load_cached_autotuning(
+        dict(result), str(result.get("configs_hash")), configs, inductor_meta
+    )
+
+
+def _file_under_these_configs(autotuner) -> None:
+    """Re-file the worker's result under the hash of the kernel's bundled configs."""
+    found = _local_result(autotuner)
+    if found is None:
+        return
+    store, key, result = found
+    configs = [r.config for r in autotuner.compile_results]
+    wanted = heuristics.hash_configs(configs)
+    if result.get("configs_hash") == wanted:
+        return
+    if _result_for(result, configs, autotuner.inductor_meta) is not None:
+        store.put(key, {**result, "configs_hash": wanted})
+
+
+def _recheck_2_11(self, reload_kernel_from_src) -> None:
+    """torch 2.13's recheck_autotune_cache, also taking the worker's result (torch 2.11)."""
+    configs = [result.config for result in self.compile_results]
+    cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(
+        configs, self.filename, self.inductor_meta
+    )
+    if self.autotune_cache_info.get("autotune_cache_state") == "hit":
+        best = cached[0]
+    else:
+        found = _local_result(self)
+        best = _result_for(found[2], configs, self.inductor_meta) if found else None
+        if best is None:
+            return
+        self.autotune_cache_info = {"autotune_cache_state": "hit", "source": "torchfarm"}
+    by_coordesc = getattr(best, "found_by_coordesc", False)
+    wanted = heuristics.triton_config_to_hashable(best)
+    for result in self.compile_results:
+        if heuristics.triton_config_to_hashable(result.config) == wanted:
+            result.config.found_by_coordesc = by_coordesc
+            self.compile_results = [result]
+            return
+    # Found by coordinate descent after the kernel was bundled: compile that config.
+    if self.fn.fn is None:
+        self.fn = reload_kernel_from_src().fn
+    self.compile_results = [self._precompile_config(best)]
