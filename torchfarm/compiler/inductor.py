@@ -20,10 +20,10 @@ from torch._inductor import config as inductor_config
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from torchfarm.compiler import files, guards, native, serialize, trace_state
+from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
 
 ARTIFACT_FORMAT = 1
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
 # they only save time when many kernels share one header.

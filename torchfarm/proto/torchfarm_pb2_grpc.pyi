@@ -34,7 +34,7 @@ class FarmStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> FarmAsyncStub: ...
-    Lookup: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.LookupReply]
+    Lookup: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
     The entries cached for this graph, target and options, with their guards.
     """
@@ -43,7 +43,7 @@ class FarmStub:
 @_typing.type_check_only
 class FarmAsyncStub(FarmStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Lookup: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.LookupReply]  # type: ignore[assignment]
+    Lookup: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]  # type: ignore[assignment]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
     The entries cached for this graph, target and options, with their guards.
     """
@@ -53,7 +53,7 @@ class FarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Lookup(
         self,
-        request: _torchfarm_pb2.CompileRequest,
+        request: _torchfarm_pb2.LookupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_torchfarm_pb2.LookupReply, _abc.Awaitable[_torchfarm_pb2.LookupReply]]:
         """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
