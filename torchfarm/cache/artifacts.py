@@ -23,6 +23,8 @@ from torchfarm.cache import keys
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
+# What a Redis at its memory limit raises (missing from the types-redis stubs).
+OutOfMemoryError: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
 
 
 class CacheFull(Exception):
@@ -71,7 +73,7 @@ class RedisBlobs:
     def put(self, digest: str, stored: bytes) -> None:
         try:
             self.redis.set(keys.blob(digest), stored)
-        except redis.exceptions.OutOfMemoryError as e:
+        except OutOfMemoryError as e:
             raise CacheFull(str(e)) from e
 
     def delete(self, digests: Iterable[str]) -> None:
@@ -140,7 +142,7 @@ class ArtifactCache:
         pipe.hincrbyfloat(keys.TOTALS, "entries", 1)
         try:
             pipe.execute()
-        except redis.exceptions.OutOfMemoryError as e:  # MULTI/EXEC: nothing was written
+        except OutOfMemoryError as e:  # MULTI/EXEC: nothing was written
             self.blobs.delete([entry.digest])
             raise CacheFull(str(e)) from e
         return entry
@@ -161,7 +163,7 @@ class ArtifactCache:
         pipe.zadd(keys.RECENT, {key: now}, xx=True)
         try:
             pipe.execute()
-        except redis.exceptions.OutOfMemoryError:
+        except OutOfMemoryError:
             log.warning("the cache's Redis is at its memory limit: hit of %s not recorded", key)
 
     def drop(self, key: str, digests: list[str] | None = None) -> int:
@@ -169,7 +171,7 @@ class ArtifactCache:
         removed. The key leaves the LRU order once it has none."""
 
         def remove(pipe: redis.client.Pipeline) -> list[pb.EntryMeta]:
-            raw = pipe.hgetall(keys.index(key))
+            raw: dict[bytes, bytes] = pipe.hgetall(keys.index(key))  # type: ignore[assignment]
             chosen = [
                 pb.EntryMeta.FromString(v)
                 for d, v in raw.items()

@@ -326,15 +326,16 @@ def import_(
         raise typer.BadParameter(
             f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
-    for e in bundle.entries:
-        if digest_of(e.artifact) != e.digest or not re.fullmatch(r"[0-9a-f]{64}", e.key):
+    for item in bundle.entries:
+        if digest_of(item.artifact) != item.digest or not re.fullmatch(r"[0-9a-f]{64}", item.key):
             raise typer.BadParameter(
-                f"{path}: entry {e.key[:16]} fails its digest check; nothing imported"
+                f"{path}: entry {item.key[:16]} fails its digest check; nothing imported"
             )
-        pb.Artifact.FromString(e.artifact)  # protobuf parse only: no code runs
+        pb.Artifact.FromString(item.artifact)  # protobuf parse only: no code runs
     store = _store(redis_url)
-    for e in bundle.entries:
-        store.artifacts.put_new(e.key, e.artifact, entry_from_dict(json.loads(e.meta_json)))
+    for item in bundle.entries:
+        meta = entry_from_dict(json.loads(item.meta_json))
+        store.artifacts.put_new(item.key, item.artifact, meta)
     typer.echo(
         json.dumps({"entries": len(bundle.entries)})
         if as_json

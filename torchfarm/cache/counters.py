@@ -9,6 +9,7 @@ import logging
 import redis
 
 from torchfarm.cache import keys
+from torchfarm.cache.artifacts import OutOfMemoryError
 
 log = logging.getLogger("torchfarm.cache")
 
@@ -26,7 +27,7 @@ class Counters:
                 pipe.hincrbyfloat(keys.pool_stats(pool), name, amount)
         try:
             pipe.execute()
-        except redis.exceptions.OutOfMemoryError:
+        except OutOfMemoryError:
             log.warning("the cache's Redis is at its memory limit: counters not updated")
 
     def farm(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -50,6 +51,12 @@ _STATUS = {
 }
 
 
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the RPC with `code` (context.abort raises; this says so to type checkers)."""
+    context.abort(code, message)
+    raise AssertionError("context.abort returned")
+
+
 class FarmServicer(pb_grpc.FarmServicer):
     def __init__(self, settings: GatewaySettings, store: Store):
         self.settings = settings
@@ -65,13 +72,13 @@ class FarmServicer(pb_grpc.FarmServicer):
     def _authenticate(self, context) -> str:
         tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), self.tenants)
         if tenant is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
         return tenant
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
         tenant = self._authenticate(context)
         if not _DIGEST.fullmatch(request.key):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: 64 lowercase hex digits")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "key: 64 lowercase hex digits")
         key, entries = self.coordinator.lookup(request.key, request.private, tenant)
         return pb.LookupReply(
             key=key,
@@ -89,35 +96,38 @@ class FarmServicer(pb_grpc.FarmServicer):
             elif isinstance(event, Served):
                 yield from self._send(event)
             elif isinstance(event, Failed):
-                context.abort(_STATUS[event.kind], event.message)
+                _abort(context, _STATUS[event.kind], event.message)
 
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty graph payload")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty graph payload")
         if len(request.graph) > self.settings.max_payload_bytes:
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"graph payload {len(request.graph)} bytes exceeds the limit of "
                 f"{self.settings.max_payload_bytes}",
             )
         if request.target.device not in ("cpu", "cuda") or not request.target.torch_version:
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "target needs device 'cpu' or 'cuda' and a torch_version",
             )
         if len(request.size_hints) > MAX_SIZE_HINTS or any(
             not _SYMBOL.fullmatch(name) or value < 0 for name, value in request.size_hints.items()
         ):
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"size_hints: at most {MAX_SIZE_HINTS} entries of symbol -> size >= 0",
             )
         if request.digest and not _DIGEST.fullmatch(request.digest):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")
         try:
             return canonical_options(request.options)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
 
     def _send(self, served: Served) -> Iterator[pb.CompileEvent]:
         yield pb.CompileEvent(
@@ -161,7 +171,8 @@ class UndecodableRequests(grpc.ServerInterceptor):
 
         def checked(request, context):
             if isinstance(request, _Undecodable):
-                context.abort(
+                _abort(
+                    context,
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the request is not a valid {handler_call_details.method} "
                     f"message: {request.error}",
@@ -193,9 +204,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         if admin is not None:
             return admin
         if auth.tenant_for(token, self.tenants) is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        context.abort(
-            grpc.StatusCode.PERMISSION_DENIED, "admin RPCs need a token listed in TORCHFARM_ADMINS"
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
+        _abort(
+            context,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "admin RPCs need a token listed in TORCHFARM_ADMINS",
         )
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
@@ -205,7 +218,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:
         admin = self._authorize(context)
         if not _DIGEST.fullmatch(request.key):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key must be 64 hex digits")
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "key must be 64 hex digits")
         dropped = self.store.artifacts.drop(request.key)
         log.info("admin %s dropped %d entries of %s", admin, dropped, request.key[:16])
         return pb.DropReply(entries=dropped)
