@@ -141,8 +141,9 @@ class JobBoard:
         """End the job: record its outcome (with the artifact itself when the cache could not
         keep it), remember a lasting failure for `remember_s`, drop the claim and payload, and
         notify the waiters, all in one transaction."""
-        if outcome.error:
-            outcome.error = outcome.error[-ERROR_CHARS:]
+        kept = pb.JobOutcome(
+            kind=outcome.kind, digest=outcome.digest, error=outcome.error[-ERROR_CHARS:]
+        )
         pipe = self.redis.pipeline()
         if uncached is not None:
             meta, data = uncached
@@ -151,9 +152,9 @@ class JobBoard:
                 mapping={"meta": meta.SerializeToString(), "blob": self.codec.encode(data)},
             )
             pipe.expire(keys.uncached(job), UNCACHED_TTL_S)
-        pipe.set(keys.outcome(job), outcome.SerializeToString(), ex=OUTCOME_TTL_S)
-        if outcome.kind == pb.JobOutcome.FAILED and remember_s > 0:
-            pipe.set(keys.failed(job), outcome.error, ex=max(1, int(remember_s)))
+        pipe.set(keys.outcome(job), kept.SerializeToString(), ex=OUTCOME_TTL_S)
+        if kept.kind == pb.JobOutcome.FAILED and remember_s > 0:
+            pipe.set(keys.failed(job), kept.error, ex=max(1, int(remember_s)))
         pipe.delete(keys.job(job), keys.stage(job), keys.claim(job))
         pipe.publish(keys.events(job), b"outcome")
         pipe.execute()

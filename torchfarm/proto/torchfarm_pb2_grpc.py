@@ -50,15 +50,15 @@ class FarmServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
-        The entries cached for this graph, target and options, with their guards.
+        """The entries cached under a key that this tenant may see, with their guards.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Compile(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

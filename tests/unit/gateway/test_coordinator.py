@@ -7,6 +7,7 @@ import time
 import pytest
 import redis
 
+from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, private_key
 from torchfarm.contract.options import canonical_options
@@ -154,8 +155,6 @@ def test_an_uncached_artifact_reaches_its_waiters(store):
     thread = _in_background(events, coordinator, _call())
     job = queue.next()
     meta = pb.EntryMeta(compile_seconds=1.5)
-    from torchfarm.cache.artifacts import digest_of
-
     meta.digest, meta.size = digest_of(ARTIFACT), len(ARTIFACT)
     store.jobs.finish(
         job.job_id,
