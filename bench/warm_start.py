@@ -46,7 +46,8 @@ def main() -> None:
             warm = tempfile.mkdtemp()
             runs["a"].append(measure("inductor", warm)["seconds"])
             runs["b"].append(measure("inductor", warm)["seconds"])
-            store.redis.flushdb()  # an empty farm cache (job state and pools live on the broker)
+            # an empty farm cache (job state and pools live on the broker)
+            store.artifacts.redis.flushdb()
             farm.wait_ready(60)
             miss = measure("torchfarm", tempfile.mkdtemp(), farm.addr)
             assert miss["source"] == "miss", miss

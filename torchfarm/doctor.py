@@ -16,7 +16,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from torchfarm.client import backend, remote
-from torchfarm.compiler.target import describe, local_target, pool_name
+from torchfarm.compiler.target import local_target
+from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 

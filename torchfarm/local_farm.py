@@ -246,7 +246,7 @@ class LocalFarm:
                     )
                 except grpc.RpcError:
                     ok = False
-                if ok and len(store.pools()) >= pools:
+                if ok and len(store.pools.live()) >= pools:
                     return
                 if time.monotonic() > deadline:
                     raise RuntimeError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 
 def _env(name: str, default: str) -> str:
@@ -27,7 +28,7 @@ class ClientSettings:
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
-        values = dict(
+        values: dict[str, Any] = dict(
             addr=_env("TORCHFARM_ADDR", ""),
             token=_env("TORCHFARM_TOKEN", ""),
             connect_timeout_s=float(_env("TORCHFARM_CONNECT_TIMEOUT", "2")),
@@ -74,7 +75,7 @@ class GatewaySettings:
 
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
-        values = dict(
+        values: dict[str, Any] = dict(
             host=_env("TORCHFARM_GATEWAY_HOST", cls.host),
             port=int(_env("TORCHFARM_GATEWAY_PORT", str(cls.port))),
             redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
@@ -132,7 +133,7 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, **overrides) -> WorkerSettings:
-        values = dict(
+        values: dict[str, Any] = dict(
             redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
             broker_url=_env("TORCHFARM_BROKER_URL", ""),
             pool=_env("TORCHFARM_POOL", "auto"),

@@ -141,7 +141,7 @@ class Runner:
 
     def storm(self, clients: int = 16) -> None:
         store = self.farm.store()
-        before = store.stats().get("compiles", 0)
+        before = store.counters.farm().get("compiles", 0)
         started = time.perf_counter()
         procs = [
             self.client(
@@ -166,7 +166,7 @@ class Runner:
             "mode": "default",
             "case": f"storm x{clients}",
             "wall_s": round(time.perf_counter() - started, 1),
-            "worker_compiles": store.stats().get("compiles", 0) - before,
+            "worker_compiles": store.counters.farm().get("compiles", 0) - before,
             "sources": sorted(s for r in results for s in r.get("graphs", ["error"])),
             "max_rel_err": max(r.get("max_rel_err", float("inf")) for r in results),
             "first_step_s_max": max(r.get("first_step_s", 0) for r in results),
@@ -206,12 +206,11 @@ def main() -> None:
             runner.run("gpt-small", "reduce-overhead", "farm", "farm hit", tempfile.mkdtemp())
             runner.warm_start("gpt-small", "max-autotune-no-cudagraphs")
         store = farm.store()
-        stats = store.stats()
+        stats = store.counters.farm()
         entries = [
             {k: e.get(k) for k in ("mode", "compile_seconds", "size", "tuned_kernels")}
             | {"kernels": len(e.get("kernels", []))}
-            for key, _ in store.keys()
-            for e in store.entries(key)
+            for e in store.rows()
         ]
     result = {
         "part": args.part,

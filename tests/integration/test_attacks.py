@@ -15,6 +15,7 @@ import torchfarm
 from tests.integration.helpers import TOKENS, direct_request
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
+from torchfarm.contract.cache_key import cache_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 
@@ -136,11 +137,11 @@ def test_admin_rpcs_need_an_admin_token(farm, store):
             with pytest.raises(grpc.RpcError) as e:
                 admin(method, request, token)
             assert e.value.code() == status, (method, token)
-    assert store.entries(key)  # the tenant's Drop removed nothing
+    assert store.artifacts.entries(key)  # the tenant's Drop removed nothing
     stats = json.loads(admin("Stats", pb.StatsRequest(), ADMIN_TOKEN).json)
     assert stats["entries"] >= 1 and "pools" in stats
     assert admin("Drop", pb.DropRequest(key=key), ADMIN_TOKEN).entries >= 1
-    assert not store.entries(key)
+    assert not store.artifacts.entries(key)
     rebuilt = _header(
         _compile(farm, pb.CompileRequest(graph=_real_payload(), target=local_target()))
     )
@@ -160,11 +161,15 @@ def test_a_tenant_can_neither_hit_nor_see_another_tenants_private_entry(farm, st
         attempt = pb.CompileRequest()
         attempt.CopyFrom(request)
         attempt.private, attempt.digest = private, mine.digest
-        looked = _call(farm, "Lookup", attempt, "bob")
+        public = cache_key(attempt.graph, attempt.target, attempt.options)
+        looked = _call(farm, "Lookup", pb.LookupRequest(key=public, private=private), "bob")
         assert looked.key != mine.key and not looked.candidates  # nothing to learn
         got = _header(_compile(farm, attempt, "bob"))
         assert got.source == "miss" and got.key != mine.key  # compiled for bob himself
-    assert [(e["tenant"], e["private"]) for e in store.entries(mine.key)] == [("alice", True)]
+    # nor by naming alice's private key itself
+    named = _call(farm, "Lookup", pb.LookupRequest(key=mine.key), "bob")
+    assert named.key == mine.key and not named.candidates
+    assert [(e.tenant, e.private) for e in store.artifacts.entries(mine.key)] == [("alice", True)]
 
 
 def test_wrong_field_types_get_invalid_argument(farm):

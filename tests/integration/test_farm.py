@@ -68,7 +68,7 @@ def test_modes_go_through_the_farm(farm, mode):
 
 
 def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, compiler_log):
-    compiles_before = store.stats().get("compiles", 0)
+    compiles_before = store.counters.farm().get("compiles", 0)
     first = run_client(farm, "model_client.py", "transformer96", "train", tenant="alice")
     assert first["sources"] == ["miss"]
     bindir, log = compiler_log
@@ -76,7 +76,7 @@ def test_fresh_process_hits_without_compiling_and_tenants_share(farm, store, com
         farm, "model_client.py", "transformer96", "train", tenant="bob", path_prefix=bindir
     )
     assert second["sources"] == ["hit"]  # another tenant, the same artifact
-    assert store.stats().get("compiles", 0) == compiles_before + 1
+    assert store.counters.farm().get("compiles", 0) == compiles_before + 1
     assert second["local_inductor_compiles"] == 0
     calls = log.read_text().splitlines() if log.exists() else []
     assert not [c for c in calls if ".cpp" in c or " -c " in c or " -o " in c], calls
@@ -121,7 +121,7 @@ def test_one_key_serves_every_batch_size_its_guards_allow(farm, store):
     assert first["sources"] == ["miss"] and other["sources"] == ["hit"]
     assert large["sources"] == ["miss"]
     assert first["keys"] == other["keys"] == large["keys"]
-    guards = sorted(e["guards_expr"] for e in store.entries(first["keys"][0]))
+    guards = sorted(e.guards_expr for e in store.artifacts.entries(first["keys"][0]))
     assert len(guards) == 2 and all(guards), guards  # <= 4096 and >= 4097, say
     assert max(r["out_err"] for r in (first, other, large)) < 1e-4
 
@@ -134,10 +134,10 @@ def test_eight_concurrent_identical_requests_compile_once(farm, store):
         torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU()), torch.randn(5, 24)
     )
     settings = dataclasses.replace(ALICE, addr=farm.addr)
-    before = store.stats().get("compiles", 0)
+    before = store.counters.farm().get("compiles", 0)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: remote.fetch(request, settings), range(8)))
-    assert store.stats().get("compiles", 0) == before + 1
+    assert store.counters.farm().get("compiles", 0) == before + 1
     assert len({header.digest for header, _ in results}) == 1
     sources = sorted(header.source for header, _ in results)
     assert sources.count("miss") == 1 and set(sources) <= {"miss", "merged", "hit"}
@@ -254,13 +254,13 @@ def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
     from torchfarm.cache import keys
 
     blob_key = keys.blob(header.digest)
-    stored = bytearray(store.redis.get(blob_key))
+    stored = bytearray(store.artifacts.redis.get(blob_key))
     stored[len(stored) // 2] ^= 0xFF
-    store.redis.set(blob_key, bytes(stored))
-    compiles = store.stats().get("compiles", 0)
+    store.artifacts.redis.set(blob_key, bytes(stored))
+    compiles = store.counters.farm().get("compiles", 0)
     header2, data2 = remote.fetch(request, settings)
     assert header2.source == "miss" and data2  # detected, never served, rebuilt
-    assert store.stats().get("compiles", 0) == compiles + 1
+    assert store.counters.farm().get("compiles", 0) == compiles + 1
 
 
 def test_a_graph_without_tensor_inputs_compiles_on_the_farm(farm):
@@ -334,10 +334,10 @@ def test_a_graph_inductor_cannot_trace_is_split_by_dynamo_as_for_local_torch_com
     assert sources[0] == "split" and "DataDependentOutputException" in backend.history[0].why
     assert sources[1:] == ["miss"] * len(local_graphs) and len(local_graphs) >= 2, sources
 
-    failures = sum(s.get("compile_failures", 0) for s in store.pool_stats().values())
+    failures = sum(s.get("compile_failures", 0) for s in store.counters.per_pool().values())
     torch._dynamo.reset()
     backend.history.clear()
     torch.testing.assert_close(gradient(_farm_compile(program, farm)), expected)
     assert [r.source for r in backend.history] == ["split"] + ["hit"] * len(local_graphs)
     assert "not retried" in backend.history[0].why
-    assert sum(s.get("compile_failures", 0) for s in store.pool_stats().values()) == failures
+    assert sum(s.get("compile_failures", 0) for s in store.counters.per_pool().values()) == failures

@@ -16,6 +16,7 @@ from tests.integration.helpers import HERE, run_client
 from torchfarm.cache import keys
 from torchfarm.cache.store import Store
 from torchfarm.local_farm import LocalFarm
+from torchfarm.proto import torchfarm_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +25,12 @@ def test_redis_restart_keeps_every_entry_and_the_farm_reconnects_by_itself():
     with LocalFarm() as farm:
         assert run_client(farm, "model_client.py", "mlp", "infer")["sources"] == ["miss"]
         store = farm.store()
-        entries = {key: store.entries(key) for key, _ in store.keys()}
+        entries = {key: store.artifacts.entries(key) for key, _ in store.artifacts.keys()}
         assert entries
         time.sleep(1.5)  # appendfsync everysec: the last write is on disk after 1 s
         farm.stop_process("redis", signal.SIGKILL)  # a crash, not a clean shutdown
         farm.start_redis()  # same port and directory: replays the AOF
-        assert {key: store.entries(key) for key, _ in store.keys()} == entries
+        assert {key: store.artifacts.entries(key) for key, _ in store.artifacts.keys()} == entries
         # The gateway and the worker were never restarted: they reconnect on their own.
         hit = run_client(farm, "model_client.py", "mlp", "infer")
         assert hit["sources"] == ["hit"] and hit["out_err"] < 1e-5
@@ -44,10 +45,12 @@ def test_a_full_cache_redis_still_compiles_and_serves_without_caching():
         store = farm.store()
         stored = {(r["key"], r["digest"]) for r in store.rows()}
         # The cache's Redis is past its memory limit: it refuses every write.
-        store.redis.config_set("maxmemory-policy", "noeviction")
-        store.redis.config_set("maxmemory", store.redis.info("memory")["used_memory"] // 2)
+        store.artifacts.redis.config_set("maxmemory-policy", "noeviction")
+        store.artifacts.redis.config_set(
+            "maxmemory", store.artifacts.redis.info("memory")["used_memory"] // 2
+        )
         with pytest.raises(redis.exceptions.OutOfMemoryError):
-            store.redis.set("someone-else", b"x")
+            store.artifacts.redis.set("someone-else", b"x")
         full = run_client(farm, "model_client.py", "cnn", "infer")
         assert full["sources"] == ["miss"] and full["out_err"] < 1e-4  # the farm compiled it
         hit = run_client(farm, "model_client.py", "mlp", "infer")
@@ -55,7 +58,7 @@ def test_a_full_cache_redis_still_compiles_and_serves_without_caching():
         assert {(r["key"], r["digest"]) for r in store.rows()} == stored, store.rows()
         assert all(proc.poll() is None for proc in farm.procs.values())
         # Room again: the next compile of the same graph is cached, and then hits.
-        store.redis.config_set("maxmemory", 0)
+        store.artifacts.redis.config_set("maxmemory", 0)
         assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["miss"]
         assert len(store.rows()) == len(stored) + 1
         assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["hit"]
@@ -78,16 +81,17 @@ def _start_client(farm, *args: str) -> subprocess.Popen:
     )
 
 
-def _wait_for_status(store: Store, status: str, timeout_s: float) -> None:
+def _wait_for_stage(store: Store, stage: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(
-            store.jobs.get(k) == status.encode()
-            for k in store.jobs.scan_iter(match=keys.status("*"))
+            store.jobs.redis.get(k) == str(stage).encode()
+            for k in store.jobs.redis.scan_iter(match=keys.stage("*"))
         ):
             return
         time.sleep(0.2)
-    raise AssertionError(f"no job reached {status!r} in {timeout_s:.0f} s")
+    name = pb.Progress.Stage.Name(stage)
+    raise AssertionError(f"no job reached {name} in {timeout_s:.0f} s")
 
 
 def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
@@ -98,7 +102,7 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
     ) as farm:
         store = farm.store()
         client = _start_client(farm, "mlp", "train")
-        _wait_for_status(store, "compiling", timeout_s=120)
+        _wait_for_stage(store, pb.Progress.COMPILING, timeout_s=120)
         farm.stop_process("worker0", signal.SIGKILL)  # the worker, its pool and its sandbox
         farm.start_worker("worker1")
         out, err = client.communicate(timeout=400)
@@ -106,7 +110,7 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
         result = json.loads(out.strip().splitlines()[-1])
         assert result["sources"] == ["miss"], err[-2000:]  # the farm's artifact, not a fallback
         assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4
-        assert store.stats().get("compiles") == 1  # the killed compile stored nothing
+        assert store.counters.farm().get("compiles") == 1  # the killed compile stored nothing
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,6 @@ def _wait_for_a_claim(farm, timeout_s: float = 60) -> None:
     """Until some compile is claimed: alice's first request is then waiting on it."""
     store = farm.store()
     deadline = time.monotonic() + timeout_s
-    while not any(store.jobs.scan_iter(match=keys.claim("*"))):
+    while not any(store.jobs.redis.scan_iter(match=keys.claim("*"))):
         assert time.monotonic() < deadline, "the first compile was never claimed"
         time.sleep(0.05)

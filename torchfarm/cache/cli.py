@@ -17,7 +17,8 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
-from torchfarm.cache.store import Store, digest_of
+from torchfarm.cache.artifacts import digest_of
+from torchfarm.cache.store import Store, entry_dict, entry_from_dict
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 
@@ -38,7 +39,7 @@ def _store(redis_url: str | None) -> Store:
     url = redis_url or settings.redis_url
     store = Store.from_url(url, settings.broker_url)
     try:
-        store.redis.ping()
+        store.artifacts.redis.ping()
     except redis.RedisError as e:
         typer.echo(
             f"torchfarm cache: cannot reach Redis at {url} ({e}); "
@@ -93,7 +94,7 @@ def _age(seconds: float) -> str:
 
 
 def _resolve(store: Store, prefix: str) -> str:
-    found = [k for k, _ in store.keys() if k.startswith(prefix)]
+    found = [k for k, _ in store.artifacts.keys() if k.startswith(prefix)]
     if len(found) != 1:
         raise typer.BadParameter(f"{prefix!r} matches {len(found)} keys; give more of the key")
     return found[0]
@@ -163,7 +164,7 @@ def show(
     """One key: its entries, guards, metadata, readable graph and kernels."""
     store = _store(redis_url)
     key = _resolve(store, key)
-    entries = store.entries(key)
+    entries = [entry_dict(e) for e in store.artifacts.entries(key)]
     if as_json:
         typer.echo(json.dumps({"key": key, "entries": entries}, indent=1))
         return
@@ -244,7 +245,7 @@ def rm(
     """Remove a key with all its entries and blobs."""
     store = _store(redis_url)
     key = _resolve(store, key)
-    removed = store.drop(key)
+    removed = store.artifacts.drop(key)
     typer.echo(
         json.dumps({"key": key, "entries_removed": removed})
         if as_json
@@ -266,7 +267,7 @@ def purge(
     store = _store(redis_url)
     age, now = (parse_age(older_than) if older_than else None), time.time()
     keys = sorted({r["key"] for r in store.rows() if _matches(r, target, None, None, age, now)})
-    removed = sum(store.drop(k) for k in keys)
+    removed = sum(store.artifacts.drop(k) for k in keys)
     typer.echo(
         json.dumps({"keys_removed": len(keys), "entries_removed": removed})
         if as_json
@@ -287,16 +288,17 @@ def export(
     for r in store.rows():
         if not _matches(r, target, None, None, None, 0):
             continue
-        data = store.read_blob(r["key"], r)
+        entry = entry_from_dict(r)
+        data = store.artifacts.read(r["key"], entry)
         if data is None:
-            continue  # corrupt: dropped by read_blob, not exported
-        meta = {
-            k: v
-            for k, v in r.items()
-            if k not in ("key", "digest", "hits", "last_hit", "last_used")
-        }
+            continue  # corrupt: dropped by read, not exported
+        entry.ClearField("hits")
+        entry.ClearField("last_hit")
         bundle.entries.add(
-            key=r["key"], digest=r["digest"], meta_json=json.dumps(meta), artifact=data
+            key=r["key"],
+            digest=entry.digest,
+            meta_json=json.dumps(entry_dict(entry)),
+            artifact=data,
         )
     with open(path, "wb") as f:
         f.write(zstandard.ZstdCompressor(level=10).compress(bundle.SerializeToString()))
@@ -324,15 +326,16 @@ def import_(
         raise typer.BadParameter(
             f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
-    for e in bundle.entries:
-        if digest_of(e.artifact) != e.digest or not re.fullmatch(r"[0-9a-f]{64}", e.key):
+    for item in bundle.entries:
+        if digest_of(item.artifact) != item.digest or not re.fullmatch(r"[0-9a-f]{64}", item.key):
             raise typer.BadParameter(
-                f"{path}: entry {e.key[:16]} fails its digest check; nothing imported"
+                f"{path}: entry {item.key[:16]} fails its digest check; nothing imported"
             )
-        pb.Artifact.FromString(e.artifact)  # protobuf parse only: no code runs
+        pb.Artifact.FromString(item.artifact)  # protobuf parse only: no code runs
     store = _store(redis_url)
-    for e in bundle.entries:
-        store.import_entry(e.key, e.artifact, json.loads(e.meta_json))
+    for item in bundle.entries:
+        meta = entry_from_dict(json.loads(item.meta_json))
+        store.artifacts.put_new(item.key, item.artifact, meta)
     typer.echo(
         json.dumps({"entries": len(bundle.entries)})
         if as_json

@@ -1,18 +1,19 @@
-"""Every Redis key torchfarm uses, and nothing else. The prefix carries the format version,
-so an upgrade never reads old data as new.
+"""Every Redis key and channel torchfarm uses, and nothing else. The prefix carries the
+format version, so an upgrade never reads old data as new (tf2: entries, outcomes and stages
+are protobuf messages and enums).
 
 Two servers may hold them: the cache (blobs, index, usage, counters) and the broker's Redis
-(jobs, claims, statuses and pools, next to Celery's queues), so a full cache never stops a
-compile from being queued and answered."""
+(jobs, claims, stages, outcomes, notifications and pools, next to Celery's queues), so a
+full cache never stops a compile from being queued and answered."""
 
-FORMAT = "tf1"
+FORMAT = "tf2"
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256
     return f"{FORMAT}:blob:{digest}"
 
 
-def index(key: str) -> str:  # hash: artifact digest -> entry metadata (JSON)
+def index(key: str) -> str:  # hash: artifact digest -> EntryMeta bytes
     return f"{FORMAT}:index:{key}"
 
 
@@ -20,7 +21,7 @@ def usage(key: str) -> str:  # hash: "{digest}:hits" / "{digest}:last_hit" per e
     return f"{FORMAT}:usage:{key}"
 
 
-# A job is one compile: a key plus the size hints of one trace (see cache_key.job_id).
+# A job is one compile: a key plus the size hints of one trace (see contract.cache_key.job_id).
 def claim(job: str) -> str:  # single-flight: who compiles this job now
     return f"{FORMAT}:claim:{job}"
 
@@ -29,24 +30,24 @@ def job(job: str) -> str:  # the payload a worker compiles (short-lived)
     return f"{FORMAT}:job:{job}"
 
 
-def status(job: str) -> str:  # queued / compiling, for progress
-    return f"{FORMAT}:status:{job}"
+def stage(job: str) -> str:  # the job's Progress.Stage number, for progress
+    return f"{FORMAT}:stage:{job}"
 
 
-def error(job: str) -> str:  # why the job failed (short-lived)
-    return f"{FORMAT}:error:{job}"
+def outcome(job: str) -> str:  # JobOutcome bytes: how the job ended (short-lived)
+    return f"{FORMAT}:outcome:{job}"
 
 
 def failed(job: str) -> str:  # why the graph itself failed to compile: not retried
     return f"{FORMAT}:failed:{job}"  # for TORCHFARM_FAILURE_MEMORY
 
 
-def done(job: str) -> str:  # the digest of the entry the job stored (short-lived)
-    return f"{FORMAT}:done:{job}"
-
-
-def uncached(job: str) -> str:  # the job's artifact when the cache was full (short-lived)
+def uncached(job: str) -> str:  # hash {meta, blob}: the artifact when the cache was full
     return f"{FORMAT}:uncached:{job}"
+
+
+def events(job: str) -> str:  # pub/sub channel: the job's stage or outcome changed
+    return f"{FORMAT}:events:{job}"
 
 
 def pool(name: str) -> str:  # a live pool's description, kept alive by its workers
@@ -60,4 +61,5 @@ def pool_stats(name: str) -> str:  # hash of one pool's counters
 POOL_PATTERN = f"{FORMAT}:pool:*"
 POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters
+TOTALS = f"{FORMAT}:totals"  # hash: the cache's stored_bytes and entries, kept with the index
 RECENT = f"{FORMAT}:recent"  # sorted set: key -> last use (stored or hit), for LRU

@@ -8,12 +8,6 @@ import time
 from torchfarm.proto import torchfarm_pb2 as pb
 
 SHOW_AFTER_S = 2.0
-_STAGES = {
-    pb.Progress.QUEUED: "queued",
-    pb.Progress.COMPILING: "compiling",
-    pb.Progress.AUTOTUNING: "autotuning",
-    pb.Progress.DOWNLOADING: "downloading",
-}
 
 
 class ProgressLine:
@@ -27,7 +21,11 @@ class ProgressLine:
         elapsed = time.monotonic() - self.started
         if not self.enabled or elapsed < SHOW_AFTER_S:
             return
-        stage = _STAGES.get(progress.stage, "waiting")
+        stage = (
+            pb.Progress.Stage.Name(progress.stage).lower()
+            if progress.stage != pb.Progress.STAGE_UNSPECIFIED
+            else "waiting"
+        )
         sys.stderr.write(f"\r[torchfarm] {self.label}: {stage} {elapsed:5.1f} s ")
         sys.stderr.flush()
         self.shown = True

@@ -1,5 +1,5 @@
-"""The gRPC side of the client: Lookup (entries and their guards), then one Compile call
-with streamed progress and verified artifact bytes."""
+"""The gRPC side of the client: Lookup by key (entries and their guards), then one Compile
+call, which alone carries the payload, with streamed progress and verified artifact bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
@@ -61,11 +62,13 @@ def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]
 def lookup(
     request: pb.CompileRequest, settings: ClientSettings, request_id: str = ""
 ) -> list[pb.Candidate]:
-    """The entries cached for this graph, with the guards under which each applies."""
+    """The entries cached for this graph, with the guards under which each applies. Sends
+    the key, computed here as the gateway computes it, not the payload."""
     stub = _stub(settings)
+    key = public_key(request.graph, request.target, request.options)
     try:
         reply = stub.Lookup(
-            request,
+            pb.LookupRequest(key=key, private=request.private),
             timeout=settings.connect_timeout_s + 30,
             metadata=_metadata(settings, request_id),
         )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from torchfarm.compiler import files, guards, native, serialize, trace_state
+from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import autotune_progress, autotune_results, fake_tensors, standalone
 from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
@@ -21,7 +22,6 @@ from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.shape_env import ShapeEnv
 
 ARTIFACT_FORMAT = 1
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
 # they only save time when many kernels share one header.

@@ -12,11 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from torchfarm.contract.options import AUTOCAST_DEVICES, validate_state
 from torchfarm.proto import torchfarm_pb2 as pb
-
-_AUTOCAST_DEVICES = ("cuda", "cpu")
-_AUTOCAST_DTYPES = ("bfloat16", "float16", "float32")
-_PRECISIONS = ("highest", "high", "medium")
 
 
 def capture() -> pb.TraceState:
@@ -25,7 +22,7 @@ def capture() -> pb.TraceState:
         grad_enabled=torch.is_grad_enabled(),
         autocast=[
             f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
-            for device in _AUTOCAST_DEVICES
+            for device in AUTOCAST_DEVICES
             if torch.is_autocast_enabled(device)
         ],
         float32_matmul_precision=torch.get_float32_matmul_precision(),
@@ -33,23 +30,10 @@ def capture() -> pb.TraceState:
     )
 
 
-def validate(state: pb.TraceState) -> None:
-    """Raise ValueError unless every field holds a known value (the gateway checks)."""
-    for entry in state.autocast:
-        device, _, dtype = entry.partition(":")
-        if device not in _AUTOCAST_DEVICES or dtype not in _AUTOCAST_DTYPES:
-            raise ValueError(
-                f"unknown autocast {entry!r}; expected device:dtype with device in "
-                f"{_AUTOCAST_DEVICES} and dtype in {_AUTOCAST_DTYPES}"
-            )
-    if state.float32_matmul_precision not in ("", *_PRECISIONS):
-        raise ValueError(f"unknown float32_matmul_precision {state.float32_matmul_precision!r}")
-
-
 @contextlib.contextmanager
 def applied(state: pb.TraceState) -> Iterator[None]:
     """Run the block under `state` (the worker child compiles inside it)."""
-    validate(state)
+    validate_state(state)
     saved_precision = torch.get_float32_matmul_precision()
     saved_deterministic = torch.are_deterministic_algorithms_enabled()
     try:

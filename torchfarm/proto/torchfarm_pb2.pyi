@@ -215,6 +215,36 @@ class CompileRequest(_message.Message):
 Global___CompileRequest: _TypeAlias = CompileRequest  # noqa: Y015
 
 @_typing.final
+class LookupRequest(_message.Message):
+    """Lookup sends a key, not the graph: the payload is uploaded once, with Compile."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PRIVATE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The public key, sha256(key format, payload, target, canonical options): the client computes
+    it with torchfarm.contract.cache_key, the same function the gateway uses.
+    """
+    private: _builtins.bool
+    """The tenant's own entries: the gateway derives the tenant's key from `key` and the
+    authenticated tenant, so no tenant can name another's private key.
+    """
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        private: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "private", b"private"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
+
+@_typing.final
 class Candidate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -262,6 +292,10 @@ Global___LookupReply: _TypeAlias = LookupReply  # noqa: Y015
 
 @_typing.final
 class Progress(_message.Message):
+    """A compile's stage, from the gateway to the client, and the stage a worker records for a
+    job (the job board holds the Stage number).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     class _Stage:
@@ -650,3 +684,278 @@ class CacheBundle(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CacheBundle: _TypeAlias = CacheBundle  # noqa: Y015
+
+@_typing.final
+class Job(_message.Message):
+    """---- Gateway <-> worker: the job, its outcome, and the entry a worker stores -----------
+    Written by the gateway's coordinator and the worker, read by the job board and the cache
+    (torchfarm.cache), never by a client. Celery carries a Job as protobuf JSON.
+
+    One compile the gateway hands a worker. The payload itself waits on the job board.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SizeHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEY_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    SIZE_HINTS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIVATE_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """the cache key the gateway computed (never a client's)"""
+    job_id: _builtins.str
+    """torchfarm.contract.cache_key.job_id(key, size_hints)"""
+    tenant: _builtins.str
+    private: _builtins.bool
+    label: _builtins.str
+    request_id: _builtins.str
+    @_builtins.property
+    def target(self) -> Global___Target: ...
+    @_builtins.property
+    def options(self) -> Global___Options:
+        """canonical (torchfarm.contract.options)"""
+
+    @_builtins.property
+    def size_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        target: Global___Target | None = ...,
+        options: Global___Options | None = ...,
+        size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        tenant: _builtins.str = ...,
+        private: _builtins.bool = ...,
+        label: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class JobOutcome(_message.Message):
+    """How a job ended. Its waiters wake on the job's notification and read it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Kind:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _KindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[JobOutcome._Kind.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        KIND_UNSPECIFIED: JobOutcome._Kind.ValueType  # 0
+        STORED: JobOutcome._Kind.ValueType  # 1
+        """the entry `digest` is in the cache"""
+        UNCACHED: JobOutcome._Kind.ValueType  # 2
+        """the cache was full: the artifact waits on the job board for its waiters"""
+        FAILED: JobOutcome._Kind.ValueType  # 3
+        """the compile failed (the graph's fault; remembered for a while)"""
+        TIMED_OUT: JobOutcome._Kind.ValueType  # 4
+        """the compile exceeded the worker's timeout"""
+        WORKER_ERROR: JobOutcome._Kind.ValueType  # 5
+        """the worker could not run the compile (expired payload, crash, ...)"""
+
+    class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
+    KIND_UNSPECIFIED: JobOutcome.Kind.ValueType  # 0
+    STORED: JobOutcome.Kind.ValueType  # 1
+    """the entry `digest` is in the cache"""
+    UNCACHED: JobOutcome.Kind.ValueType  # 2
+    """the cache was full: the artifact waits on the job board for its waiters"""
+    FAILED: JobOutcome.Kind.ValueType  # 3
+    """the compile failed (the graph's fault; remembered for a while)"""
+    TIMED_OUT: JobOutcome.Kind.ValueType  # 4
+    """the compile exceeded the worker's timeout"""
+    WORKER_ERROR: JobOutcome.Kind.ValueType  # 5
+    """the worker could not run the compile (expired payload, crash, ...)"""
+
+    KIND_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    kind: Global___JobOutcome.Kind.ValueType
+    digest: _builtins.str
+    """STORED, UNCACHED"""
+    error: _builtins.str
+    """FAILED, TIMED_OUT, WORKER_ERROR: why, for the client"""
+    def __init__(
+        self,
+        *,
+        kind: Global___JobOutcome.Kind.ValueType = ...,
+        digest: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "error", b"error", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobOutcome: _TypeAlias = JobOutcome  # noqa: Y015
+
+@_typing.final
+class NativeObjectInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_SHA256_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    source_sha256: _builtins.str
+    """the first 16 hex digits"""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        source_sha256: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "source_sha256", b"source_sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NativeObjectInfo: _TypeAlias = NativeObjectInfo  # noqa: Y015
+
+@_typing.final
+class EntryMeta(_message.Message):
+    """An index entry: what a worker stored under a key. `torchfarm cache ls/show --json` print
+    these fields by name.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class OpCountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    STORED_BYTES_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    GUARDS_EXPR_FIELD_NUMBER: _builtins.int
+    COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIVATE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    TORCH_VERSION_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    OP_COUNTS_FIELD_NUMBER: _builtins.int
+    KERNELS_FIELD_NUMBER: _builtins.int
+    TUNED_KERNELS_FIELD_NUMBER: _builtins.int
+    OBJECTS_FIELD_NUMBER: _builtins.int
+    GRAPH_CODE_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    LAST_HIT_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    """sha256 of the artifact bytes"""
+    size: _builtins.int
+    """artifact bytes"""
+    stored_bytes: _builtins.int
+    """bytes as stored (compressed)"""
+    created: _builtins.float
+    """unix time"""
+    guards_expr: _builtins.str
+    """opaque here: evaluated by clients only"""
+    compile_seconds: _builtins.float
+    tenant: _builtins.str
+    private: _builtins.bool
+    mode: _builtins.str
+    pool: _builtins.str
+    target: _builtins.str
+    """the target, described for humans"""
+    torch_version: _builtins.str
+    nodes: _builtins.int
+    tuned_kernels: _builtins.int
+    graph_code: _builtins.str
+    """truncated, for operators"""
+    worker: _builtins.str
+    """host name"""
+    hits: _builtins.int
+    """Usage, kept apart from the entry (every hit updates it) and filled in on read."""
+    last_hit: _builtins.float
+    @_builtins.property
+    def op_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def kernels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Kernel]: ...
+    @_builtins.property
+    def objects(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObjectInfo]: ...
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        size: _builtins.int = ...,
+        stored_bytes: _builtins.int = ...,
+        created: _builtins.float = ...,
+        guards_expr: _builtins.str = ...,
+        compile_seconds: _builtins.float = ...,
+        tenant: _builtins.str = ...,
+        private: _builtins.bool = ...,
+        mode: _builtins.str = ...,
+        pool: _builtins.str = ...,
+        target: _builtins.str = ...,
+        torch_version: _builtins.str = ...,
+        nodes: _builtins.int = ...,
+        op_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        kernels: _abc.Iterable[Global___Kernel] | None = ...,
+        tuned_kernels: _builtins.int = ...,
+        objects: _abc.Iterable[Global___NativeObjectInfo] | None = ...,
+        graph_code: _builtins.str = ...,
+        worker: _builtins.str = ...,
+        hits: _builtins.int = ...,
+        last_hit: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards_expr", b"guards_expr", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EntryMeta: _TypeAlias = EntryMeta  # noqa: Y015

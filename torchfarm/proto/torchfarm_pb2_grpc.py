@@ -36,7 +36,7 @@ class FarmStub:
         """
         self.Lookup = channel.unary_unary(
                 '/torchfarm.v1.Farm/Lookup',
-                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
                 _registered_method=True)
         self.Compile = channel.unary_stream(
@@ -50,15 +50,15 @@ class FarmServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
-        The entries cached for this graph, target and options, with their guards.
+        """The entries cached under a key that this tenant may see, with their guards.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Compile(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,7 +68,7 @@ def add_FarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.FromString,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.SerializeToString,
             ),
             'Compile': grpc.unary_stream_rpc_method_handler(
@@ -102,7 +102,7 @@ class Farm:
             request,
             target,
             '/torchfarm.v1.Farm/Lookup',
-            torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
             options,
             channel_credentials,

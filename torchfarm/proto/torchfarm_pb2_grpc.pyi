@@ -34,38 +34,35 @@ class FarmStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> FarmAsyncStub: ...
-    Lookup: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.LookupReply]
-    """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
-    The entries cached for this graph, target and options, with their guards.
-    """
+    Lookup: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]
+    """The entries cached under a key that this tenant may see, with their guards."""
     Compile: _grpc.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]
+    """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
 
 @_typing.type_check_only
 class FarmAsyncStub(FarmStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Lookup: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.LookupReply]  # type: ignore[assignment]
-    """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
-    The entries cached for this graph, target and options, with their guards.
-    """
+    Lookup: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]  # type: ignore[assignment]
+    """The entries cached under a key that this tenant may see, with their guards."""
     Compile: _aio.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
+    """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
 
 class FarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Lookup(
         self,
-        request: _torchfarm_pb2.CompileRequest,
+        request: _torchfarm_pb2.LookupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_torchfarm_pb2.LookupReply, _abc.Awaitable[_torchfarm_pb2.LookupReply]]:
-        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks.
-        The entries cached for this graph, target and options, with their guards.
-        """
+        """The entries cached under a key that this tenant may see, with their guards."""
 
     @_abc_1.abstractmethod
     def Compile(
         self,
         request: _torchfarm_pb2.CompileRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]: ...
+    ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]:
+        """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
 
 def add_FarmServicer_to_server(servicer: FarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

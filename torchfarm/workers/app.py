@@ -1,7 +1,8 @@
-"""Celery app and the compile task: one queue per hardware pool.
+"""The worker's side of the queue: it registers the compile task on the shared Celery app
+(torchfarm.queue) and runs each job in the sandbox.
 
-Tasks carry JSON only (never pickle). acks_late + reject_on_worker_lost: a worker killed
-mid-compile leaves its message unacknowledged, and the broker hands it to another worker.
+A job ends with exactly one JobOutcome on the job board (stored, uncached, failed, timed out
+or worker error), which wakes its waiters at once.
 """
 
 from __future__ import annotations
@@ -17,37 +18,25 @@ import time
 from celery import Celery
 from google.protobuf import json_format
 
+from torchfarm.cache.artifacts import CacheFull, digest_of
 from torchfarm.cache.store import Store
-from torchfarm.compiler.target import describe, local_target, pool_name
+from torchfarm.compiler.target import local_target
+from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings, broker_url
+from torchfarm.queue import TASK_NAME, job_from_json, make_celery
+from torchfarm.settings import WorkerSettings
 from torchfarm.workers import metrics, sandbox
 
 log = logging.getLogger("torchfarm.worker")
-TASK_NAME = "torchfarm.compile"
 _GRAPH_CODE_CHARS = 20_000  # the readable graph kept with an entry, for `torchfarm cache show`
 
 
-def make_celery(redis_url: str, broker: str = "", visibility_timeout_s: float = 3600) -> Celery:
-    app = Celery("torchfarm", broker=broker_url(redis_url, broker))
-    app.conf.update(
-        task_serializer="json",
-        accept_content=["json"],
-        result_backend=None,
-        task_ignore_result=True,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        # Unacknowledged tasks of a dead worker are swept back to their queue this long after
-        # delivery; the sweep runs every tenth of that (at most every 10 s).
-        broker_transport_options={
-            "visibility_timeout": visibility_timeout_s,
-            "unacked_restore_interval": max(1, min(10, int(visibility_timeout_s / 10))),
-            "unacked_restore_throttle": 1,
-        },
-        worker_hijack_root_logger=False,
+def worker_celery(settings: WorkerSettings) -> Celery:
+    """The shared Celery app with the compile task registered: the worker's alone."""
+    app = make_celery(
+        settings.redis_url, settings.broker_url, visibility_timeout_s=settings.visibility_timeout_s
     )
+    app.conf.torchfarm_worker = dataclasses.asdict(settings)
     app.task(name=TASK_NAME, bind=True)(compile_graph)
     return app
 
@@ -57,22 +46,28 @@ def _store(redis_url: str, broker: str) -> Store:
     return Store.from_url(redis_url, broker)
 
 
-def compile_graph(task, key: str, job_id: str, job: dict) -> str:
-    """Compile the queued payload of job `job_id` in the sandbox and store the artifact under
-    `key`; any failure ends the job with an error, so waiting clients hear of it at once."""
+def compile_graph(task, job_json: dict) -> str:
+    """Compile the queued payload of a job in the sandbox and store the artifact under its
+    key; any failure ends the job with an outcome, so waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
     store = _store(settings.redis_url, settings.broker_url)
+    job = job_from_json(job_json)
     started = time.perf_counter()
     try:
-        result, stored_bytes = _compile_and_store(task, key, job_id, job, settings, store)
+        result, stored_bytes = _compile_and_store(task, job, settings, store)
     except Exception as e:
-        log.exception("worker error on %s", key[:16])
-        store.count(_pool_of(task), compile_failures=1)
-        store.finish_job(job_id, error=f"worker error: {type(e).__name__}: {e}")
+        log.exception("worker error on %s", job.key[:16])
+        store.counters.count(_pool_of(task), compile_failures=1)
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(
+                kind=pb.JobOutcome.WORKER_ERROR, error=f"worker error: {type(e).__name__}: {e}"
+            ),
+        )
         result, stored_bytes = "error", 0
     metrics.record(
         _pool_of(task),
-        job.get("options", {}).get("mode") or "default",
+        job.options.mode or "default",
         result,
         time.perf_counter() - started,
         stored_bytes,
@@ -80,87 +75,104 @@ def compile_graph(task, key: str, job_id: str, job: dict) -> str:
     return result
 
 
+def _failure(e: sandbox.CompileFailed) -> pb.JobOutcome:
+    """The sandbox's failure as an outcome; its timeout message starts with TIMED_OUT."""
+    message = str(e)
+    if message.startswith(sandbox.TIMED_OUT):
+        return pb.JobOutcome(kind=pb.JobOutcome.TIMED_OUT, error=message[len(sandbox.TIMED_OUT) :])
+    return pb.JobOutcome(kind=pb.JobOutcome.FAILED, error=message)
+
+
 def _compile_and_store(
-    task, key: str, job_id: str, job: dict, settings: WorkerSettings, store: Store
+    task, job: pb.Job, settings: WorkerSettings, store: Store
 ) -> tuple[str, int]:
-    """The task's result (compiled, failed, cached, expired) and the bytes it stored."""
-    if store.done(job_id):  # a redelivered task whose first run finished
+    """The task's result (compiled, uncached, failed, cached, expired) and the bytes stored."""
+    if store.jobs.outcome(job.job_id) is not None:  # a redelivered task whose first run ended
         return "cached", 0
-    payload = store.job_payload(job_id)
+    payload = store.jobs.payload(job.job_id)
     if payload is None:
-        store.finish_job(job_id, error="the job's payload expired before a worker took it")
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(
+                kind=pb.JobOutcome.WORKER_ERROR,
+                error="the job's payload expired before a worker took it",
+            ),
+        )
         return "expired", 0
-    store.set_status(job_id, "compiling")
-    target = json_format.ParseDict(job["target"], pb.Target())
-    options = json_format.ParseDict(job["options"], pb.Options())
-    log.info(
-        "compiling %s (%s) for tenant %s",
-        key[:16],
-        job.get("label", ""),
-        job["tenant"],
-        extra={"request_id": job.get("request_id", ""), "tenant": job["tenant"], "key": key},
-    )
+    store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
+    extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key}
+    log.info("compiling %s (%s) for tenant %s", job.key[:16], job.label, job.tenant, extra=extra)
     try:
         data = sandbox.run_compile(
             payload,
-            target,
-            options,
-            job.get("size_hints", {}),
+            job.target,
+            job.options,
+            dict(job.size_hints),
             settings,
-            on_stage=lambda stage: store.set_status(job_id, stage),
+            on_stage=lambda stage: store.jobs.set_stage(
+                job.job_id, pb.Progress.Stage.Value(stage.upper())
+            ),
         )
     except sandbox.CompileFailed as e:
-        log.warning("compile of %s failed: %s", key[:16], str(e)[-3000:])
-        store.count(_pool_of(task), compile_failures=1)
-        store.finish_job(
-            job_id, error=str(e), remember_s=settings.failure_memory_s if e.lasting else 0
+        log.warning("compile of %s failed: %s", job.key[:16], str(e)[-3000:])
+        store.counters.count(_pool_of(task), compile_failures=1)
+        store.jobs.finish(
+            job.job_id, _failure(e), remember_s=settings.failure_memory_s if e.lasting else 0
         )
         return "failed", 0
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
-    store.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)  # before waiters wake
-    _, cached = store.put_artifact(
-        key,
-        job_id,
-        data,
-        {
-            "guards_expr": artifact.guards_expr,
-            "compile_seconds": round(artifact.compile_seconds, 3),
-            "tenant": job["tenant"],
-            "private": job.get("private", False),
-            "mode": options.mode or "default",
-            "pool": pool,
-            "target": describe(target),
-            "torch_version": target.torch_version,
-            "nodes": sum(artifact.op_counts.values()),
-            "op_counts": dict(artifact.op_counts),
-            "kernels": [
-                {"name": k.name, "kind": k.kind, "source_bytes": k.source_bytes}
-                for k in artifact.kernels
-            ],
-            "tuned_kernels": len(artifact.tuned_configs),
-            "objects": [
-                {"source_sha256": n.source_sha256[:16], "bytes": len(n.binary)}
-                for n in artifact.natives
-            ],
-            "graph_code": artifact.graph_code[:_GRAPH_CODE_CHARS],
-            "worker": socket.gethostname(),
-        },
-    )
+    store.counters.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)
+    meta = _entry_meta(job, artifact, pool)
+    try:
+        entry = store.artifacts.put(job.key, data, meta)
+    except CacheFull:
+        log.warning("the cache's Redis is at its memory limit: %s served uncached", job.key[:16])
+        meta.size = len(data)
+        meta.digest = digest_of(data)
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest),
+            uncached=(meta, data),
+        )
+        log.info("answered (cache full) %s: %d bytes", job.key[:16], len(data), extra=extra)
+        return "uncached", 0
+    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest))
     log.info(
-        "%s %s: %d bytes, %.1f s",
-        "stored" if cached else "answered (cache full)",
-        key[:16],
+        "stored %s: %d bytes, %.1f s",
+        job.key[:16],
         len(data),
         artifact.compile_seconds,
-        extra={"request_id": job.get("request_id", ""), "key": key, "pool": pool},
+        extra=dict(extra, pool=pool),
     )
-    if not cached:
-        return "uncached", 0
-    evicted = store.evict(settings.cache_max_bytes, settings.cache_ttl_s)
+    evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
     return "compiled", len(data)
+
+
+def _entry_meta(job: pb.Job, artifact: pb.Artifact, pool: str) -> pb.EntryMeta:
+    """The index entry of a compiled artifact (digest and sizes are the cache's to fill)."""
+    return pb.EntryMeta(
+        guards_expr=artifact.guards_expr,
+        compile_seconds=round(artifact.compile_seconds, 3),
+        tenant=job.tenant,
+        private=job.private,
+        mode=job.options.mode or "default",
+        pool=pool,
+        target=describe(job.target),
+        torch_version=job.target.torch_version,
+        nodes=sum(artifact.op_counts.values()),
+        op_counts=dict(artifact.op_counts),
+        kernels=artifact.kernels,
+        tuned_kernels=len(artifact.tuned_configs),
+        objects=[
+            pb.NativeObjectInfo(source_sha256=n.source_sha256[:16], bytes=len(n.binary))
+            for n in artifact.natives
+        ],
+        graph_code=artifact.graph_code[:_GRAPH_CODE_CHARS],
+        worker=socket.gethostname(),
+    )
 
 
 def _pool_of(task) -> str:
@@ -170,7 +182,7 @@ def _pool_of(task) -> str:
 def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None:
     while True:
         try:
-            store.register_pool(pool, info)
+            store.pools.register(pool, info)
         except Exception as e:  # Redis restarting: keep trying, the worker stays up
             log.warning("pool heartbeat failed: %s", e)
         time.sleep(every_s)
@@ -181,10 +193,7 @@ def run_worker(settings: WorkerSettings) -> None:
     sandbox.check_available(settings)
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
-    app = make_celery(
-        settings.redis_url, settings.broker_url, visibility_timeout_s=settings.visibility_timeout_s
-    )
-    app.conf.torchfarm_worker = dataclasses.asdict(settings)
+    app = worker_celery(settings)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     info = {"target": json_format.MessageToDict(target), "describe": describe(target)}

@@ -2,8 +2,10 @@
 
 import pytest
 
-from torchfarm.compiler.cache_key import cache_key, canonical_options
-from torchfarm.compiler.target import local_target, pool_name
+from torchfarm.compiler.target import local_target
+from torchfarm.contract.cache_key import cache_key
+from torchfarm.contract.options import canonical_options
+from torchfarm.contract.pools import pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 
 PAYLOAD = b"graph bytes"

@@ -1,0 +1,199 @@
+"""The coordinator against a bare redis-server, without gRPC or Celery: the queue is a list,
+and the "worker" is this test writing to the job board as a worker does."""
+
+import threading
+import time
+
+import pytest
+import redis
+
+from torchfarm.cache.artifacts import digest_of
+from torchfarm.cache.store import Store
+from torchfarm.contract.cache_key import cache_key, private_key
+from torchfarm.contract.options import canonical_options
+from torchfarm.contract.pools import pool_name
+from torchfarm.gateway.coordinator import (
+    CompileCall,
+    Coordinator,
+    Failed,
+    Failure,
+    Progress,
+    Served,
+)
+from torchfarm.proto import torchfarm_pb2 as pb
+
+TARGET = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11")
+ARTIFACT = b"compiled bytes " * 100
+
+
+@pytest.fixture
+def store(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    farm = Store.from_clients(client)
+    farm.pools.register(pool_name(TARGET), {"describe": "a test pool"})
+    yield farm
+    client.flushdb()
+
+
+class Queue:
+    """The injected enqueue: records (job, pool) and lets a test wait for the next job."""
+
+    def __init__(self):
+        self.jobs: list[tuple[pb.Job, str]] = []
+        self.arrived = threading.Semaphore(0)
+
+    def __call__(self, job: pb.Job, pool: str) -> None:
+        self.jobs.append((job, pool))
+        self.arrived.release()
+
+    def next(self) -> pb.Job:
+        assert self.arrived.acquire(timeout=30), "no job was enqueued"
+        return self.jobs[-1][0]
+
+
+def _call(graph=b"graph payload", tenant="alice", private=False, digest="", hints=None):
+    request = pb.CompileRequest(
+        graph=graph, target=TARGET, private=private, digest=digest, size_hints=hints or {"s0": 4}
+    )
+    return CompileCall(request, canonical_options(request.options), tenant, "rid")
+
+
+def _run(coordinator: Coordinator, call: CompileCall) -> list:
+    return list(coordinator.compile(call, lambda: True))
+
+
+def _store_as_worker(store: Store, job: pb.Job, data: bytes = ARTIFACT, **meta) -> None:
+    store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
+    entry = store.artifacts.put(
+        job.key, data, pb.EntryMeta(tenant=job.tenant, private=job.private, **meta)
+    )
+    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest))
+
+
+def _in_background(events: list, coordinator: Coordinator, call: CompileCall) -> threading.Thread:
+    def run():
+        for event in coordinator.compile(call, lambda: True):
+            events.append(event)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until_waiting(events: list) -> None:
+    """Until the request waits on a compile (its first progress event)."""
+    deadline = time.monotonic() + 30
+    while not any(isinstance(e, Progress) for e in events):
+        assert time.monotonic() < deadline, "the request never started waiting"
+        time.sleep(0.01)
+
+
+def test_a_miss_is_queued_once_then_served_and_the_repeat_is_a_hit(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    first, merged = [], []
+    waiting = _in_background(first, coordinator, _call())
+    job = queue.next()
+    second = _in_background(merged, coordinator, _call())  # same job: single flight
+    _until_waiting(merged)
+    _store_as_worker(store, job, compile_seconds=3.0)
+    waiting.join(30)
+    second.join(30)
+    assert len(queue.jobs) == 1
+    assert job.key == cache_key(b"graph payload", TARGET, pb.Options())
+    assert job.tenant == "alice" and job.request_id == "rid" and dict(job.size_hints) == {"s0": 4}
+    assert queue.jobs[0][1] == pool_name(TARGET)
+    assert isinstance(first[0], Progress) and first[0].stage == pb.Progress.QUEUED
+    assert [type(e) for e in first][-1] is Served and first[-1].source == "miss"
+    assert merged[-1].source == "merged" and merged[-1].data == ARTIFACT
+    again = _run(coordinator, _call())
+    assert len(again) == 1 and again[0].source == "hit" and again[0].data == ARTIFACT
+    assert store.counters.farm()["hits"] == 1 and store.counters.farm()["misses"] == 1
+
+
+def test_outcomes_become_typed_failures_and_lasting_ones_are_remembered(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    for kind, failure in [
+        (pb.JobOutcome.TIMED_OUT, Failure.TIMED_OUT),
+        (pb.JobOutcome.WORKER_ERROR, Failure.WORKER_ERROR),
+        (pb.JobOutcome.FAILED, Failure.FAILED),
+    ]:
+        events: list = []
+        call = _call(graph=f"graph {kind}".encode())
+        thread = _in_background(events, coordinator, call)
+        job = queue.next()
+        store.jobs.finish(job.job_id, pb.JobOutcome(kind=kind, error="why"), remember_s=60)
+        thread.join(30)
+        assert events[-1] == Failed(failure, "compile failed on the farm: why")
+    enqueued = len(queue.jobs)
+    remembered = _run(coordinator, _call(graph=f"graph {pb.JobOutcome.FAILED}".encode()))
+    assert remembered[-1].kind is Failure.FAILED and len(queue.jobs) == enqueued
+
+
+def test_the_waiter_hears_stages_and_takes_over_a_vanished_claim(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    store.jobs.set_stage(job.job_id, pb.Progress.AUTOTUNING)
+    store.jobs.release(job.job_id)  # the worker died without an outcome
+    retried = queue.next()
+    assert retried == job
+    _store_as_worker(store, retried)
+    thread.join(30)
+    assert events[-1].source == "miss"
+    assert all(isinstance(e, Progress) for e in events[:-1])
+
+
+def test_an_uncached_artifact_reaches_its_waiters(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    meta = pb.EntryMeta(compile_seconds=1.5)
+    meta.digest, meta.size = digest_of(ARTIFACT), len(ARTIFACT)
+    store.jobs.finish(
+        job.job_id,
+        pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest),
+        uncached=(meta, ARTIFACT),
+    )
+    thread.join(30)
+    assert events[-1].source == "miss" and events[-1].data == ARTIFACT
+    assert not store.artifacts.keys()
+
+
+def test_no_pool_and_the_tenant_limit_are_refused(store):
+    coordinator = Coordinator(store, Queue(), compile_timeout_s=60, tenant_max_compiles=1)
+    other = pb.CompileRequest(graph=b"g", target=pb.Target(device="cuda", torch_version="2.13"))
+    refused = _run(coordinator, CompileCall(other, pb.Options(mode="default"), "alice", "r"))
+    assert refused[-1].kind is Failure.NO_POOL and "a test pool" in refused[-1].message
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = coordinator.enqueue.next()
+    limited = _run(coordinator, _call(graph=b"another graph"))
+    assert limited[-1].kind is Failure.TENANT_LIMIT
+    _store_as_worker(store, job)
+    thread.join(30)
+    assert events[-1].source == "miss"
+
+
+def test_a_private_entry_is_seen_by_its_tenant_only(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    thread = _in_background(events, coordinator, _call(private=True))
+    _store_as_worker(store, queue.next(), guards_expr="s0 > 2")
+    thread.join(30)
+    public = cache_key(b"graph payload", TARGET, pb.Options())
+    mine = events[-1].key
+    assert mine == private_key(public, "alice") != public
+    key, entries = coordinator.lookup(public, True, "alice")
+    assert key == mine and [e.guards_expr for e in entries] == ["s0 > 2"]
+    for private in (True, False):
+        key, entries = coordinator.lookup(public, private, "bob")
+        assert key != mine and not entries
+    assert coordinator.lookup(mine, False, "bob") == (mine, [])  # naming alice's key: nothing

@@ -1,0 +1,213 @@
+"""The artifact cache: index entries (what is stored), a codec (how bytes are encoded and
+verified) and a blob backend (where the bytes live), kept apart as Inductor's
+remote_cache.py keeps its backends and serdes: a blob store other than Redis (an
+S3-compatible one for a large fleet) is a new BlobBackend, not a rewrite.
+
+Blobs are verified (size and sha256) on every read; a bad or missing blob is dropped with
+the index entries that point to it and reads as a miss. The index lives in the cache's Redis:
+per key a hash digest -> EntryMeta, a usage hash (hits, last hit) and the LRU order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+import redis
+import zstandard
+
+from torchfarm.cache import keys
+from torchfarm.proto import torchfarm_pb2 as pb
+
+log = logging.getLogger("torchfarm.cache")
+# What a Redis at its memory limit raises (missing from the types-redis stubs).
+OutOfMemoryError: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
+
+
+class CacheFull(Exception):
+    """The cache's storage refused a write (Redis at its memory limit); nothing was kept."""
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Codec:
+    """zstd on the way in; decompression, size and sha256 checked on the way out."""
+
+    def encode(self, data: bytes) -> bytes:
+        return zstandard.ZstdCompressor(level=3).compress(data)
+
+    def decode(self, stored: bytes, digest: str, size: int) -> bytes | None:
+        """The artifact bytes, or None if `stored` is not the artifact `digest` of `size`."""
+        try:
+            data = zstandard.ZstdDecompressor().decompress(stored)
+        except zstandard.ZstdError:
+            return None
+        return data if len(data) == size and digest_of(data) == digest else None
+
+
+class BlobBackend(Protocol):
+    """Where encoded artifact bytes live, by digest."""
+
+    def get(self, digest: str) -> bytes | None: ...
+
+    def put(self, digest: str, stored: bytes) -> None:
+        """Store; raise CacheFull if the backend is out of space (and keep nothing)."""
+
+    def delete(self, digests: Iterable[str]) -> None: ...
+
+
+class RedisBlobs:
+    """Blobs in the cache's Redis, at keys.blob(digest)."""
+
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+
+    def get(self, digest: str) -> bytes | None:
+        return self.redis.get(keys.blob(digest))
+
+    def put(self, digest: str, stored: bytes) -> None:
+        try:
+            self.redis.set(keys.blob(digest), stored)
+        except OutOfMemoryError as e:
+            raise CacheFull(str(e)) from e
+
+    def delete(self, digests: Iterable[str]) -> None:
+        names = [keys.blob(d) for d in digests]
+        if names:
+            self.redis.delete(*names)
+
+
+class ArtifactCache:
+    """Entries per key (index, usage, LRU order, totals) over a blob backend."""
+
+    def __init__(self, client: redis.Redis, blobs: BlobBackend | None = None, codec=None):
+        self.redis = client
+        self.blobs: BlobBackend = blobs if blobs is not None else RedisBlobs(client)
+        self.codec: Codec = codec or Codec()
+
+    # ---- reads -------------------------------------------------------------------------
+    def keys(self) -> list[tuple[str, float]]:
+        """Every key with entries, least recently used first, with its last use time."""
+        return [(k.decode(), t) for k, t in self.redis.zrange(keys.RECENT, 0, -1, withscores=True)]
+
+    def entries(self, key: str) -> list[pb.EntryMeta]:
+        """Entries for a key, newest first, with their usage filled in."""
+        raw = self.redis.hgetall(keys.index(key))
+        usage = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.usage(key)).items()}
+        found = []
+        for value in raw.values():
+            meta = pb.EntryMeta.FromString(value)
+            meta.hits = int(usage.get(f"{meta.digest}:hits", 0))
+            meta.last_hit = usage.get(f"{meta.digest}:last_hit", 0.0)
+            found.append(meta)
+        return sorted(found, key=lambda e: e.created, reverse=True)
+
+    def entry(self, key: str, digest: str) -> pb.EntryMeta | None:
+        return next((e for e in self.entries(key) if e.digest == digest), None)
+
+    def totals(self) -> dict[str, float]:
+        """stored_bytes and entries over the whole cache."""
+        return {k.decode(): float(v) for k, v in self.redis.hgetall(keys.TOTALS).items()}
+
+    def read(self, key: str, entry: pb.EntryMeta) -> bytes | None:
+        """The artifact bytes of an entry, verified; None (and the entry dropped) if bad."""
+        stored = self.blobs.get(entry.digest)
+        data = None if stored is None else self.codec.decode(stored, entry.digest, entry.size)
+        if data is None:
+            self.drop(key, [entry.digest])
+        return data
+
+    # ---- writes ------------------------------------------------------------------------
+    def put(self, key: str, data: bytes, meta: pb.EntryMeta) -> pb.EntryMeta:
+        """Store `data` under `key` with `meta` (digest, sizes and creation time filled in):
+        the blob first, then its index entry in one transaction, so no entry ever names a
+        missing blob. Raises CacheFull (with nothing kept) when storage is full."""
+        entry = pb.EntryMeta()
+        entry.CopyFrom(meta)
+        stored = self.codec.encode(data)
+        entry.digest, entry.size, entry.stored_bytes = digest_of(data), len(data), len(stored)
+        entry.created = entry.created or time.time()
+        entry.ClearField("hits")
+        entry.ClearField("last_hit")
+        self.blobs.put(entry.digest, stored)
+        pipe = self.redis.pipeline()
+        pipe.hset(keys.index(key), entry.digest, entry.SerializeToString())
+        pipe.zadd(keys.RECENT, {key: time.time()})
+        pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", len(stored))
+        pipe.hincrbyfloat(keys.TOTALS, "entries", 1)
+        try:
+            pipe.execute()
+        except OutOfMemoryError as e:  # MULTI/EXEC: nothing was written
+            self.blobs.delete([entry.digest])
+            raise CacheFull(str(e)) from e
+        return entry
+
+    def put_new(self, key: str, data: bytes, meta: pb.EntryMeta) -> str:
+        """Operator only (`torchfarm cache import`): store unless the entry exists."""
+        digest = digest_of(data)
+        if self.entry(key, digest) is None:
+            self.put(key, data, meta)
+        return digest
+
+    def record_hit(self, key: str, digest: str) -> None:
+        """An entry was served: count it, and the key becomes the most recently used."""
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hincrby(keys.usage(key), f"{digest}:hits", 1)
+        pipe.hset(keys.usage(key), f"{digest}:last_hit", now)
+        pipe.zadd(keys.RECENT, {key: now}, xx=True)
+        try:
+            pipe.execute()
+        except OutOfMemoryError:
+            log.warning("the cache's Redis is at its memory limit: hit of %s not recorded", key)
+
+    def drop(self, key: str, digests: list[str] | None = None) -> int:
+        """Remove entries of `key` (all if `digests` is None), then their blobs; the number
+        removed. The key leaves the LRU order once it has none."""
+
+        def remove(pipe: redis.client.Pipeline) -> list[pb.EntryMeta]:
+            raw: dict[bytes, bytes] = pipe.hgetall(keys.index(key))  # type: ignore[assignment]
+            chosen = [
+                pb.EntryMeta.FromString(v)
+                for d, v in raw.items()
+                if digests is None or d.decode() in digests
+            ]
+            pipe.multi()
+            if chosen:
+                pipe.hdel(keys.index(key), *(e.digest for e in chosen))
+                pipe.hdel(
+                    keys.usage(key),
+                    *(f"{e.digest}:{f}" for e in chosen for f in ("hits", "last_hit")),
+                )
+                pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", -sum(e.stored_bytes for e in chosen))
+                pipe.hincrbyfloat(keys.TOTALS, "entries", -len(chosen))
+            if len(chosen) == len(raw):
+                pipe.zrem(keys.RECENT, key)
+                pipe.delete(keys.index(key), keys.usage(key))
+            return chosen
+
+        removed = self.redis.transaction(remove, keys.index(key), value_from_callable=True)
+        self.blobs.delete(e.digest for e in removed)
+        return len(removed)
+
+    def evict(self, max_bytes: int, ttl_s: float = 0, now: float | None = None) -> list[str]:
+        """Drop keys unused for `ttl_s` (0: no TTL), then least recently used keys until the
+        stored bytes fit `max_bytes` (0: no budget). The keys dropped, oldest first."""
+        now = time.time() if now is None else now
+        dropped = []
+        if ttl_s > 0:
+            for key in self.redis.zrangebyscore(keys.RECENT, "-inf", now - ttl_s):
+                self.drop(key.decode())
+                dropped.append(key.decode())
+        while max_bytes > 0 and self.totals().get("stored_bytes", 0) > max_bytes:
+            oldest = self.redis.zrange(keys.RECENT, 0, 0)
+            if not oldest:
+                break
+            self.drop(oldest[0].decode())
+            dropped.append(oldest[0].decode())
+        return dropped

@@ -1,0 +1,64 @@
+"""The cache key and the job id, computed from content alone.
+
+public key = sha256(key format, payload bytes, canonical target, canonical options). The
+client computes it for Lookup (so the payload is uploaded once, with Compile); the gateway
+recomputes it from the payload before anything is compiled or written, so a key a client
+sends is never trusted for a write. A private key is derived by the gateway from the public
+key and the authenticated tenant: no client can name another tenant's private key.
+
+The payload holds the graph, its input metadata and the ShapeEnv without size hints, so the
+same model traced anywhere, at any batch size that keeps its symbols, gives the same key;
+the entries under a key differ by their guards. See docs/cache.md for what goes in and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from torchfarm.contract.options import canonical_options
+from torchfarm.proto import torchfarm_pb2 as pb
+
+KEY_FORMAT = b"torchfarm-key-v2"
+_PRIVATE_FORMAT = b"torchfarm-private-key-v1"
+
+
+def _canonical(message: Message) -> bytes:
+    fields = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _hash(header: bytes, parts: list[bytes]) -> str:
+    h = hashlib.sha256(header)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def public_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:
+    """The shared key of a graph, target and options; ValueError on malformed options."""
+    return _hash(KEY_FORMAT, [payload, _canonical(target), _canonical(canonical_options(options))])
+
+
+def private_key(key: str, tenant: str) -> str:
+    """The tenant's own key for the public `key` (the gateway derives it; clients never do)."""
+    return _hash(_PRIVATE_FORMAT, [key.encode(), tenant.encode()])
+
+
+def cache_key(
+    payload: bytes, target: pb.Target, options: pb.Options, private_to: str | None = None
+) -> str:
+    """The key of a request; `private_to` (a tenant) makes it that tenant's alone."""
+    key = public_key(payload, target, options)
+    return key if private_to is None else private_key(key, private_to)
+
+
+def job_id(key: str, size_hints: Mapping[str, int]) -> str:
+    """One compile: the key plus one trace's size hints (an entry's guards come from them)."""
+    hints = json.dumps(sorted(size_hints.items()), separators=(",", ":"))
+    return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()
