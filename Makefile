@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed
 # compose test validates docker-compose.yml against it (no Docker engine runs here).
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
-# Supported torch releases besides .venv's (2.13.0): each gets a venv of its own (.venv-2.15)
+# Supported torch releases besides .venv's (2.13.0): each gets a venv of its own (.venv-2.11)
 # for the unit tier and one end-to-end miss-then-hit (`make test-versions`). CUDA builds
-# from PyPI run torch.compile on the CPU too (2.15.0: 5.3 GB).
-OTHER_TORCH := 2.15.0
+# from PyPI run torch.compile on the CPU too (5.3 GB each).
+OTHER_TORCH := 2.11.0 2.15.0
 
 .PHONY: demo test unit integration lint deps system proto bench coverage clean test-versions
 
