@@ -24,6 +24,15 @@ from torchfarm.proto import torchfarm_pb2 as pb
 
 TARGET = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11")
 ARTIFACT = b"compiled bytes " * 100
+GUARDED = pb.ShapeGuards(  # t0 > 2
+    all=[
+        pb.GuardExpr(
+            apply=pb.GuardApply(
+                op=pb.GuardApply.GT, args=[pb.GuardExpr(input=0), pb.GuardExpr(constant=2)]
+            )
+        )
+    ]
+)
 
 
 @pytest.fixture
@@ -186,13 +195,13 @@ def test_a_private_entry_is_seen_by_its_tenant_only(store):
     coordinator = Coordinator(store, queue, compile_timeout_s=60)
     events: list = []
     thread = _in_background(events, coordinator, _call(private=True))
-    _store_as_worker(store, queue.next(), guards_expr="s0 > 2")
+    _store_as_worker(store, queue.next(), guards=GUARDED)
     thread.join(30)
     public = cache_key(b"graph payload", TARGET, pb.Options())
     mine = events[-1].key
     assert mine == private_key(public, "alice") != public
     key, entries = coordinator.lookup(public, True, "alice")
-    assert key == mine and [e.guards_expr for e in entries] == ["s0 > 2"]
+    assert key == mine and [e.guards for e in entries] == [GUARDED]
     for private in (True, False):
         key, entries = coordinator.lookup(public, private, "bob")
         assert key != mine and not entries
