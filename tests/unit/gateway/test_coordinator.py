@@ -206,3 +206,21 @@ def test_a_private_entry_is_seen_by_its_tenant_only(store):
         key, entries = coordinator.lookup(public, private, "bob")
         assert key != mine and not entries
     assert coordinator.lookup(mine, False, "bob") == (mine, [])  # naming alice's key: nothing
+
+
+def test_without_a_digest_only_an_unguarded_entry_is_served(store):
+    # A guarded entry may not hold for the client's sizes; only the client can tell (its
+    # digest). An unguarded entry holds everywhere.
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    key = cache_key(b"graph payload", TARGET, pb.Options())
+    guarded = store.artifacts.put(key, ARTIFACT, pb.EntryMeta(tenant="alice", guards=GUARDED))
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    _store_as_worker(store, queue.next(), b"unguarded bytes")
+    thread.join(30)
+    assert events[-1].source == "miss"
+    again = _run(coordinator, _call())
+    assert again[-1].source == "hit" and again[-1].data == b"unguarded bytes"
+    chosen = _run(coordinator, _call(digest=guarded.digest))
+    assert chosen[-1].source == "hit" and chosen[-1].data == ARTIFACT
