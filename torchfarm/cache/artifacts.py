@@ -18,6 +18,7 @@ from typing import Protocol
 
 import redis
 import zstandard
+from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -82,6 +83,16 @@ class RedisBlobs:
             self.redis.delete(*names)
 
 
+def _parse(key: str, digest: bytes, value: bytes) -> pb.EntryMeta | None:
+    """An index entry, or None (logged) if its bytes do not decode: it is never offered, and
+    `drop` removes it with the key's other entries."""
+    try:
+        return pb.EntryMeta.FromString(value)
+    except DecodeError:
+        log.warning("ignoring undecodable index entry %s of %s", digest.decode()[:16], key[:16])
+        return None
+
+
 class ArtifactCache:
     """Entries per key (index, usage, LRU order, totals) over a blob backend."""
 
@@ -100,8 +111,10 @@ class ArtifactCache:
         raw = self.redis.hgetall(keys.index(key))
         usage = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.usage(key)).items()}
         found = []
-        for value in raw.values():
-            meta = pb.EntryMeta.FromString(value)
+        for digest, value in raw.items():
+            meta = _parse(key, digest, value)
+            if meta is None:
+                continue
             meta.hits = int(usage.get(f"{meta.digest}:hits", 0))
             meta.last_hit = usage.get(f"{meta.digest}:last_hit", 0.0)
             found.append(meta)
@@ -173,7 +186,7 @@ class ArtifactCache:
         def remove(pipe: redis.client.Pipeline) -> list[pb.EntryMeta]:
             raw: dict[bytes, bytes] = pipe.hgetall(keys.index(key))  # type: ignore[assignment]
             chosen = [
-                pb.EntryMeta.FromString(v)
+                _parse(key, d, v) or pb.EntryMeta(digest=d.decode())
                 for d, v in raw.items()
                 if digests is None or d.decode() in digests
             ]

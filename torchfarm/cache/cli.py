@@ -19,6 +19,7 @@ from rich.table import Table
 
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import Store, entry_dict, entry_from_dict
+from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 
@@ -164,12 +165,13 @@ def show(
     """One key: its entries, guards, metadata, readable graph and kernels."""
     store = _store(redis_url)
     key = _resolve(store, key)
-    entries = [entry_dict(e) for e in store.artifacts.entries(key)]
+    metas = store.artifacts.entries(key)
     if as_json:
-        typer.echo(json.dumps({"key": key, "entries": entries}, indent=1))
+        typer.echo(json.dumps({"key": key, "entries": [entry_dict(m) for m in metas]}, indent=1))
         return
     console = _console()
-    for e in entries:
+    for meta in metas:
+        e = entry_dict(meta)
         console.rule(f"{key}  entry {e['digest'][:16]}")
         for name in (
             "mode",
@@ -187,7 +189,7 @@ def show(
         ):
             console.print(f"[bold]{name}[/bold]: {e.get(name, '')}")
         console.print(f"[bold]created[/bold]: {time.ctime(e.get('created', 0))}")
-        console.print(f"[bold]guards[/bold]: {e.get('guards_expr') or '(none)'}")
+        console.print(f"[bold]guards[/bold]: {shape_guards.describe(meta.guards) or '(none)'}")
         kernels = e.get("kernels", [])
         console.print(
             f"[bold]kernels[/bold] ({len(kernels)}): "
@@ -335,6 +337,7 @@ def import_(
     store = _store(redis_url)
     for item in bundle.entries:
         meta = entry_from_dict(json.loads(item.meta_json))
+        meta.guards.CopyFrom(pb.Artifact.FromString(item.artifact).guards)  # the artifact's own
         store.artifacts.put_new(item.key, item.artifact, meta)
     typer.echo(
         json.dumps({"entries": len(bundle.entries)})

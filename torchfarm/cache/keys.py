@@ -1,12 +1,12 @@
 """Every Redis key and channel torchfarm uses, and nothing else. The prefix carries the
 format version, so an upgrade never reads old data as new (tf2: entries, outcomes and stages
-are protobuf messages and enums).
+are protobuf messages and enums; tf3: an entry's guards are a ShapeGuards tree, not text).
 
 Two servers may hold them: the cache (blobs, index, usage, counters) and the broker's Redis
 (jobs, claims, stages, outcomes, notifications and pools, next to Celery's queues), so a
 full cache never stops a compile from being queued and answered."""
 
-FORMAT = "tf2"
+FORMAT = "tf3"
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256

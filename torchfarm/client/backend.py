@@ -129,7 +129,7 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
         (
             c.digest
             for c in remote.lookup(request, settings, request_id)
-            if guards.hold(c.guards_expr, inputs)
+            if guards.hold(c.guards, inputs)
         ),
         "",
     )
@@ -139,7 +139,7 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     finally:
         progress.close()
     artifact = pb.Artifact.FromString(data)
-    if not guards.install(artifact.guards_expr, inputs):
+    if not guards.install(artifact.guards, inputs):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
     compiled = load_artifact(
         artifact, cudagraphs=bool(config_patches(options).get("triton.cudagraphs"))

@@ -21,7 +21,7 @@ from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
 from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.shape_env import ShapeEnv
 
-ARTIFACT_FORMAT = 1
+ARTIFACT_FORMAT = 2  # 2: guards as a ShapeGuards tree, not Python text (issue 17)
 
 # Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
 # they only save time when many kernels share one header.
@@ -79,7 +79,7 @@ def compile_payload(
         AutogradCacheLog() as cache_log,
     ):
         compiled = standalone.compile_graph(gm, inputs, config_patches(options))
-    guards_expr = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
+    shape_guards = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
     try:
         inductor_bytes = standalone.save(compiled)
     except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
@@ -90,7 +90,7 @@ def compile_payload(
         format=ARTIFACT_FORMAT,
         inductor=inductor_bytes,
         natives=[pb.NativeObject(source_sha256=k, binary=v) for k, v in sorted(objects.items())],
-        guards_expr=guards_expr,
+        guards=shape_guards,
         compile_seconds=time.perf_counter() - started,
         op_counts=serialize.op_counts(gm),
         graph_code=gm.code,

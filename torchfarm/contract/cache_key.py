@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from torchfarm.contract.options import canonical_options
 from torchfarm.proto import torchfarm_pb2 as pb
 
-KEY_FORMAT = b"torchfarm-key-v2"
+KEY_FORMAT = b"torchfarm-key-v3"  # v3: entries carry ShapeGuards, not guard text (issue 17)
 _PRIVATE_FORMAT = b"torchfarm-private-key-v1"
 
 

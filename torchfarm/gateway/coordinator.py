@@ -218,7 +218,7 @@ class Coordinator:
         entry = (
             artifacts.entry(key, digest)
             if digest
-            else next((e for e in artifacts.entries(key) if not e.guards_expr), None)
+            else next((e for e in artifacts.entries(key) if not e.guards.all), None)
         )
         if entry is None:
             return None

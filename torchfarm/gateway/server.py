@@ -82,7 +82,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         key, entries = self.coordinator.lookup(request.key, request.private, tenant)
         return pb.LookupReply(
             key=key,
-            candidates=[pb.Candidate(digest=e.digest, guards_expr=e.guards_expr) for e in entries],
+            candidates=[pb.Candidate(digest=e.digest, guards=e.guards) for e in entries],
         )
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:

@@ -249,19 +249,21 @@ class Candidate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DIGEST_FIELD_NUMBER: _builtins.int
-    GUARDS_EXPR_FIELD_NUMBER: _builtins.int
+    GUARDS_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
-    guards_expr: _builtins.str
-    """evaluated by the client on its own sizes, never by the gateway"""
+    @_builtins.property
+    def guards(self) -> Global___ShapeGuards:
+        """evaluated by the client on its own sizes, never by the gateway"""
+
     def __init__(
         self,
         *,
         digest: _builtins.str = ...,
-        guards_expr: _builtins.str = ...,
+        guards: Global___ShapeGuards | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards_expr", b"guards_expr"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards", b"guards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -478,6 +480,165 @@ class DropReply(_message.Message):
 Global___DropReply: _TypeAlias = DropReply  # noqa: Y015
 
 @_typing.final
+class ShapeGuards(_message.Message):
+    """---- Shape guards (issue 17) -----------------------------------------------------------
+    Where an artifact is valid, as data: a conjunction of relations over integer expressions
+    whose leaves are the graph's SymInt inputs and constants. A client evaluates it with its own
+    small evaluator (torchfarm/contract/shape_guards.py); no text from the farm is ever eval'd.
+    Replaces the Python text `guards_expr` of torchfarm.v1's first revision (Artifact format 2).
+
+    Every condition must hold; none: valid for every size.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def all(self) -> _containers.RepeatedCompositeFieldContainer[Global___GuardExpr]:
+        """each a truth value"""
+
+    def __init__(
+        self,
+        *,
+        all: _abc.Iterable[Global___GuardExpr] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShapeGuards: _TypeAlias = ShapeGuards  # noqa: Y015
+
+@_typing.final
+class GuardExpr(_message.Message):
+    """An integer or a truth value over the graph's SymInt inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_FIELD_NUMBER: _builtins.int
+    CONSTANT_FIELD_NUMBER: _builtins.int
+    APPLY_FIELD_NUMBER: _builtins.int
+    input: _builtins.int
+    """the graph's i-th SymInt input (graph order: L['t<i>']), an integer"""
+    constant: _builtins.int
+    """an integer"""
+    @_builtins.property
+    def apply(self) -> Global___GuardApply:
+        """an operator on its operands"""
+
+    def __init__(
+        self,
+        *,
+        input: _builtins.int = ...,
+        constant: _builtins.int = ...,
+        apply: Global___GuardApply | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["apply", b"apply", "constant", b"constant", "input", b"input", "node", b"node"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply", b"apply", "constant", b"constant", "input", b"input", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_node: _TypeAlias = _typing.Literal["input", "constant", "apply"]  # noqa: Y015
+    _WhichOneofArgType_node: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_node) -> _WhichOneofReturnType_node | None: ...
+
+Global___GuardExpr: _TypeAlias = GuardExpr  # noqa: Y015
+
+@_typing.final
+class GuardApply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Op:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _OpEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[GuardApply._Op.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        OP_UNSPECIFIED: GuardApply._Op.ValueType  # 0
+        ADD: GuardApply._Op.ValueType  # 1
+        """integers -> integer, Python semantics (floor division and modulo round toward -inf)
+        two or more operands
+        """
+        SUB: GuardApply._Op.ValueType  # 2
+        MUL: GuardApply._Op.ValueType  # 3
+        """two or more operands"""
+        FLOOR_DIV: GuardApply._Op.ValueType  # 4
+        MOD: GuardApply._Op.ValueType  # 5
+        NEG: GuardApply._Op.ValueType  # 6
+        """one operand"""
+        MAX: GuardApply._Op.ValueType  # 7
+        """two or more operands"""
+        MIN: GuardApply._Op.ValueType  # 8
+        """two or more operands"""
+        EQ: GuardApply._Op.ValueType  # 9
+        """two integers -> truth"""
+        NE: GuardApply._Op.ValueType  # 10
+        LT: GuardApply._Op.ValueType  # 11
+        LE: GuardApply._Op.ValueType  # 12
+        GT: GuardApply._Op.ValueType  # 13
+        GE: GuardApply._Op.ValueType  # 14
+        AND: GuardApply._Op.ValueType  # 15
+        """truths -> truth
+        two or more operands
+        """
+        OR: GuardApply._Op.ValueType  # 16
+        """two or more operands"""
+        NOT: GuardApply._Op.ValueType  # 17
+        """one operand"""
+
+    class Op(_Op, metaclass=_OpEnumTypeWrapper): ...
+    OP_UNSPECIFIED: GuardApply.Op.ValueType  # 0
+    ADD: GuardApply.Op.ValueType  # 1
+    """integers -> integer, Python semantics (floor division and modulo round toward -inf)
+    two or more operands
+    """
+    SUB: GuardApply.Op.ValueType  # 2
+    MUL: GuardApply.Op.ValueType  # 3
+    """two or more operands"""
+    FLOOR_DIV: GuardApply.Op.ValueType  # 4
+    MOD: GuardApply.Op.ValueType  # 5
+    NEG: GuardApply.Op.ValueType  # 6
+    """one operand"""
+    MAX: GuardApply.Op.ValueType  # 7
+    """two or more operands"""
+    MIN: GuardApply.Op.ValueType  # 8
+    """two or more operands"""
+    EQ: GuardApply.Op.ValueType  # 9
+    """two integers -> truth"""
+    NE: GuardApply.Op.ValueType  # 10
+    LT: GuardApply.Op.ValueType  # 11
+    LE: GuardApply.Op.ValueType  # 12
+    GT: GuardApply.Op.ValueType  # 13
+    GE: GuardApply.Op.ValueType  # 14
+    AND: GuardApply.Op.ValueType  # 15
+    """truths -> truth
+    two or more operands
+    """
+    OR: GuardApply.Op.ValueType  # 16
+    """two or more operands"""
+    NOT: GuardApply.Op.ValueType  # 17
+    """one operand"""
+
+    OP_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    op: Global___GuardApply.Op.ValueType
+    @_builtins.property
+    def args(self) -> _containers.RepeatedCompositeFieldContainer[Global___GuardExpr]: ...
+    def __init__(
+        self,
+        *,
+        op: Global___GuardApply.Op.ValueType = ...,
+        args: _abc.Iterable[Global___GuardExpr] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "op", b"op"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuardApply: _TypeAlias = GuardApply  # noqa: Y015
+
+@_typing.final
 class NativeObject(_message.Message):
     """A compiled object file, keyed by the sha256 of the C++ source Inductor generated for it."""
 
@@ -550,17 +711,15 @@ class Artifact(_message.Message):
     FORMAT_FIELD_NUMBER: _builtins.int
     INDUCTOR_FIELD_NUMBER: _builtins.int
     NATIVES_FIELD_NUMBER: _builtins.int
-    GUARDS_EXPR_FIELD_NUMBER: _builtins.int
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
     OP_COUNTS_FIELD_NUMBER: _builtins.int
     GRAPH_CODE_FIELD_NUMBER: _builtins.int
     KERNELS_FIELD_NUMBER: _builtins.int
     TUNED_CONFIGS_FIELD_NUMBER: _builtins.int
+    GUARDS_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
-    guards_expr: _builtins.str
-    """ShapeEnv.produce_guards_expression over the graph's SymInt inputs"""
     compile_seconds: _builtins.float
     graph_code: _builtins.str
     """the graph's readable Python code, for operators"""
@@ -580,22 +739,26 @@ class Artifact(_message.Message):
         coordinate descent included: `<2 chars>/<hash>.best_config` -> Inductor's JSON.
         """
 
+    @_builtins.property
+    def guards(self) -> Global___ShapeGuards:
+        """where this artifact is valid (its compile's shape guards)"""
+
     def __init__(
         self,
         *,
         format: _builtins.int = ...,
         inductor: _builtins.bytes = ...,
         natives: _abc.Iterable[Global___NativeObject] | None = ...,
-        guards_expr: _builtins.str = ...,
         compile_seconds: _builtins.float = ...,
         op_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         graph_code: _builtins.str = ...,
         kernels: _abc.Iterable[Global___Kernel] | None = ...,
         tuned_configs: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        guards: Global___ShapeGuards | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards_expr", b"guards_expr", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -877,7 +1040,6 @@ class EntryMeta(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     STORED_BYTES_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
-    GUARDS_EXPR_FIELD_NUMBER: _builtins.int
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     PRIVATE_FIELD_NUMBER: _builtins.int
@@ -894,6 +1056,7 @@ class EntryMeta(_message.Message):
     WORKER_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
     LAST_HIT_FIELD_NUMBER: _builtins.int
+    GUARDS_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     """sha256 of the artifact bytes"""
     size: _builtins.int
@@ -902,8 +1065,6 @@ class EntryMeta(_message.Message):
     """bytes as stored (compressed)"""
     created: _builtins.float
     """unix time"""
-    guards_expr: _builtins.str
-    """opaque here: evaluated by clients only"""
     compile_seconds: _builtins.float
     tenant: _builtins.str
     private: _builtins.bool
@@ -927,6 +1088,10 @@ class EntryMeta(_message.Message):
     def kernels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Kernel]: ...
     @_builtins.property
     def objects(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObjectInfo]: ...
+    @_builtins.property
+    def guards(self) -> Global___ShapeGuards:
+        """opaque to the gateway: evaluated by clients only"""
+
     def __init__(
         self,
         *,
@@ -934,7 +1099,6 @@ class EntryMeta(_message.Message):
         size: _builtins.int = ...,
         stored_bytes: _builtins.int = ...,
         created: _builtins.float = ...,
-        guards_expr: _builtins.str = ...,
         compile_seconds: _builtins.float = ...,
         tenant: _builtins.str = ...,
         private: _builtins.bool = ...,
@@ -951,10 +1115,11 @@ class EntryMeta(_message.Message):
         worker: _builtins.str = ...,
         hits: _builtins.int = ...,
         last_hit: _builtins.float = ...,
+        guards: Global___ShapeGuards | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards_expr", b"guards_expr", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,8 +5,6 @@ verified on; `gate` lists those releases. Importing the package runs the gate
 (`UNVERIFIED`: the reason not to use the farm with the installed torch, or None); the
 client then compiles locally and the worker refuses to start. compiler/* keep the farm's
 own logic and reach torch internals only through these modules.
-
-compiler/guards.py still calls ShapeEnv's guard methods directly (being rewritten).
 """
 
 from torchfarm.torch_adapter import gate

@@ -154,7 +154,7 @@ def _compile_and_store(
 def _entry_meta(job: pb.Job, artifact: pb.Artifact, pool: str) -> pb.EntryMeta:
     """The index entry of a compiled artifact (digest and sizes are the cache's to fill)."""
     return pb.EntryMeta(
-        guards_expr=artifact.guards_expr,
+        guards=artifact.guards,
         compile_seconds=round(artifact.compile_seconds, 3),
         tenant=job.tenant,
         private=job.private,

@@ -84,3 +84,12 @@ def test_purge_older_than_and_rm(scratch, redis_url):
     assert _cli("rm", other[:12], "--redis", url)["entries_removed"] == 1
     assert [r["key"] for r in _cli("ls", "--redis", url)] == [fresh]
     _consistent(scratch)
+
+
+def test_an_undecodable_index_entry_is_passed_over_and_dropped_with_its_key(scratch):
+    key = _put(scratch, 1)
+    [good] = scratch.artifacts.entries(key)
+    scratch.artifacts.redis.hset(keys.index(key), "0" * 64, b"\xb2\x01\x03 no")  # guards: junk
+    assert scratch.artifacts.entries(key) == [good]
+    assert scratch.artifacts.drop(key) == 2
+    assert not scratch.artifacts.redis.exists(keys.index(key))

@@ -24,6 +24,15 @@ from torchfarm.proto import torchfarm_pb2 as pb
 
 TARGET = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11")
 ARTIFACT = b"compiled bytes " * 100
+GUARDED = pb.ShapeGuards(  # t0 > 2
+    all=[
+        pb.GuardExpr(
+            apply=pb.GuardApply(
+                op=pb.GuardApply.GT, args=[pb.GuardExpr(input=0), pb.GuardExpr(constant=2)]
+            )
+        )
+    ]
+)
 
 
 @pytest.fixture
@@ -186,14 +195,32 @@ def test_a_private_entry_is_seen_by_its_tenant_only(store):
     coordinator = Coordinator(store, queue, compile_timeout_s=60)
     events: list = []
     thread = _in_background(events, coordinator, _call(private=True))
-    _store_as_worker(store, queue.next(), guards_expr="s0 > 2")
+    _store_as_worker(store, queue.next(), guards=GUARDED)
     thread.join(30)
     public = cache_key(b"graph payload", TARGET, pb.Options())
     mine = events[-1].key
     assert mine == private_key(public, "alice") != public
     key, entries = coordinator.lookup(public, True, "alice")
-    assert key == mine and [e.guards_expr for e in entries] == ["s0 > 2"]
+    assert key == mine and [e.guards for e in entries] == [GUARDED]
     for private in (True, False):
         key, entries = coordinator.lookup(public, private, "bob")
         assert key != mine and not entries
     assert coordinator.lookup(mine, False, "bob") == (mine, [])  # naming alice's key: nothing
+
+
+def test_without_a_digest_only_an_unguarded_entry_is_served(store):
+    # A guarded entry may not hold for the client's sizes; only the client can tell (its
+    # digest). An unguarded entry holds everywhere.
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    key = cache_key(b"graph payload", TARGET, pb.Options())
+    guarded = store.artifacts.put(key, ARTIFACT, pb.EntryMeta(tenant="alice", guards=GUARDED))
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    _store_as_worker(store, queue.next(), b"unguarded bytes")
+    thread.join(30)
+    assert events[-1].source == "miss"
+    again = _run(coordinator, _call())
+    assert again[-1].source == "hit" and again[-1].data == b"unguarded bytes"
+    chosen = _run(coordinator, _call(digest=guarded.digest))
+    assert chosen[-1].source == "hit" and chosen[-1].data == ARTIFACT
