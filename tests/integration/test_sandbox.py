@@ -104,6 +104,11 @@ def test_a_root_workers_child_cannot_escape_or_plant_code(sandbox_farm, tmp_path
         os.path.join(ROOT, "torchfarm", f"pwned_{tag}.pth"),  # the package
         os.path.join(ROOT, "torchfarm", f"pwned_{tag}.py"),
     ]
+    # where the child's own view of the venv and the package would write, seen from the host
+    host_targets += [
+        os.path.join(sysconfig.get_paths()["purelib"], f"pwned-{tag}-in.pth"),
+        os.path.join(ROOT, "torchfarm", f"pwned_{tag}_in.pth"),
+    ]
     os.makedirs(os.path.join(ROOT, ".cache"), exist_ok=True)
     code = f"""
 import json, os, subprocess, sysconfig, torchfarm
@@ -116,7 +121,7 @@ def run(name, command):
 run("remount", "mount -o remount,rw /")
 run("remount bind", "mount -o remount,bind,rw /")
 package = os.path.dirname(torchfarm.__path__[0] + "/")
-targets = {host_targets!r} + [
+targets = {host_targets[:4]!r} + [
     os.path.join(sysconfig.get_paths()["purelib"], "pwned-{tag}-in.pth"),
     os.path.join(package, "pwned_{tag}_in.pth"),
 ]
@@ -167,7 +172,8 @@ for top in [{redis_dir!r}, {str(parent_dir)!r}, os.path.expanduser("~")]:
     for where, _, names in os.walk(top):
         for name in names:
             try:
-                found[os.path.join(where, name)] = open(os.path.join(where, name), "rb").read(64).hex()
+                with open(os.path.join(where, name), "rb") as f:
+                    found[os.path.join(where, name)] = f.read(64).hex()
             except OSError:
                 pass
 raise RuntimeError("report: " + json.dumps(found))

@@ -115,7 +115,9 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
     args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
     args += ["--ro-bind", "/usr", "/usr"]
     for name, target in sorted(layout.top_level.items()):
-        args += ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
+        args += (
+            ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
+        )
     for path in (*layout.etc, *layout.python_roots, *settings.sandbox_binds):
         args += ["--ro-bind", path, path]
     args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
@@ -151,9 +153,11 @@ def _child_command(settings: WorkerSettings, private_dir: str) -> tuple[list[str
     empty host directory of the parent's, used only without a sandbox."""
     python = [sys.executable, "-m", "torchfarm.workers.compile_child"]
     if settings.sandbox == "bwrap":
-        return bwrap_args(settings, HostLayout.probe()) + python, child_environment(
-            WORK_DIR, LIB_DIR
-        ), "/"
+        return (
+            bwrap_args(settings, HostLayout.probe()) + python,
+            child_environment(WORK_DIR, LIB_DIR),
+            "/",
+        )
     # Unconfined: still off the worker's working directory, with only the package importable.
     lib_dir, work_dir = os.path.join(private_dir, "lib"), os.path.join(private_dir, "work")
     os.makedirs(lib_dir)
