@@ -151,7 +151,7 @@ class WorkerSettings:
             sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
             memory_limit_mb=int(
-                _env("TORCHFARM_COMPILE_MEMORY_MB", str(default_compile_memory_mb()))
+                _env("TORCHFARM_COMPILE_MEMORY_MB", "") or default_compile_memory_mb()
             ),
             cache_max_bytes=int(_env("TORCHFARM_CACHE_MAX_BYTES", str(cls.cache_max_bytes))),
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
