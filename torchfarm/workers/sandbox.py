@@ -47,7 +47,15 @@ _ETC = ("/etc/ld.so.cache",)
 # Top-level links or directories of a merged-/usr layout that point into /usr.
 _TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Environment the child may inherit: the compiler choice and the CUDA runtime's.
-_PASSED_ENV = ("CXX", "CC", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
+_PASSED_ENV = (
+    "CXX",
+    "CC",
+    "CUDA_HOME",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+    "TRITON_LIBCUDA_PATH",
+    "TRITON_PTXAS_PATH",
+)
 
 
 class CompileFailed(RuntimeError):
