@@ -3,8 +3,7 @@
 `python -m` puts the working directory first on sys.path. Started from a checkout's parent
 directory, the repository root there shadows the package (as a namespace package with no
 `__file__`), and whatever else lies there becomes importable by the farm's processes. So
-the CLI first re-executes itself without it (`python -P` on 3.11+, the same by hand on
-3.10), keeping importable the directory this package came from.
+the CLI first re-executes itself without it: `python -P` on 3.11+, the same by hand on 3.10.
 """
 
 import os
@@ -16,11 +15,7 @@ if sys.path and sys.path[0] in ("", os.getcwd()):
     else:
         run = "import runpy, sys; del sys.path[0]; runpy.run_module('torchfarm', alter_sys=True)"
         argv = [sys.executable, "-c", run]
-    env = dict(os.environ)
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if home not in sys.path[1:]:  # not installed: run from the checkout it lives in
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [home, env.get("PYTHONPATH")]))
-    os.execve(sys.executable, argv + sys.argv[1:], env)
+    os.execv(sys.executable, argv + sys.argv[1:])
 
 from torchfarm.cli import main  # noqa: E402
 
