@@ -1,3 +1,22 @@
-from torchfarm.cli import main
+"""`python -m torchfarm`: the CLI, run with the working directory off sys.path.
+
+`python -m` puts the working directory first on sys.path. Started from a checkout's parent
+directory, the repository root there shadows the package (as a namespace package with no
+`__file__`), and whatever else lies there becomes importable by the farm's processes. So
+the CLI first re-executes itself without it: `python -P` on 3.11+, the same by hand on 3.10.
+"""
+
+import os
+import sys
+
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    if sys.version_info >= (3, 11):
+        argv = [sys.executable, "-P", "-m", "torchfarm"]
+    else:
+        run = "import runpy, sys; del sys.path[0]; runpy.run_module('torchfarm', alter_sys=True)"
+        argv = [sys.executable, "-c", run]
+    os.execv(sys.executable, argv + sys.argv[1:])
+
+from torchfarm.cli import main  # noqa: E402
 
 main()

@@ -104,7 +104,9 @@ class WorkerSettings:
     concurrency: int = 1  # TORCHFARM_WORKER_CONCURRENCY: compiles at once
     sandbox: str = "bwrap"  # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
     compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
-    memory_limit_mb: int = 0  # TORCHFARM_COMPILE_MEMORY_MB: address-space limit, 0 = none
+    # TORCHFARM_COMPILE_MEMORY_MB: address-space limit of a CPU compile child, 0 = none;
+    # default min(32 GiB, 75% of RAM). Not applied on CUDA (see docs/self-hosting.md).
+    memory_limit_mb: int = dataclasses.field(default_factory=lambda: default_compile_memory_mb())
     cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
     cache_ttl_s: float = 0  # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
     # TORCHFARM_REDELIVERY_TIMEOUT: a task whose worker died unacknowledged goes to another
@@ -118,6 +120,14 @@ class WorkerSettings:
     # TORCHFARM_FAILURE_MEMORY: a job whose compile raised (not a timeout or a killed child) is
     # answered with that error, without compiling again, for this long; 0 = always retry
     failure_memory_s: float = 600
+    # TORCHFARM_COMPILE_DISK_MB: size of the compile child's private work dir (a tmpfs in its
+    # sandbox: counts against the machine's memory, vanishes with the child)
+    compile_disk_mb: int = 4096
+    # TORCHFARM_MAX_ARTIFACT_BYTES: the largest artifact a compile child may hand back
+    max_artifact_bytes: int = 1 << 30
+    # TORCHFARM_SANDBOX_BINDS: comma-separated extra paths bound read-only into the sandbox,
+    # for a toolchain outside /usr and the Python environment (e.g. /opt/cuda)
+    sandbox_binds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
@@ -141,16 +151,31 @@ class WorkerSettings:
             concurrency=int(_env("TORCHFARM_WORKER_CONCURRENCY", "1")),
             sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
-            memory_limit_mb=int(_env("TORCHFARM_COMPILE_MEMORY_MB", "0")),
+            memory_limit_mb=int(
+                _env("TORCHFARM_COMPILE_MEMORY_MB", "") or default_compile_memory_mb()
+            ),
             cache_max_bytes=int(_env("TORCHFARM_CACHE_MAX_BYTES", str(cls.cache_max_bytes))),
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
             failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
+            compile_disk_mb=int(_env("TORCHFARM_COMPILE_DISK_MB", str(cls.compile_disk_mb))),
+            max_artifact_bytes=int(
+                _env("TORCHFARM_MAX_ARTIFACT_BYTES", str(cls.max_artifact_bytes))
+            ),
+            sandbox_binds=tuple(
+                p.strip() for p in _env("TORCHFARM_SANDBOX_BINDS", "").split(",") if p.strip()
+            ),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def default_compile_memory_mb() -> int:
+    """A compile child's default memory cap: 75% of this machine's RAM, at most 32 GiB."""
+    ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    return min(32 << 10, ram_mb * 3 // 4)
 
 
 def broker_url(redis_url: str, broker: str) -> str:

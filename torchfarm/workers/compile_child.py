@@ -1,46 +1,65 @@
-"""Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child DIR`.
+"""Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child`.
 
-Imports the modules named in DIR/op_libraries (the operator's TORCHFARM_OP_LIBRARIES: they
-register custom operators), reads DIR/payload.bin and DIR/request.json, writes
-DIR/artifact.pb, and keeps DIR/stage
-(compiling / autotuning) current for the worker's progress reports. Everything it reads is
-hostile; it runs with no network, no secrets and no access to the cache.
+It speaks the contract's child protocol (CompileChildRequest / CompileChildReport in
+torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
+So nothing of a tenant's compile is ever a file the host can see, and a crashed worker leaves
+nothing behind. It imports the operator's TORCHFARM_OP_LIBRARIES first (they register custom
+operators), then compiles. Everything it reads is hostile; it runs with no network, no
+secrets, no capabilities and no access to the cache.
 """
 
+from __future__ import annotations
+
+import os
+import struct
 import sys
+from typing import BinaryIO
+
+from torchfarm.proto import torchfarm_pb2 as pb
+
+# Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
+FRAME = struct.Struct(">Q")
+
+_reports: BinaryIO | None = None  # the real stdout; fd 1 itself then points at stderr
 
 
-def main(workdir: str) -> int:
+def report(message: pb.CompileChildReport) -> None:
+    """Send one report to the parent."""
+    assert _reports is not None, "report() before main() took over stdout"
+    data = message.SerializeToString()
+    _reports.write(FRAME.pack(len(data)) + data)
+    _reports.flush()
+
+
+def _on_stage(stage: str) -> None:
+    report(pb.CompileChildReport(stage=pb.Progress.Stage.Value(stage.upper())))
+
+
+def main() -> int:
+    global _reports
+    # Whatever the compile prints goes to stderr (the error text), never into the reports.
+    _reports = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    request = pb.CompileChildRequest.FromString(sys.stdin.buffer.read())
+
     import importlib
-    import os
-
-    from google.protobuf import json_format
 
     from torchfarm.compiler.inductor import compile_payload
-    from torchfarm.proto import torchfarm_pb2 as pb
 
-    with open(os.path.join(workdir, "op_libraries")) as f:
-        for module in filter(None, (m.strip() for m in f.read().split(","))):
-            importlib.import_module(module)
-    with open(os.path.join(workdir, "request.json")) as f:
-        request = json_format.Parse(f.read(), pb.CompileRequest())
-    with open(os.path.join(workdir, "payload.bin"), "rb") as f:
-        payload = f.read()
-
-    def on_stage(stage: str) -> None:
-        with open(os.path.join(workdir, "stage.tmp"), "w") as f:
-            f.write(stage)
-        os.replace(os.path.join(workdir, "stage.tmp"), os.path.join(workdir, "stage"))
-
+    for module in request.op_libraries:
+        importlib.import_module(module)
     artifact = compile_payload(
-        payload, request.options, request.target.threads, dict(request.size_hints), on_stage
+        request.graph,
+        request.options,
+        request.target.threads,
+        dict(request.size_hints),
+        _on_stage,
     )
-    tmp = os.path.join(workdir, "artifact.pb.tmp")
-    with open(tmp, "wb") as f:
-        f.write(artifact.SerializeToString())
-    os.replace(tmp, os.path.join(workdir, "artifact.pb"))
+    report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+if __name__ == "__main__":  # run the importable module's main, so report() has one state
+    from torchfarm.workers import compile_child
+
+    sys.exit(compile_child.main())

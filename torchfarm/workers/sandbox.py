@@ -1,13 +1,19 @@
-"""Run one compile in a child process that can do nothing else.
+"""Run one compile in a child process that can do nothing else, even under a root worker.
 
-The child gets a fresh private directory (its Inductor and Triton caches live there), no
-network (bubblewrap `--unshare-net`), a read-only view of the system, an empty environment
-apart from what compiling needs, resource limits and a wall-clock timeout. It hands back an
-Artifact as protobuf bytes; the parent parses them as protobuf only.
+The child runs in bubblewrap as an unprivileged user of its own user namespace, with every
+capability dropped and no new privileges, in new network, PID, IPC, UTS and cgroup
+namespaces, and dies with its parent. It sees read-only binds of what a compile needs (the
+toolchain under /usr, the interpreter, the environment's packages and the torchfarm package
+alone, on a private path), and writes only to a size-capped private tmpfs that vanishes with
+it. It never sees the worker's working directory, the host's /tmp, $HOME or the farm's data.
+Request, stages and artifact travel through pipes (the contract's child protocol), read
+with caps; its error text is bounded. See docs/reliability.md, "Threat model".
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import resource
@@ -16,17 +22,40 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from collections.abc import Callable
-
-from google.protobuf import json_format
+from pathlib import Path
+from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
+from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
-STAGES = ("compiling", "autotuning")  # what the child may report in workdir/stage
-STAGE_POLL_S = 0.5
+
+SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
+LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
+WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
+SHM_BYTES = 256 << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
+ERROR_TAIL_BYTES = 2048  # how much of the child's stderr a failure reports
+_STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
+_MAX_STAGE_FRAME = 64
+# /etc is not bound, except the dynamic linker's cache: a CPU compile here ran without it (the
+# default library paths sufficed), but libraries registered through /etc/ld.so.conf.d (CUDA's,
+# /usr/local/lib) are found only through it.
+_ETC = ("/etc/ld.so.cache",)
+# Top-level links or directories of a merged-/usr layout that point into /usr.
+_TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Environment the child may inherit: the compiler choice and the CUDA runtime's.
+_PASSED_ENV = (
+    "CXX",
+    "CC",
+    "CUDA_HOME",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+    "TRITON_LIBCUDA_PATH",
+    "TRITON_PTXAS_PATH",
+)
 
 
 class CompileFailed(RuntimeError):
@@ -38,114 +67,170 @@ class CompileFailed(RuntimeError):
         self.lasting = lasting
 
 
-def check_available(settings: WorkerSettings) -> None:
-    """Refuse to run without a sandbox unless the operator asked for that explicitly."""
-    if settings.sandbox == "bwrap":
-        if not shutil.which("bwrap"):
-            raise SystemExit(
-                "torchfarm worker: bubblewrap (bwrap) not found. Install it "
-                "(apt-get install bubblewrap) or run with --sandbox none "
-                "(compiles untrusted graphs unconfined)."
-            )
-    elif settings.sandbox == "none":
-        log.warning(
-            "!!! SANDBOX DISABLED: untrusted graphs are unpickled and compiled without "
-            "isolation. Use only with clients you trust. !!!"
+# Prefix of a job error that the gateway turns into DEADLINE_EXCEEDED (others: ABORTED).
+TIMED_OUT = "DEADLINE_EXCEEDED: "
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """What of this machine the sandbox binds; `probe()` reads it, tests build their own."""
+
+    top_level: dict[str, str]  # /bin, /lib64, ...: symlink target, or "" for a directory
+    python_roots: tuple[str, ...]  # interpreter and environment prefixes outside /usr
+    package_dir: str  # the torchfarm package (never its checkout)
+    etc: tuple[str, ...]  # the /etc entries of _ETC that exist
+    gpu_nodes: tuple[str, ...]  # /dev/nvidia*
+
+    @classmethod
+    def probe(cls) -> HostLayout:
+        top_level = {}
+        for name in _TOP_LEVEL:
+            path = f"/{name}"
+            if os.path.islink(path):
+                top_level[name] = os.readlink(path)
+            elif os.path.isdir(path):
+                top_level[name] = ""
+        roots = {
+            os.path.realpath(p)
+            for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+        }
+        roots.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+        return cls(
+            top_level=top_level,
+            python_roots=_outermost(r for r in roots if not _under(r, "/usr") and r != "/"),
+            package_dir=str(Path(__file__).resolve().parents[1]),
+            etc=tuple(p for p in _ETC if os.path.exists(p)),
+            gpu_nodes=tuple(
+                f"/dev/{n}" for n in sorted(os.listdir("/dev")) if n.startswith("nvidia")
+            ),
         )
-    else:
-        raise SystemExit(f"torchfarm worker: unknown sandbox {settings.sandbox!r}")
 
 
-def _code_paths_under_tmp() -> list[str]:
-    """Python and torchfarm may live under /tmp (a CI clone); keep them visible, read-only."""
-    import torchfarm
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
-    paths = {
-        sys.prefix,
-        sys.base_prefix,
-        os.path.dirname(os.path.realpath(sys.executable)),
-        os.path.dirname(os.path.dirname(os.path.abspath(torchfarm.__file__))),
-        *(p for p in sys.path if p and os.path.isdir(p)),
+
+def _outermost(paths) -> tuple[str, ...]:
+    """The paths not inside another one of them, sorted."""
+    ordered = sorted(set(paths))
+    return tuple(p for p in ordered if not any(q != p and _under(p, q) for q in ordered))
+
+
+def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
+    """The bubblewrap command line (up to the child's own command) for one compile child."""
+    args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+    args += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
+    args += ["--ro-bind", "/usr", "/usr"]
+    for name, target in sorted(layout.top_level.items()):
+        args += (
+            ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
+        )
+    for path in (*layout.etc, *layout.python_roots, *settings.sandbox_binds):
+        args += ["--ro-bind", path, path]
+    args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    args += ["--size", str(settings.compile_disk_mb << 20), "--tmpfs", WORK_DIR]
+    args += ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+    if settings.device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
+        for node in layout.gpu_nodes:
+            args += ["--dev-bind", node, node]
+        args += ["--ro-bind", "/sys", "/sys"]  # the CUDA driver reads its devices' topology
+    args += ["--chdir", WORK_DIR, "--remount-ro", "/"]
+    return args
+
+
+def child_environment(work_dir: str, lib_dir: str) -> dict[str, str]:
+    """The child's whole environment: no secret of the worker's reaches it."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": lib_dir,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": work_dir,
+        "USER": "nobody",
+        "TMPDIR": work_dir,
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(work_dir, "triton"),
     }
-    return sorted(p for p in paths if p.startswith("/tmp/"))
+    env.update({name: os.environ[name] for name in _PASSED_ENV if name in os.environ})
+    return env
 
 
-def _bwrap(workdir: str, device: str) -> list[str]:
-    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    for path in _code_paths_under_tmp():
-        cmd += ["--ro-bind", path, path]
-    cmd += [
-        "--bind",
-        workdir,
-        workdir,
-        "--unshare-net",
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--die-with-parent",
-        "--new-session",
-    ]
-    if device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
-        for node in sorted(os.listdir("/dev")):
-            if node.startswith("nvidia"):
-                cmd += ["--dev-bind", f"/dev/{node}", f"/dev/{node}"]
-    return cmd
-
-
-def _run_reporting(
-    cmd: list[str], workdir: str, settings: WorkerSettings, on_stage: Callable[[str], None] | None
-) -> tuple[int, str]:
-    """Run the child to its end or the timeout, passing on each new stage it writes to
-    workdir/stage; its exit status and stderr."""
-    stage_path, seen = os.path.join(workdir, "stage"), ""
-    deadline = time.monotonic() + settings.compile_timeout_s
-    with tempfile.TemporaryFile() as stderr:  # outside the child's view
-        proc = subprocess.Popen(
-            cmd,
-            env=_environment(workdir),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_limits(settings.memory_limit_mb, settings.device),
+def _child_command(settings: WorkerSettings, private_dir: str) -> tuple[list[str], dict, str]:
+    """argv, environment and working directory of one compile child. `private_dir` is an
+    empty host directory of the parent's, used only without a sandbox."""
+    python = [sys.executable, "-m", "torchfarm.workers.compile_child"]
+    if settings.sandbox == "bwrap":
+        return (
+            bwrap_args(settings, HostLayout.probe()) + python,
+            child_environment(WORK_DIR, LIB_DIR),
+            "/",
         )
-        while True:
-            try:
-                proc.wait(timeout=min(STAGE_POLL_S, max(0.0, deadline - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() >= deadline:
-                    proc.kill()
-                    proc.wait()
-                    raise CompileFailed(
-                        f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
-                        "(TORCHFARM_COMPILE_TIMEOUT_WORKER)"
-                    ) from None
-            stage = _read_stage(stage_path)
-            if on_stage and stage and stage != seen:
-                seen = stage
-                on_stage(stage)
-        stderr.seek(0)
-        return proc.returncode, stderr.read()[-64_000:].decode(errors="replace")
+    # Unconfined: still off the worker's working directory, with only the package importable.
+    lib_dir, work_dir = os.path.join(private_dir, "lib"), os.path.join(private_dir, "work")
+    os.makedirs(lib_dir)
+    os.makedirs(work_dir)
+    os.symlink(HostLayout.probe().package_dir, os.path.join(lib_dir, "torchfarm"))
+    return python, child_environment(work_dir, lib_dir), work_dir
 
 
-def _read_stage(path: str) -> str:
-    """The child's current stage, if it wrote a known one (it is hostile: nothing else)."""
-    try:
-        with open(path, "rb") as f:
-            stage = f.read(32).decode(errors="replace")
-    except OSError:
-        return ""
-    return stage if stage in STAGES else ""
-
-
-def _limits(memory_mb: int, device: str):
-    # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
-    if memory_mb > 0 and device == "cuda":
+def check_available(settings: WorkerSettings) -> None:
+    """Refuse to start without a sandbox that holds, unless the operator asked for none."""
+    if settings.sandbox == "none":
         log.warning(
-            "TORCHFARM_COMPILE_MEMORY_MB is ignored on CUDA workers (address-space "
-            "limits break CUDA); limit the worker's container memory instead"
+            "!!! SANDBOX DISABLED (--sandbox none): untrusted graphs are unpickled and "
+            "compiled without isolation, with this worker's privileges. Use only with "
+            "clients you trust. !!!"
         )
-        memory_mb = 0
+        return
+    if settings.sandbox != "bwrap":
+        raise SystemExit(f"torchfarm worker: unknown sandbox {settings.sandbox!r}")
+    if not shutil.which("bwrap"):
+        raise SystemExit(
+            "torchfarm worker: bubblewrap (bwrap) not found: install it (apt-get install "
+            "bubblewrap) or run with --sandbox none (compiles untrusted graphs unconfined)"
+        )
+    problem = _self_check(settings)
+    if problem:
+        raise SystemExit(
+            f"torchfarm worker: cannot build the compile sandbox ({problem}); see "
+            "docs/self-hosting.md, or run with --sandbox none (compiles untrusted graphs "
+            "unconfined)"
+        )
+    if settings.device == "cuda":
+        log.warning(
+            "compile children on CUDA have no memory cap (address-space limits break "
+            "CUDA): give the worker's container a memory limit"
+        )
+
+
+# Run by the self-check inside the sandbox: confined as promised, and the child importable.
+_SELF_CHECK = """
+import os, torchfarm.workers.compile_child
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+caps = [int(status[k], 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")]
+assert os.getuid() != 0 and not any(caps), status
+assert not os.access("/", os.W_OK)
+"""
+
+
+def _self_check(settings: WorkerSettings) -> str:
+    """Run the compile child's full sandbox on a tiny check; what went wrong, or ""."""
+    cmd, env, cwd = _child_command(settings, "")
+    cmd = cmd[: -len(["-m", "torchfarm.workers.compile_child"])] + ["-c", _SELF_CHECK]
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    return f"exit {proc.returncode}: {lines[-1] if lines else ''}" if proc.returncode else ""
+
+
+def _limits(settings: WorkerSettings) -> Callable[[], None]:
+    memory_mb = settings.memory_limit_mb if settings.device != "cuda" else 0
+    # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
 
     def apply() -> None:
         if memory_mb > 0:
@@ -154,21 +239,6 @@ def _limits(memory_mb: int, device: str):
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     return apply
-
-
-def _environment(workdir: str) -> dict[str, str]:
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": workdir,
-        "TMPDIR": os.path.join(workdir, "tmp"),
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(workdir, "inductor"),
-        "TRITON_CACHE_DIR": os.path.join(workdir, "triton"),
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-    for name in ("PYTHONPATH", "CXX", "CC", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES"):
-        if name in os.environ:
-            env[name] = os.environ[name]
-    return env
 
 
 def _how_it_ended(returncode: int, sandbox: str) -> str:
@@ -188,8 +258,56 @@ def _how_it_ended(returncode: int, sandbox: str) -> str:
         return f"exit {returncode}"
 
 
-# Prefix of a job error that the gateway turns into DEADLINE_EXCEEDED (others: ABORTED).
-TIMED_OUT = "DEADLINE_EXCEEDED: "
+def _tail(stream: IO[bytes], keep: collections.deque) -> None:
+    """Drain `stream`, keeping only its last ERROR_TAIL_BYTES in `keep`."""
+    size = 0
+    for chunk in iter(lambda: stream.read(4096), b""):
+        keep.append(chunk)
+        size += len(chunk)
+        while size - len(keep[0]) >= ERROR_TAIL_BYTES:
+            size -= len(keep.popleft())
+
+
+def _feed(stream: IO[bytes], data: bytes) -> None:
+    try:
+        stream.write(data)
+        stream.close()
+    except OSError:  # the child died before reading it all: its exit status says why
+        pass
+
+
+def _read_reports(
+    stream: IO[bytes], settings: WorkerSettings, on_stage: Callable[[str], None] | None
+) -> bytes | None:
+    """Read the child's reports until its artifact (returned) or the end of the stream."""
+    while True:
+        head = stream.read(FRAME.size)
+        if len(head) < FRAME.size:
+            return None
+        (size,) = FRAME.unpack(head)
+        if size > settings.max_artifact_bytes + 16:  # the artifact field's own tag and length
+            raise CompileFailed(
+                f"compile child's artifact is over {settings.max_artifact_bytes} bytes "
+                f"({size} bytes sent; TORCHFARM_MAX_ARTIFACT_BYTES)",
+                lasting=True,
+            )
+        data = stream.read(size)
+        if len(data) < size:
+            return None
+        try:
+            message = pb.CompileChildReport.FromString(data)  # protobuf parse: no code runs
+        except Exception:
+            raise CompileFailed("compile child sent a malformed report", lasting=True) from None
+        if message.WhichOneof("report") == "artifact":
+            if len(message.artifact) > settings.max_artifact_bytes:
+                raise CompileFailed(
+                    f"compile child's artifact is {len(message.artifact)} bytes, over "
+                    f"{settings.max_artifact_bytes} (TORCHFARM_MAX_ARTIFACT_BYTES)",
+                    lasting=True,
+                )
+            return message.artifact
+        if size <= _MAX_STAGE_FRAME and message.stage in _STAGES and on_stage:
+            on_stage(pb.Progress.Stage.Name(message.stage).lower())
 
 
 def run_compile(
@@ -201,31 +319,63 @@ def run_compile(
     on_stage: Callable[[str], None] | None = None,
 ) -> bytes:
     """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes.
-    `on_stage(stage)` hears the child's stage (compiling / autotuning) as it changes."""
-    with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as workdir:
-        os.makedirs(os.path.join(workdir, "tmp"))
-        with open(os.path.join(workdir, "payload.bin"), "wb") as f:
-            f.write(payload)
-        with open(os.path.join(workdir, "request.json"), "w") as f:
-            f.write(
-                json_format.MessageToJson(
-                    pb.CompileRequest(target=target, options=options, size_hints=size_hints)
-                )
-            )
-        with open(os.path.join(workdir, "op_libraries"), "w") as f:
-            f.write(settings.op_libraries)
-        cmd = [sys.executable, "-m", "torchfarm.workers.compile_child", workdir]
-        if settings.sandbox == "bwrap":
-            cmd = _bwrap(workdir, settings.device) + cmd
-        returncode, stderr = _run_reporting(cmd, workdir, settings, on_stage)
-        out_path = os.path.join(workdir, "artifact.pb")
-        if returncode != 0 or not os.path.exists(out_path):
-            how = _how_it_ended(returncode, settings.sandbox)
-            raise CompileFailed(
-                f"compile child failed ({how}):\n{stderr[-3000:]}", lasting=returncode == 1
-            )
-        with open(out_path, "rb") as f:
-            data = f.read()
+    `on_stage(stage)` hears the child's stage ("compiling" / "autotuning", the lower-case
+    names of Progress.Stage) as it changes."""
+    request = pb.CompileChildRequest(
+        graph=payload,
+        target=target,
+        options=options,
+        size_hints=size_hints,
+        op_libraries=[m.strip() for m in settings.op_libraries.split(",") if m.strip()],
+    )
+    with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as private_dir:
+        cmd, env, cwd = _child_command(settings, private_dir)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_limits(settings),
+        )
+        assert proc.stdin and proc.stdout and proc.stderr
+        stderr: collections.deque[bytes] = collections.deque()
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            proc.kill()
+
+        threads = [
+            threading.Thread(target=_feed, args=(proc.stdin, request.SerializeToString())),
+            threading.Thread(target=_tail, args=(proc.stderr, stderr)),
+        ]
+        timer = threading.Timer(settings.compile_timeout_s, expire)
+        for thread in [*threads, timer]:
+            thread.daemon = True
+            thread.start()
+        try:
+            data = _read_reports(proc.stdout, settings, on_stage)
+        except CompileFailed:
+            proc.kill()
+            raise
+        finally:
+            returncode = proc.wait()  # the timer still ends a child that lingers
+            timer.cancel()
+            for thread in threads:
+                thread.join(timeout=5)
+            proc.stdout.close()
+            proc.stderr.close()
+    if timed_out.is_set():
+        raise CompileFailed(
+            f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
+            "(TORCHFARM_COMPILE_TIMEOUT_WORKER)"
+        )
+    text = b"".join(stderr)[-ERROR_TAIL_BYTES:].decode(errors="replace")
+    if returncode != 0 or data is None:
+        how = _how_it_ended(returncode, settings.sandbox)
+        raise CompileFailed(f"compile child failed ({how}):\n{text}", lasting=returncode == 1)
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
     if not artifact.inductor:
         raise CompileFailed("compile child returned an empty artifact")

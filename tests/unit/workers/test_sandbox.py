@@ -1,0 +1,151 @@
+"""The compile sandbox's pure parts: its bwrap command, the child's environment, the report
+stream read with caps, the bounded error text, and the startup self-check."""
+
+import collections
+import io
+import os
+import shutil
+
+import pytest
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import WorkerSettings, default_compile_memory_mb
+from torchfarm.workers import sandbox
+from torchfarm.workers.compile_child import FRAME
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+LAYOUT = sandbox.HostLayout(
+    top_level={"bin": "usr/bin", "lib64": ""},
+    python_roots=("/opt/python3.11", "/srv/app/.venv"),
+    package_dir="/srv/app/torchfarm",
+    etc=("/etc/ld.so.cache",),
+    gpu_nodes=("/dev/nvidia0", "/dev/nvidiactl"),
+)
+
+
+def _binds(args: list[str]) -> dict[str, str]:
+    """destination -> source of every bind in a bwrap command."""
+    return {
+        args[i + 2]: args[i + 1]
+        for i, a in enumerate(args)
+        if a in ("--ro-bind", "--bind", "--dev-bind", "--ro-bind-try", "--bind-try")
+    }
+
+
+def test_the_child_is_unprivileged_in_new_namespaces():
+    args = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    for option in ("--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc"):
+        assert option in args
+    assert args[args.index("--uid") + 1] == args[args.index("--gid") + 1] == "65534"
+    assert args[args.index("--cap-drop") + 1] == "ALL"
+    assert "--die-with-parent" in args and "--new-session" in args
+    assert args[-2:] == ["--remount-ro", "/"]  # bwrap's own root: no writable leftovers
+
+
+def test_the_child_sees_only_read_only_binds_of_what_a_compile_needs():
+    args = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    assert _binds(args) == {
+        "/usr": "/usr",
+        "/lib64": "/lib64",
+        "/etc/ld.so.cache": "/etc/ld.so.cache",
+        "/opt/python3.11": "/opt/python3.11",
+        "/srv/app/.venv": "/srv/app/.venv",
+        "/run/torchfarm/torchfarm": "/srv/app/torchfarm",  # the package, never its checkout
+    }
+    assert "--bind" not in args and "--dev-bind" not in args  # nothing of the host writable
+    assert args[args.index("--symlink") + 1 : args.index("--symlink") + 3] == ["usr/bin", "/bin"]
+
+
+def test_the_work_dir_is_a_private_tmpfs_of_the_configured_size():
+    args = sandbox.bwrap_args(WorkerSettings(compile_disk_mb=100), LAYOUT)
+    i = args.index(sandbox.WORK_DIR)
+    assert args[i - 3 : i] == ["--size", str(100 << 20), "--tmpfs"]
+    assert args[args.index("--chdir") + 1] == sandbox.WORK_DIR
+
+
+def test_cuda_children_get_the_gpu_nodes_and_cpu_children_do_not():
+    cuda = _binds(sandbox.bwrap_args(WorkerSettings(device="cuda"), LAYOUT))
+    assert cuda["/dev/nvidia0"] == "/dev/nvidia0" and cuda["/dev/nvidiactl"] == "/dev/nvidiactl"
+    assert not any("nvidia" in a for a in sandbox.bwrap_args(WorkerSettings(), LAYOUT))
+
+
+def test_extra_binds_are_read_only():
+    args = sandbox.bwrap_args(WorkerSettings(sandbox_binds=("/opt/cuda",)), LAYOUT)
+    assert args[args.index("/opt/cuda") - 1] == "--ro-bind"
+
+
+def test_this_hosts_layout_binds_no_checkout_working_directory_home_or_tmp():
+    layout = sandbox.HostLayout.probe()
+    assert os.path.isfile(os.path.join(layout.package_dir, "__init__.py"))
+    sources = set(_binds(sandbox.bwrap_args(WorkerSettings(), layout)).values())
+    forbidden = {"/", "/tmp", "/etc", os.getcwd(), ROOT, os.path.expanduser("~"), "/root"}
+    assert not sources & forbidden, sources & forbidden
+
+
+def test_the_childs_environment_carries_no_secret(monkeypatch):
+    monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://:secret@host/0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    env = sandbox.child_environment("/tmp", "/run/torchfarm")
+    assert not [k for k in env if k.startswith(("TORCHFARM", "AWS", "REDIS"))]
+    assert env["PYTHONPATH"] == "/run/torchfarm" and env["HOME"] == env["TMPDIR"] == "/tmp"
+
+
+def _frames(*reports: pb.CompileChildReport) -> io.BytesIO:
+    data = b"".join(FRAME.pack(len(r.SerializeToString())) + r.SerializeToString() for r in reports)
+    return io.BytesIO(data)
+
+
+def test_stages_are_passed_on_and_the_artifact_returned():
+    stages: list[str] = []
+    stream = _frames(
+        pb.CompileChildReport(stage=pb.Progress.AUTOTUNING),
+        pb.CompileChildReport(stage=pb.Progress.QUEUED),  # not the child's to say: ignored
+        pb.CompileChildReport(stage=pb.Progress.COMPILING),
+        pb.CompileChildReport(artifact=b"artifact bytes"),
+    )
+    assert sandbox._read_reports(stream, WorkerSettings(), stages.append) == b"artifact bytes"
+    assert stages == ["autotuning", "compiling"]
+
+
+def test_an_artifact_over_the_cap_is_refused_before_it_is_read():
+    settings = WorkerSettings(max_artifact_bytes=1000)
+    stream = io.BytesIO(FRAME.pack(10**12))  # announces a terabyte, sends nothing
+    with pytest.raises(sandbox.CompileFailed, match="TORCHFARM_MAX_ARTIFACT_BYTES") as e:
+        sandbox._read_reports(stream, settings, None)
+    assert e.value.lasting
+    exact = _frames(pb.CompileChildReport(artifact=b"x" * 1001))
+    with pytest.raises(sandbox.CompileFailed, match="1001 bytes, over 1000"):
+        sandbox._read_reports(exact, settings, None)
+
+
+def test_a_truncated_or_malformed_report_stream():
+    assert sandbox._read_reports(io.BytesIO(b"\0\0"), WorkerSettings(), None) is None
+    with pytest.raises(sandbox.CompileFailed, match="malformed"):
+        sandbox._read_reports(io.BytesIO(FRAME.pack(3) + b"\xff\xff\xff"), WorkerSettings(), None)
+
+
+def test_the_error_text_keeps_only_its_end():
+    kept: collections.deque[bytes] = collections.deque()
+    sandbox._tail(io.BytesIO(b"x" * 100_000 + b"the end"), kept)
+    text = b"".join(kept)
+    assert text.endswith(b"the end") and len(text) < sandbox.ERROR_TAIL_BYTES + 4096
+
+
+def test_limits_by_default(monkeypatch):
+    for name in ("TORCHFARM_COMPILE_MEMORY_MB", "TORCHFARM_COMPILE_DISK_MB"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TORCHFARM_MAX_ARTIFACT_BYTES", raising=False)
+    settings = WorkerSettings.from_env()
+    ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    assert settings.memory_limit_mb == default_compile_memory_mb() == min(32768, ram_mb * 3 // 4)
+    assert settings.compile_disk_mb == 4096 and settings.max_artifact_bytes == 1 << 30
+    monkeypatch.setenv("TORCHFARM_SANDBOX_BINDS", "/opt/a, /opt/b")
+    assert WorkerSettings.from_env().sandbox_binds == ("/opt/a", "/opt/b")
+
+
+@pytest.mark.skipif(not shutil.which("bwrap"), reason="bubblewrap is not installed")
+def test_the_worker_refuses_to_start_without_a_sandbox_that_builds():
+    sandbox.check_available(WorkerSettings())  # this machine's sandbox holds
+    with pytest.raises(SystemExit, match="cannot build the compile sandbox") as e:
+        sandbox.check_available(WorkerSettings(sandbox_binds=("/nonexistent/toolchain",)))
+    assert "\n" not in str(e.value)
