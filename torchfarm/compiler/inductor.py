@@ -55,10 +55,11 @@ def compile_payload(
     options: pb.Options,
     threads: int,
     size_hints: dict[str, int] | None = None,
-    on_stage: Callable[[str], None] | None = None,
+    on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
 ) -> pb.Artifact:
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
-    `on_stage("autotuning")` / `on_stage("compiling")` mark where benchmarking starts and ends."""
+    `on_stage(AUTOTUNING)` / `on_stage(COMPILING)` (Progress.Stage) mark where benchmarking
+    starts and ends."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)

@@ -19,30 +19,32 @@ from collections.abc import Callable, Iterator
 
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
+from torchfarm.proto import torchfarm_pb2 as pb
+
 _SELECT_ALGORITHM_LOGGER = "torch._inductor.select_algorithm"
 _START = "Starting autotuning"
 _END = "Autotuning elapsed time"
 
 
 class _Stages:
-    """Calls on_stage("autotuning") when the outermost benchmarking starts and
-    on_stage("compiling") when it ends."""
+    """Calls on_stage(AUTOTUNING) when the outermost benchmarking starts and
+    on_stage(COMPILING) when it ends."""
 
-    def __init__(self, on_stage: Callable[[str], None]) -> None:
+    def __init__(self, on_stage: Callable[[pb.Progress.Stage.ValueType], None]) -> None:
         self.on_stage = on_stage
         self.depth = 0
 
     def start(self) -> None:
         self.depth += 1
         if self.depth == 1:
-            self.on_stage("autotuning")
+            self.on_stage(pb.Progress.AUTOTUNING)
 
     def end(self) -> None:
         if self.depth == 0:
             return
         self.depth -= 1
         if self.depth == 0:
-            self.on_stage("compiling")
+            self.on_stage(pb.Progress.COMPILING)
 
 
 class _SelectAlgorithmLog(logging.Handler):
@@ -113,8 +115,8 @@ def _triton_benchmarks(stages: _Stages) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reporting(on_stage: Callable[[str], None] | None) -> Iterator[None]:
-    """Call `on_stage("autotuning")` / `on_stage("compiling")` around Inductor's benchmarking."""
+def reporting(on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None) -> Iterator[None]:
+    """Call `on_stage(AUTOTUNING)` / `on_stage(COMPILING)` around Inductor's benchmarking."""
     if on_stage is None:
         yield
         return

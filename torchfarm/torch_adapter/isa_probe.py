@@ -6,7 +6,8 @@ compile on the 2-core machine, since a compile child always starts in a fresh ca
 worker runs the probe once, in a subprocess with a throwaway cache dir. Where it accepts
 exactly the ISAs the flags list, the children may trust the flags
 (`TORCHINDUCTOR_VEC_ISA_OK=1`, read into `config.cpp.vec_isa_ok`) and pick the same ISA
-without building anything; otherwise they keep probing.
+without building anything; otherwise they keep probing. The probe runs in the background
+while the worker starts, so the first compiles may still probe for themselves.
 
 Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd) and
 `torch._inductor.config.cpp.vec_isa_ok`. Verified: torch 2.11.0, 2.13.0, 2.15.0.
@@ -20,8 +21,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+# Set in the worker's main process before Celery forks its pool: where the probe's verdict
+# appears once it is in.
+_MARKER_ENV = "TORCHFARM_ISA_PROBE_MARKER"
 
 _PROBE = """
 import json
@@ -55,3 +60,21 @@ def children_may_trust_flags(timeout_s: float = 300) -> bool:
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     return bool(found["built"]) and found["built"] == found["flagged"]
+
+
+def start_in_background() -> None:
+    """Worker main process, before its pool forks: probe once, off the start-up path."""
+    marker = os.path.join(tempfile.mkdtemp(prefix="torchfarm-isa-"), "children-may-trust-flags")
+    os.environ[_MARKER_ENV] = marker
+
+    def probe() -> None:
+        if children_may_trust_flags():
+            open(marker, "w").close()
+
+    threading.Thread(target=probe, name="isa-probe", daemon=True).start()
+
+
+def child_environment() -> dict[str, str]:
+    """What a compile child's environment gains from the probe (nothing until it is in)."""
+    marker = os.environ.get(_MARKER_ENV, "")
+    return dict(TRUST_FLAGS_ENV) if marker and os.path.exists(marker) else {}

@@ -25,6 +25,7 @@ from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter import isa_probe
 from torchfarm.workers import metrics, sandbox
 
 log = logging.getLogger("torchfarm.worker")
@@ -75,14 +76,6 @@ def compile_graph(task, job_json: dict) -> str:
     return result
 
 
-def _failure(e: sandbox.CompileFailed) -> pb.JobOutcome:
-    """The sandbox's failure as an outcome; its timeout message starts with TIMED_OUT."""
-    message = str(e)
-    if message.startswith(sandbox.TIMED_OUT):
-        return pb.JobOutcome(kind=pb.JobOutcome.TIMED_OUT, error=message[len(sandbox.TIMED_OUT) :])
-    return pb.JobOutcome(kind=pb.JobOutcome.FAILED, error=message)
-
-
 def _compile_and_store(
     task, job: pb.Job, settings: WorkerSettings, store: Store
 ) -> tuple[str, int]:
@@ -109,15 +102,13 @@ def _compile_and_store(
             job.options,
             dict(job.size_hints),
             settings,
-            on_stage=lambda stage: store.jobs.set_stage(
-                job.job_id, pb.Progress.Stage.Value(stage.upper())
-            ),
+            on_stage=lambda stage: store.jobs.set_stage(job.job_id, stage),
         )
     except sandbox.CompileFailed as e:
         log.warning("compile of %s failed: %s", job.key[:16], str(e)[-3000:])
         store.counters.count(_pool_of(task), compile_failures=1)
         store.jobs.finish(
-            job.job_id, _failure(e), remember_s=settings.failure_memory_s if e.lasting else 0
+            job.job_id, e.outcome(), remember_s=settings.failure_memory_s if e.lasting else 0
         )
         return "failed", 0
     artifact = pb.Artifact.FromString(data)
@@ -191,6 +182,7 @@ def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None
 def run_worker(settings: WorkerSettings) -> None:
     """Serve this machine's pool (or settings.pool) until stopped."""
     sandbox.check_available(settings)
+    isa_probe.start_in_background()
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = worker_celery(settings)

@@ -31,8 +31,8 @@ def report(message: pb.CompileChildReport) -> None:
     _reports.flush()
 
 
-def _on_stage(stage: str) -> None:
-    report(pb.CompileChildReport(stage=pb.Progress.Stage.Value(stage.upper())))
+def _on_stage(stage: pb.Progress.Stage.ValueType) -> None:
+    report(pb.CompileChildReport(stage=stage))
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter import isa_probe
 from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
@@ -59,16 +60,21 @@ _PASSED_ENV = (
 
 
 class CompileFailed(RuntimeError):
-    """The compile child failed, crashed or ran out of time; the message says which.
-    `lasting`: the child raised, so compiling the same job again would fail the same way."""
+    """The compile child failed, crashed or ran out of time; the message says which, `kind`
+    how the job ends (JobOutcome.FAILED or TIMED_OUT). `lasting`: the child raised, so
+    compiling the same job again would fail the same way."""
 
-    def __init__(self, message: str, lasting: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        lasting: bool = False,
+        kind: pb.JobOutcome.Kind.ValueType = pb.JobOutcome.FAILED,
+    ) -> None:
         super().__init__(message)
-        self.lasting = lasting
+        self.lasting, self.kind = lasting, kind
 
-
-# Prefix of a job error that the gateway turns into DEADLINE_EXCEEDED (others: ABORTED).
-TIMED_OUT = "DEADLINE_EXCEEDED: "
+    def outcome(self) -> pb.JobOutcome:
+        return pb.JobOutcome(kind=self.kind, error=str(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +159,7 @@ def child_environment(work_dir: str, lib_dir: str) -> dict[str, str]:
         "TRITON_CACHE_DIR": os.path.join(work_dir, "triton"),
     }
     env.update({name: os.environ[name] for name in _PASSED_ENV if name in os.environ})
+    env.update(isa_probe.child_environment())
     return env
 
 
@@ -277,7 +284,9 @@ def _feed(stream: IO[bytes], data: bytes) -> None:
 
 
 def _read_reports(
-    stream: IO[bytes], settings: WorkerSettings, on_stage: Callable[[str], None] | None
+    stream: IO[bytes],
+    settings: WorkerSettings,
+    on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None,
 ) -> bytes | None:
     """Read the child's reports until its artifact (returned) or the end of the stream."""
     while True:
@@ -307,7 +316,7 @@ def _read_reports(
                 )
             return message.artifact
         if size <= _MAX_STAGE_FRAME and message.stage in _STAGES and on_stage:
-            on_stage(pb.Progress.Stage.Name(message.stage).lower())
+            on_stage(message.stage)
 
 
 def run_compile(
@@ -316,11 +325,11 @@ def run_compile(
     options: pb.Options,
     size_hints: dict[str, int],
     settings: WorkerSettings,
-    on_stage: Callable[[str], None] | None = None,
+    on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
 ) -> bytes:
     """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes.
-    `on_stage(stage)` hears the child's stage ("compiling" / "autotuning", the lower-case
-    names of Progress.Stage) as it changes."""
+    `on_stage(stage)` hears the child's Progress.Stage (COMPILING / AUTOTUNING) as it
+    changes."""
     request = pb.CompileChildRequest(
         graph=payload,
         target=target,
@@ -369,8 +378,9 @@ def run_compile(
             proc.stderr.close()
     if timed_out.is_set():
         raise CompileFailed(
-            f"{TIMED_OUT}compile exceeded {settings.compile_timeout_s:.0f} s "
-            "(TORCHFARM_COMPILE_TIMEOUT_WORKER)"
+            f"compile exceeded {settings.compile_timeout_s:.0f} s "
+            "(TORCHFARM_COMPILE_TIMEOUT_WORKER)",
+            kind=pb.JobOutcome.TIMED_OUT,
         )
     text = b"".join(stderr)[-ERROR_TAIL_BYTES:].decode(errors="replace")
     if returncode != 0 or data is None:

@@ -5,6 +5,7 @@ import logging
 
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
+from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import autotune_progress
 
 LOGGER = logging.getLogger("torch._inductor.select_algorithm")
@@ -18,7 +19,7 @@ def test_algorithm_selection_log_lines_mark_the_stages():
         LOGGER.debug("Starting autotuning")
         LOGGER.debug("Autotuning elapsed time: %.02fs", 1.5)
     LOGGER.debug("Starting autotuning")  # after the compile: not heard
-    assert stages == ["autotuning", "compiling"]
+    assert stages == [pb.Progress.AUTOTUNING, pb.Progress.COMPILING]
 
 
 def test_torch_handlers_see_what_they_saw_before(caplog):
@@ -33,7 +34,7 @@ def test_torch_handlers_see_what_they_saw_before(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "Filtered to 3 choices based on best_config"
     ]
-    assert stages == ["autotuning"]
+    assert stages == [pb.Progress.AUTOTUNING]
 
 
 def test_triton_benchmarks_mark_the_stages_and_the_method_is_restored():
@@ -46,7 +47,7 @@ def test_triton_benchmarks_mark_the_stages_and_the_method_is_restored():
         except Exception:
             pass  # not a real autotuner: the stages are still reported around the call
     assert CachingAutotuner.benchmark_all_configs is original
-    assert stages == ["autotuning", "compiling"]
+    assert stages == [pb.Progress.AUTOTUNING, pb.Progress.COMPILING]
 
 
 def test_nothing_is_touched_without_a_listener():

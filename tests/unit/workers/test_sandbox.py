@@ -96,7 +96,7 @@ def _frames(*reports: pb.CompileChildReport) -> io.BytesIO:
 
 
 def test_stages_are_passed_on_and_the_artifact_returned():
-    stages: list[str] = []
+    stages: list[int] = []
     stream = _frames(
         pb.CompileChildReport(stage=pb.Progress.AUTOTUNING),
         pb.CompileChildReport(stage=pb.Progress.QUEUED),  # not the child's to say: ignored
@@ -104,7 +104,7 @@ def test_stages_are_passed_on_and_the_artifact_returned():
         pb.CompileChildReport(artifact=b"artifact bytes"),
     )
     assert sandbox._read_reports(stream, WorkerSettings(), stages.append) == b"artifact bytes"
-    assert stages == ["autotuning", "compiling"]
+    assert stages == [pb.Progress.AUTOTUNING, pb.Progress.COMPILING]
 
 
 def test_an_artifact_over_the_cap_is_refused_before_it_is_read():
