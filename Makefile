@@ -24,7 +24,7 @@ unit: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 integration: deps
-	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests/integration
 
 test-versions: $(COMPOSE_SCHEMA)
 	@set -e; for version in $(OTHER_TORCH); do \
