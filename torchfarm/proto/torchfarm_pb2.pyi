@@ -250,18 +250,27 @@ class Candidate(_message.Message):
 
     DIGEST_FIELD_NUMBER: _builtins.int
     GUARDS_EXPR_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     guards_expr: _builtins.str
     """evaluated by the client on its own sizes, never by the gateway"""
+    size: _builtins.int
+    """Signing: the entry's artifact size and the worker's signature (torchfarm/signing.py) over
+    (public key, digest, size, guards); the client verifies it before it evaluates the guards.
+    """
+    signature: _builtins.bytes
     def __init__(
         self,
         *,
         digest: _builtins.str = ...,
         guards_expr: _builtins.str = ...,
+        size: _builtins.int = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards_expr", b"guards_expr"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards_expr", b"guards_expr", "signature", b"signature", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -348,6 +357,7 @@ class ArtifactHeader(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the key the gateway computed"""
     digest: _builtins.str
@@ -356,6 +366,8 @@ class ArtifactHeader(_message.Message):
     source: _builtins.str
     """"hit", "miss" (this request compiled) or "merged" (waited on another)"""
     compile_seconds: _builtins.float
+    signature: _builtins.bytes
+    """signing: the entry's signature; the client verifies it before loading"""
     def __init__(
         self,
         *,
@@ -364,10 +376,11 @@ class ArtifactHeader(_message.Message):
         size: _builtins.int = ...,
         source: _builtins.str = ...,
         compile_seconds: _builtins.float = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "size", b"size", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,6 +414,47 @@ class CompileEvent(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___CompileEvent: _TypeAlias = CompileEvent  # noqa: Y015
+
+@_typing.final
+class InfoRequest(_message.Message):
+    """---- Signing: what a client trusts -----------------------------------------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InfoRequest: _TypeAlias = InfoRequest  # noqa: Y015
+
+@_typing.final
+class InfoReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERIFY_KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def verify_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The gateway's TORCHFARM_VERIFY_KEYS: base64 Ed25519 public keys whose signatures on an
+        entry a client accepts (several during a key rotation).
+        """
+
+    def __init__(
+        self,
+        *,
+        verify_keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["verify_keys", b"verify_keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InfoReply: _TypeAlias = InfoReply  # noqa: Y015
 
 @_typing.final
 class StatsRequest(_message.Message):
@@ -894,6 +948,8 @@ class EntryMeta(_message.Message):
     WORKER_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
     LAST_HIT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     """sha256 of the artifact bytes"""
     size: _builtins.int
@@ -921,6 +977,12 @@ class EntryMeta(_message.Message):
     hits: _builtins.int
     """Usage, kept apart from the entry (every hit updates it) and filled in on read."""
     last_hit: _builtins.float
+    signature: _builtins.bytes
+    """Signing: the worker's Ed25519 signature over (public key, digest, size, guards); see
+    torchfarm/signing.py. Bundles carry it in meta_json; clients accept no entry without it.
+    """
+    public_key: _builtins.str
+    """the graph's public key the signature names (a private"""
     @_builtins.property
     def op_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -951,10 +1013,12 @@ class EntryMeta(_message.Message):
         worker: _builtins.str = ...,
         hits: _builtins.int = ...,
         last_hit: _builtins.float = ...,
+        signature: _builtins.bytes = ...,
+        public_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards_expr", b"guards_expr", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards_expr", b"guards_expr", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
