@@ -163,3 +163,28 @@ def test_a_crafted_bundle_is_refused_and_an_unsigned_import_is_never_loaded(
     assert [r.source for r in backend.history] == ["local"]
     assert len(warned) == 1 and "not signed by the farm" in warned[0], warned
     store.artifacts.drop(key)
+
+
+def test_a_compile_child_can_neither_see_nor_read_the_signing_key(farm):
+    import grpc
+
+    from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+    code = f"""
+import os
+try:
+    found = open({farm.signing_key!r}).read()
+except OSError as e:
+    found = type(e).__name__
+raise RuntimeError("key probe: " + found + " env: " + ",".join(sorted(os.environ)))
+"""
+    request = pb.CompileRequest(graph=pickle.dumps(_Exploit(code)), target=local_target())
+    with grpc.insecure_channel(farm.addr) as channel, pytest.raises(grpc.RpcError) as e:
+        list(
+            pb_grpc.FarmStub(channel).Compile(
+                request, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=300
+            )
+        )
+    details = e.value.details()
+    assert "key probe: FileNotFoundError" in details  # the probe ran, in the sandbox
+    assert "PRIVATE KEY" not in details and "SIGNING" not in details

@@ -339,10 +339,16 @@ def import_(
             f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
     settings = WorkerSettings.from_env()
-    trusted = signing.Verifier(
-        trust_keys or signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
-    )
-    signer = signing.Signer.from_file(settings.signing_key) if settings.signing_key else None
+    try:
+        trusted = signing.Verifier(
+            trust_keys or signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
+        )
+    except ValueError as e:
+        raise typer.BadParameter(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from e
+    try:
+        signer = signing.Signer.from_file(settings.signing_key) if settings.signing_key else None
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"TORCHFARM_SIGNING_KEY: {e}") from e
     entries, untrusted = [], []
     for item in bundle.entries:
         meta = _checked_entry(path, item)
