@@ -18,6 +18,7 @@ import time
 
 import redis
 
+from torchfarm import signing
 from torchfarm.cache.store import Store
 
 
@@ -62,6 +63,10 @@ class LocalFarm:
         self.device = device  # what the workers compile for: cpu or cuda
         self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
+        # Signing: the farm's own key, in its private workdir (0700); workers get the path,
+        # the gateway (and through it, clients) the public key.
+        self.signing_key = os.path.join(self.workdir, "signing.key")
+        self.verify_keys = signing.generate(self.signing_key).public_key
         self.log_dir = log_dir or self.workdir
         self.extra_env = extra_env or {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -191,6 +196,7 @@ class LocalFarm:
                 "TORCHFARM_METRICS_PORT": str(self.metrics_port),
                 "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
                 "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else "",
+                "TORCHFARM_VERIFY_KEYS": self.verify_keys,
             },
         )
 
@@ -213,6 +219,7 @@ class LocalFarm:
                 "TORCHFARM_REDIS_URL": self.redis_url,
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
+                "TORCHFARM_SIGNING_KEY": self.signing_key,
             },
         )
 

@@ -25,6 +25,9 @@ class ClientSettings:
     # roots; empty = plaintext
     tls_ca: str = ""
     private: bool = False  # TORCHFARM_PRIVATE=1: entries only this tenant can hit
+    # TORCHFARM_VERIFY_KEYS: the farm's entry-verification keys (comma-separated base64) this
+    # client pins; empty = the keys the gateway serves (Farm.Info), asked once per process
+    verify_keys: str = ""
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -36,6 +39,7 @@ class ClientSettings:
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
+            verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -68,6 +72,9 @@ class GatewaySettings:
     tenant_max_compiles: int = 0  # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
+    # TORCHFARM_VERIFY_KEYS: the public keys of the workers' signing keys (comma-separated
+    # base64), served to clients by Farm.Info; only entries they verify are offered or served
+    verify_keys: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -90,6 +97,7 @@ class GatewaySettings:
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
+            verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -128,6 +136,12 @@ class WorkerSettings:
     # TORCHFARM_SANDBOX_BINDS: comma-separated extra paths bound read-only into the sandbox,
     # for a toolchain outside /usr and the Python environment (e.g. /opt/cuda)
     sandbox_binds: tuple[str, ...] = ()
+    # TORCHFARM_SIGNING_KEY: the farm's entry-signing key (a PEM file, `torchfarm keygen`),
+    # read by the worker's parent only, never by a compile child; a worker without one
+    # refuses to start unless TORCHFARM_INSECURE_UNSIGNED=1
+    signing_key: str = ""
+    # TORCHFARM_INSECURE_UNSIGNED=1: store entries unsigned (no client will load them)
+    insecure_unsigned: bool = False
 
     def __post_init__(self) -> None:
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
@@ -167,6 +181,8 @@ class WorkerSettings:
             sandbox_binds=tuple(
                 p.strip() for p in _env("TORCHFARM_SANDBOX_BINDS", "").split(",") if p.strip()
             ),
+            signing_key=_env("TORCHFARM_SIGNING_KEY", ""),
+            insecure_unsigned=_env("TORCHFARM_INSECURE_UNSIGNED", "0") in ("1", "true", "yes"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -17,12 +17,21 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Iterable
+from typing import Protocol
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from torchfarm.proto import torchfarm_pb2 as pb
+
 ENTRY_CONTEXT = b"torchfarm-entry-v1\0"
+
+
+def guards_bytes(guards: pb.ShapeGuards) -> bytes:
+    """An entry's shape guards as the bytes a signature covers: their deterministic
+    serialization, the one place that says how."""
+    return guards.SerializeToString(deterministic=True)
 
 
 def entry_message(public_key: str, digest: str, size: int, guards: bytes) -> bytes:
@@ -104,3 +113,24 @@ def generate(path: str) -> Signer:
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(pem)
     return Signer(key)
+
+
+class SignedEntry(Protocol):
+    """What a signature is checked on: an EntryMeta, or a Candidate the client was offered."""
+
+    digest: str
+    size: int
+    guards: pb.ShapeGuards
+    signature: bytes
+
+
+def sign_entry(signer: Signer, public_key: str, entry: pb.EntryMeta) -> bytes:
+    """The signature of an index entry (digest and size filled in) under a graph's public key."""
+    return signer.sign(public_key, entry.digest, entry.size, guards_bytes(entry.guards))
+
+
+def entry_verifies(verifier: Verifier, public_key: str, entry: SignedEntry) -> bool:
+    """Whether a trusted key signed this entry (its digest, size and guards) for the graph."""
+    return verifier.verify(
+        entry.signature, public_key, entry.digest, entry.size, guards_bytes(entry.guards)
+    )

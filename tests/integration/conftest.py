@@ -16,11 +16,11 @@ def farm():
     # JSON log lines: test_operations checks that a request id follows a compile in them.
     with LocalFarm(
         tenants=tenants,
+        admins=f"ops:{hash_token(ADMIN_TOKEN)}",
         extra_env={
             "TORCHFARM_LOG_FORMAT": "json",
             # the coverage suite's MoE model calls transformers' custom grouped-mm operator
             "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
-            "TORCHFARM_ADMINS": f"ops:{hash_token(ADMIN_TOKEN)}",
         },
     ) as f:
         yield f

@@ -29,6 +29,7 @@ def _cli(*args: str) -> dict | list:
 
 def test_cache_cli_on_real_compiled_entries(farm, store, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHFARM_REDIS_URL", farm.redis_url)
+    monkeypatch.setenv("TORCHFARM_VERIFY_KEYS", farm.verify_keys)  # import trusts this farm
     settings = dataclasses.replace(ClientSettings(token=TOKENS["bob"]), addr=farm.addr)
     first, second = _request(24), _request(40, mode="max-autotune-no-cudagraphs")
     header, _ = remote.fetch(first, settings)

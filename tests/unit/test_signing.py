@@ -7,6 +7,7 @@ import stat
 import pytest
 
 from torchfarm import signing
+from torchfarm.proto import torchfarm_pb2 as pb
 
 KEY, DIGEST, SIZE, GUARDS = "ab" * 32, "cd" * 32, 1234, b"\x0a\x02guards"
 
@@ -59,3 +60,31 @@ def test_keys_are_never_overwritten_and_bad_public_keys_are_refused(signer, tmp_
     with pytest.raises(ValueError, match="Ed25519 public key"):
         signing.Verifier.parse("not base64!")
     assert not signing.Verifier.parse("")
+
+
+def _at_most(n: int) -> pb.ShapeGuards:
+    """The guards `t0 <= n`."""
+    bound = pb.GuardApply(
+        op=pb.GuardApply.LE, args=[pb.GuardExpr(input=0), pb.GuardExpr(constant=n)]
+    )
+    return pb.ShapeGuards(all=[pb.GuardExpr(apply=bound)])
+
+
+def test_an_entry_and_the_candidate_a_client_is_offered_verify_alike(signer, tmp_path):
+    entry = pb.EntryMeta(digest=DIGEST, size=SIZE, guards=_at_most(4096), tenant="a")
+    entry.signature = signing.sign_entry(signer, KEY, entry)
+    offered = pb.Candidate(
+        digest=entry.digest,
+        size=entry.size,
+        guards=entry.guards,
+        signature=entry.signature,
+    )
+    trusted = signing.Verifier([signer.public_key])
+    assert signing.entry_verifies(trusted, KEY, entry)
+    assert signing.entry_verifies(trusted, KEY, offered)
+    assert not signing.entry_verifies(trusted, "ef" * 32, offered)  # another graph's key
+    offered.guards.CopyFrom(_at_most(4097))  # guards changed after signing
+    assert not signing.entry_verifies(trusted, KEY, offered)
+    assert signing.guards_bytes(entry.guards) == entry.guards.SerializeToString(deterministic=True)
+    offered.ClearField("guards")  # an unguarded entry is a different one
+    assert not signing.entry_verifies(trusted, KEY, offered)

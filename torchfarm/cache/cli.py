@@ -17,11 +17,13 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
+from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import Store, entry_dict, entry_from_dict
 from torchfarm.contract import shape_guards
+from torchfarm.contract.cache_key import private_key
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings
+from torchfarm.settings import GatewaySettings, WorkerSettings
 
 app = typer.Typer(
     add_completion=False,
@@ -314,11 +316,21 @@ def export(
 @app.command("import")
 def import_(
     path: str = typer.Argument(..., help="bundle file written by `export`"),
+    trust_keys: list[str] = typer.Option(
+        None,
+        "--trust-key",
+        help="a public key (base64) whose entries you trust; repeatable "
+        "[default: TORCHFARM_VERIFY_KEYS]",
+    ),
+    unsigned: bool = typer.Option(
+        False, "--unsigned", help="also import entries no trusted key signed (clients skip them)"
+    ),
     redis_url: str = RedisOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Load a bundle; every entry's digest and format are verified first, so a damaged
-    bundle imports nothing. Import only bundles from a farm you trust: clients run them."""
+    """Load a bundle. Every entry's digest, format and signature are checked first: an entry
+    that no trusted key signed refuses the whole bundle (nothing imported) unless --unsigned.
+    With TORCHFARM_SIGNING_KEY set, verified entries are re-signed with this farm's key."""
     try:
         with open(path, "rb") as f:
             bundle = pb.CacheBundle.FromString(zstandard.ZstdDecompressor().decompress(f.read()))
@@ -328,19 +340,84 @@ def import_(
         raise typer.BadParameter(
             f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
+    settings = WorkerSettings.from_env()
+    try:
+        trusted = signing.Verifier(
+            trust_keys or signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
+        )
+    except ValueError as e:
+        raise typer.BadParameter(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from e
+    try:
+        signer = signing.Signer.from_file(settings.signing_key) if settings.signing_key else None
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"TORCHFARM_SIGNING_KEY: {e}") from e
+    entries, untrusted = [], []
     for item in bundle.entries:
-        if digest_of(item.artifact) != item.digest or not re.fullmatch(r"[0-9a-f]{64}", item.key):
-            raise typer.BadParameter(
-                f"{path}: entry {item.key[:16]} fails its digest check; nothing imported"
-            )
-        pb.Artifact.FromString(item.artifact)  # protobuf parse only: no code runs
+        meta = _checked_entry(path, item)
+        if not _signed_by(trusted, item.key, meta):
+            untrusted.append(item.key)
+        elif signer is not None:
+            meta.signature = signing.sign_entry(signer, meta.public_key or item.key, meta)
+        entries.append((item, meta))
+    if untrusted and not unsigned:
+        names = ", ".join(trusted.public_keys) or "none (--trust-key, TORCHFARM_VERIFY_KEYS)"
+        typer.echo(
+            f"torchfarm cache import: {path}: {len(untrusted)} of {len(entries)} entries are "
+            f"not signed by a trusted key (first: {untrusted[0][:16]}); nothing imported. "
+            f"Trusted keys: {names}. --unsigned imports them anyway (no client loads them).",
+            err=True,
+        )
+        raise typer.Exit(1)
+    if untrusted:
+        typer.echo(
+            f"!!! WARNING: importing {len(untrusted)} entries that no trusted key signed "
+            "(--unsigned): clients will not load them unless they are re-signed !!!",
+            err=True,
+        )
     store = _store(redis_url)
-    for item in bundle.entries:
-        meta = entry_from_dict(json.loads(item.meta_json))
-        meta.guards.CopyFrom(pb.Artifact.FromString(item.artifact).guards)  # the artifact's own
+    for item, meta in entries:
         store.artifacts.put_new(item.key, item.artifact, meta)
+    resigned = len(entries) - len(untrusted) if signer is not None else 0
+    if as_json:
+        result = {"entries": len(entries), "unsigned": len(untrusted), "resigned": resigned}
+        typer.echo(json.dumps(result))
+        return
     typer.echo(
-        json.dumps({"entries": len(bundle.entries)})
-        if as_json
-        else f"imported {len(bundle.entries)} entries"
+        f"imported {len(entries)} entries"
+        + (f" ({len(untrusted)} unsigned)" if untrusted else "")
+        + (
+            f"; re-signed {resigned} with this farm's key (TORCHFARM_SIGNING_KEY)"
+            if resigned
+            else ""
+        )
     )
+
+
+def _checked_entry(path: str, item: pb.BundleEntry) -> pb.EntryMeta:
+    """An entry's metadata, once its artifact matches its digest, size and guards."""
+    try:
+        meta = entry_from_dict(json.loads(item.meta_json))
+        guards = pb.Artifact.FromString(item.artifact).guards  # protobuf only: no code runs
+    except Exception as e:  # JSON, protobuf JSON or protobuf parse errors
+        raise typer.BadParameter(
+            f"{path}: entry {item.key[:16]} is malformed ({e}); nothing imported"
+        ) from e
+    if (
+        digest_of(item.artifact) != item.digest
+        or meta.digest != item.digest
+        or meta.size != len(item.artifact)
+        or guards != meta.guards
+        or not re.fullmatch(r"[0-9a-f]{64}", item.key)
+    ):
+        raise typer.BadParameter(
+            f"{path}: entry {item.key[:16]} fails its digest check; nothing imported"
+        )
+    return meta
+
+
+def _signed_by(trusted: signing.Verifier, key: str, meta: pb.EntryMeta) -> bool:
+    """Whether a trusted key signed the entry for the graph its index key names: the public
+    key itself, or the private key the entry's tenant derives from it."""
+    graph_key = meta.public_key or key
+    names = key == graph_key or (meta.private and key == private_key(graph_key, meta.tenant))
+    return bool(names) and signing.entry_verifies(trusted, graph_key, meta)

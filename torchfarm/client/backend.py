@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from torchfarm import torch_adapter
+from torchfarm import signing, torch_adapter
 from torchfarm.client import remote
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import guards, serialize, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
+from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
@@ -81,6 +82,11 @@ def torchfarm_backend(
         )
     try:
         compiled, header = _compile_on_farm(gm, settings, farm_options, label)
+    except remote.UntrustedEntry as e:  # a miss: those bytes are never loaded
+        _warn_once(f"{e}; compiling locally")
+        return _compile_locally(
+            gm, example_inputs, farm_options, label, started, why=f"untrusted: {e}"
+        )
     except Exception as e:  # the farm must never break training
         log.info("%s: farm failed after %.2f s (%s)", label, time.perf_counter() - started, e)
         _warn_once(f"farm unavailable ({e}); compiling locally")
@@ -124,21 +130,31 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     inputs = serialize.example_inputs(gm)
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", label, request_id)
+    # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
+    trusted = remote.verifier(settings, request_id)
+    graph_key = public_key(request.graph, request.target, request.options)
+    candidates = remote.lookup(request, settings, request_id)
+    signed = [c for c in candidates if signing.entry_verifies(trusted, graph_key, c)]
     # Entries of this key differ by their guards: take one that holds here, else compile.
-    request.digest = next(
-        (
-            c.digest
-            for c in remote.lookup(request, settings, request_id)
-            if guards.hold(c.guards, inputs)
-        ),
-        "",
-    )
+    request.digest = next((c.digest for c in signed if guards.hold(c.guards, inputs)), "")
+    if not request.digest and len(signed) < len(candidates):  # the farm would serve it again
+        raise remote.UntrustedEntry(f"an entry of key {graph_key[:16]} is not signed by the farm")
     progress = ProgressLine(label, settings.progress)
     try:
         header, data = remote.fetch(request, settings, on_progress=progress, request_id=request_id)
     finally:
         progress.close()
-    artifact = pb.Artifact.FromString(data)
+    artifact = pb.Artifact.FromString(data)  # protobuf only: nothing runs before the check
+    served = pb.Candidate(
+        digest=header.digest,
+        size=header.size,
+        guards=artifact.guards,
+        signature=header.signature,
+    )
+    if not signing.entry_verifies(trusted, graph_key, served):
+        raise remote.UntrustedEntry(
+            f"the artifact of key {graph_key[:16]} is not signed by the farm"
+        )
     if not guards.install(artifact.guards, inputs):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
     compiled = load_artifact(

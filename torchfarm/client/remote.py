@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from torchfarm import signing
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
@@ -19,6 +20,10 @@ MAX_MESSAGE = 256 << 20
 
 class FarmError(RuntimeError):
     """The farm could not provide an artifact; the message says why."""
+
+
+class UntrustedEntry(FarmError):
+    """An entry or artifact that no trusted key signed: never loaded, the graph compiles here."""
 
 
 @functools.cache
@@ -108,3 +113,31 @@ def fetch(
     if len(data) != header.size or hashlib.sha256(data).hexdigest() != header.digest:
         raise FarmError("artifact failed its digest check; not loading it")
     return header, data
+
+
+# ---- Signing: the keys this process trusts -----------------------------------------------
+_farm_keys: dict[tuple[str, str, str], signing.Verifier] = {}
+
+
+def verifier(settings: ClientSettings, request_id: str = "") -> signing.Verifier:
+    """The keys entries must be signed with: TORCHFARM_VERIFY_KEYS (pinned), else the ones
+    the gateway serves, asked once per process over the same authenticated channel."""
+    if settings.verify_keys:
+        return signing.Verifier.parse(settings.verify_keys)
+    farm = (settings.addr, settings.tls_ca, settings.token)
+    if farm not in _farm_keys:
+        try:
+            reply = _stub(settings).Info(
+                pb.InfoRequest(),
+                timeout=settings.connect_timeout_s + 30,
+                metadata=_metadata(settings, request_id),
+            )
+        except grpc.RpcError as e:
+            raise FarmError(f"{e.code().name}: {e.details()}") from None
+        _farm_keys[farm] = signing.Verifier(reply.verify_keys)
+    if not _farm_keys[farm]:
+        raise UntrustedEntry(
+            "the farm publishes no verify key (TORCHFARM_VERIFY_KEYS on its gateway) and this "
+            "client pins none: loading nothing from it"
+        )
+    return _farm_keys[farm]

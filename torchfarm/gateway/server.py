@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from torchfarm import queue
+from torchfarm import queue, signing
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
 from torchfarm.gateway import auth, metrics
@@ -61,6 +61,13 @@ class FarmServicer(pb_grpc.FarmServicer):
     def __init__(self, settings: GatewaySettings, store: Store):
         self.settings = settings
         self.tenants = parse_tenants(settings.tenants)
+        # Signing: the keys clients verify entries with; checked here, so a typo fails at start
+        self.verify_keys = list(signing.Verifier.parse(settings.verify_keys).public_keys)
+        if not self.verify_keys:
+            log.warning(
+                "no TORCHFARM_VERIFY_KEYS: clients that pin no keys will load no artifact "
+                "from this farm (give the gateway the workers' public signing key)"
+            )
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,
@@ -82,8 +89,17 @@ class FarmServicer(pb_grpc.FarmServicer):
         key, entries = self.coordinator.lookup(request.key, request.private, tenant)
         return pb.LookupReply(
             key=key,
-            candidates=[pb.Candidate(digest=e.digest, guards=e.guards) for e in entries],
+            candidates=[
+                pb.Candidate(
+                    digest=e.digest, guards=e.guards, size=e.size, signature=e.signature
+                )
+                for e in entries
+            ],
         )
+
+    def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
+        self._authenticate(context)
+        return pb.InfoReply(verify_keys=self.verify_keys)
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
@@ -137,6 +153,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 size=len(served.data),
                 source=served.source,
                 compile_seconds=served.entry.compile_seconds,
+                signature=served.entry.signature,
             )
         )
         step = self.settings.chunk_bytes

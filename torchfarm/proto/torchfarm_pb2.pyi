@@ -250,7 +250,14 @@ class Candidate(_message.Message):
 
     DIGEST_FIELD_NUMBER: _builtins.int
     GUARDS_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
+    size: _builtins.int
+    """Signing: the entry's artifact size and the worker's signature (torchfarm/signing.py) over
+    (public key, digest, size, guards); the client verifies it before it evaluates the guards.
+    """
+    signature: _builtins.bytes
     @_builtins.property
     def guards(self) -> Global___ShapeGuards:
         """evaluated by the client on its own sizes, never by the gateway"""
@@ -260,10 +267,12 @@ class Candidate(_message.Message):
         *,
         digest: _builtins.str = ...,
         guards: Global___ShapeGuards | None = ...,
+        size: _builtins.int = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards", b"guards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "guards", b"guards", "signature", b"signature", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,6 +359,7 @@ class ArtifactHeader(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the key the gateway computed"""
     digest: _builtins.str
@@ -358,6 +368,8 @@ class ArtifactHeader(_message.Message):
     source: _builtins.str
     """"hit", "miss" (this request compiled) or "merged" (waited on another)"""
     compile_seconds: _builtins.float
+    signature: _builtins.bytes
+    """signing: the entry's signature; the client verifies it before loading"""
     def __init__(
         self,
         *,
@@ -366,10 +378,11 @@ class ArtifactHeader(_message.Message):
         size: _builtins.int = ...,
         source: _builtins.str = ...,
         compile_seconds: _builtins.float = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "size", b"size", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,6 +416,47 @@ class CompileEvent(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___CompileEvent: _TypeAlias = CompileEvent  # noqa: Y015
+
+@_typing.final
+class InfoRequest(_message.Message):
+    """---- Signing: what a client trusts -----------------------------------------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InfoRequest: _TypeAlias = InfoRequest  # noqa: Y015
+
+@_typing.final
+class InfoReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERIFY_KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def verify_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The gateway's TORCHFARM_VERIFY_KEYS: base64 Ed25519 public keys whose signatures on an
+        entry a client accepts (several during a key rotation).
+        """
+
+    def __init__(
+        self,
+        *,
+        verify_keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["verify_keys", b"verify_keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InfoReply: _TypeAlias = InfoReply  # noqa: Y015
 
 @_typing.final
 class StatsRequest(_message.Message):
@@ -1057,6 +1111,8 @@ class EntryMeta(_message.Message):
     HITS_FIELD_NUMBER: _builtins.int
     LAST_HIT_FIELD_NUMBER: _builtins.int
     GUARDS_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     """sha256 of the artifact bytes"""
     size: _builtins.int
@@ -1082,6 +1138,12 @@ class EntryMeta(_message.Message):
     hits: _builtins.int
     """Usage, kept apart from the entry (every hit updates it) and filled in on read."""
     last_hit: _builtins.float
+    signature: _builtins.bytes
+    """Signing: the worker's Ed25519 signature over (public key, digest, size, guards); see
+    torchfarm/signing.py. Bundles carry it in meta_json; clients accept no entry without it.
+    """
+    public_key: _builtins.str
+    """the graph's public key the signature names (a private"""
     @_builtins.property
     def op_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -1116,104 +1178,13 @@ class EntryMeta(_message.Message):
         hits: _builtins.int = ...,
         last_hit: _builtins.float = ...,
         guards: Global___ShapeGuards | None = ...,
+        signature: _builtins.bytes = ...,
+        public_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EntryMeta: _TypeAlias = EntryMeta  # noqa: Y015
-
-@_typing.final
-class CompileChildRequest(_message.Message):
-    """==== The compile child (issues 16 and 17) ====================================================
-    A worker's parent process and its sandboxed compile child talk through pipes only, never
-    through files the host can see. The parent writes one CompileChildRequest to the child's
-    stdin and closes it. The child writes CompileChildReport messages to its stdout, each
-    preceded by its length as an 8-byte big-endian unsigned integer: any number of stages, then
-    one artifact. The parent reads them with a cap on the size (TORCHFARM_MAX_ARTIFACT_BYTES);
-    everything the child sends is hostile and is only ever parsed as protobuf.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class SizeHintsEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    GRAPH_FIELD_NUMBER: _builtins.int
-    TARGET_FIELD_NUMBER: _builtins.int
-    OPTIONS_FIELD_NUMBER: _builtins.int
-    SIZE_HINTS_FIELD_NUMBER: _builtins.int
-    OP_LIBRARIES_FIELD_NUMBER: _builtins.int
-    graph: _builtins.bytes
-    """the CompileRequest's graph (hostile until proven otherwise)"""
-    @_builtins.property
-    def target(self) -> Global___Target: ...
-    @_builtins.property
-    def options(self) -> Global___Options: ...
-    @_builtins.property
-    def size_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
-    @_builtins.property
-    def op_libraries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """modules imported first (TORCHFARM_OP_LIBRARIES)"""
-
-    def __init__(
-        self,
-        *,
-        graph: _builtins.bytes = ...,
-        target: Global___Target | None = ...,
-        options: Global___Options | None = ...,
-        size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
-        op_libraries: _abc.Iterable[_builtins.str] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___CompileChildRequest: _TypeAlias = CompileChildRequest  # noqa: Y015
-
-@_typing.final
-class CompileChildReport(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    STAGE_FIELD_NUMBER: _builtins.int
-    ARTIFACT_FIELD_NUMBER: _builtins.int
-    stage: Global___Progress.Stage.ValueType
-    """COMPILING or AUTOTUNING: the child's stage changed"""
-    artifact: _builtins.bytes
-    """the Artifact's protobuf bytes: the child's last report"""
-    def __init__(
-        self,
-        *,
-        stage: Global___Progress.Stage.ValueType = ...,
-        artifact: _builtins.bytes = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact"]  # noqa: Y015
-    _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
-
-Global___CompileChildReport: _TypeAlias = CompileChildReport  # noqa: Y015

@@ -39,6 +39,11 @@ class FarmStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/torchfarm.v1.Farm/Info',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.InfoRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.InfoReply.FromString,
+                _registered_method=True)
         self.Compile = channel.unary_stream(
                 '/torchfarm.v1.Farm/Compile',
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
@@ -51,6 +56,13 @@ class FarmServicer:
 
     def Lookup(self, request, context):
         """The entries cached under a key that this tenant may see, with their guards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """The farm's public entry-verification keys (signing): clients that pin none ask once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +82,11 @@ def add_FarmServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.InfoRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.InfoReply.SerializeToString,
             ),
             'Compile': grpc.unary_stream_rpc_method_handler(
                     servicer.Compile,
@@ -104,6 +121,33 @@ class Farm:
             '/torchfarm.v1.Farm/Lookup',
             torchfarm_dot_proto_dot_torchfarm__pb2.LookupRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Farm/Info',
+            torchfarm_dot_proto_dot_torchfarm__pb2.InfoRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.InfoReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,8 @@ class FarmStub:
     def __new__(cls, channel: _aio.Channel) -> FarmAsyncStub: ...
     Lookup: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]
     """The entries cached under a key that this tenant may see, with their guards."""
+    Info: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.InfoRequest, _torchfarm_pb2.InfoReply]
+    """The farm's public entry-verification keys (signing): clients that pin none ask once."""
     Compile: _grpc.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
 
@@ -44,6 +46,8 @@ class FarmAsyncStub(FarmStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Lookup: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.LookupRequest, _torchfarm_pb2.LookupReply]  # type: ignore[assignment]
     """The entries cached under a key that this tenant may see, with their guards."""
+    Info: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.InfoRequest, _torchfarm_pb2.InfoReply]  # type: ignore[assignment]
+    """The farm's public entry-verification keys (signing): clients that pin none ask once."""
     Compile: _aio.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
 
@@ -55,6 +59,14 @@ class FarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_torchfarm_pb2.LookupReply, _abc.Awaitable[_torchfarm_pb2.LookupReply]]:
         """The entries cached under a key that this tenant may see, with their guards."""
+
+    @_abc_1.abstractmethod
+    def Info(
+        self,
+        request: _torchfarm_pb2.InfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.InfoReply, _abc.Awaitable[_torchfarm_pb2.InfoReply]]:
+        """The farm's public entry-verification keys (signing): clients that pin none ask once."""
 
     @_abc_1.abstractmethod
     def Compile(

@@ -18,9 +18,11 @@ import time
 from celery import Celery
 from google.protobuf import json_format
 
+from torchfarm import signing
 from torchfarm.cache.artifacts import CacheFull, digest_of
 from torchfarm.cache.store import Store
 from torchfarm.compiler.target import local_target
+from torchfarm.contract.cache_key import private_key, public_key
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
@@ -115,12 +117,14 @@ def _compile_and_store(
     pool = _pool_of(task)
     store.counters.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)
     meta = _entry_meta(job, artifact, pool)
+    meta.digest, meta.size = digest_of(data), len(data)
+    meta.public_key = _graph_key(job, payload)
+    if settings.signing_key:  # else TORCHFARM_INSECURE_UNSIGNED, which run_worker warned of
+        meta.signature = signing.sign_entry(_signer(settings.signing_key), meta.public_key, meta)
     try:
         entry = store.artifacts.put(job.key, data, meta)
     except CacheFull:
         log.warning("the cache's Redis is at its memory limit: %s served uncached", job.key[:16])
-        meta.size = len(data)
-        meta.digest = digest_of(data)
         store.jobs.finish(
             job.job_id,
             pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest),
@@ -140,6 +144,44 @@ def _compile_and_store(
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
     return "compiled", len(data)
+
+
+# ---- Signing: the worker vouches for what it stored (torchfarm/signing.py) ---------------
+def load_signer(settings: WorkerSettings) -> signing.Signer | None:
+    """The farm's signing key, read by this trusted parent only (compile children get
+    neither the variable nor the file); a worker without one refuses to start unless the
+    operator asked for unsigned entries, which no client loads."""
+    if settings.signing_key:
+        try:
+            return _signer(settings.signing_key)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"torchfarm worker: TORCHFARM_SIGNING_KEY unusable: {e}") from e
+    if not settings.insecure_unsigned:
+        raise SystemExit(
+            "torchfarm worker: no TORCHFARM_SIGNING_KEY. Make one with `torchfarm keygen "
+            "PATH` and give its public key to the gateway (TORCHFARM_VERIFY_KEYS), or set "
+            "TORCHFARM_INSECURE_UNSIGNED=1 (clients will load none of this worker's entries)."
+        )
+    log.warning(
+        "!!! TORCHFARM_INSECURE_UNSIGNED: entries are stored unsigned; no client will load "
+        "them. Set TORCHFARM_SIGNING_KEY. !!!"
+    )
+    return None
+
+
+@functools.cache
+def _signer(path: str) -> signing.Signer:
+    return signing.Signer.from_file(path)
+
+
+def _graph_key(job: pb.Job, payload: bytes) -> str:
+    """The public key of the payload this worker compiled, recomputed here (what the entry's
+    signature names): a Job forged on the broker cannot get another graph's key signed."""
+    graph_key = public_key(payload, job.target, job.options)
+    expected = private_key(graph_key, job.tenant) if job.private else graph_key
+    if job.key != expected:
+        raise ValueError(f"the job's key {job.key[:16]} is not its payload's ({expected[:16]})")
+    return graph_key
 
 
 def _entry_meta(job: pb.Job, artifact: pb.Artifact, pool: str) -> pb.EntryMeta:
@@ -182,6 +224,7 @@ def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None
 def run_worker(settings: WorkerSettings) -> None:
     """Serve this machine's pool (or settings.pool) until stopped."""
     sandbox.check_available(settings)
+    load_signer(settings)
     isa_probe.start_in_background()
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
