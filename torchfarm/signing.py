@@ -118,10 +118,14 @@ def generate(path: str) -> Signer:
 class SignedEntry(Protocol):
     """What a signature is checked on: an EntryMeta, or a Candidate the client was offered."""
 
-    digest: str
-    size: int
-    guards: pb.ShapeGuards
-    signature: bytes
+    @property
+    def digest(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def guards(self) -> pb.ShapeGuards: ...
+    @property
+    def signature(self) -> bytes: ...
 
 
 def sign_entry(signer: Signer, public_key: str, entry: pb.EntryMeta) -> bytes:

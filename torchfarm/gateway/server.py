@@ -90,9 +90,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         return pb.LookupReply(
             key=key,
             candidates=[
-                pb.Candidate(
-                    digest=e.digest, guards=e.guards, size=e.size, signature=e.signature
-                )
+                pb.Candidate(digest=e.digest, guards=e.guards, size=e.size, signature=e.signature)
                 for e in entries
             ],
         )

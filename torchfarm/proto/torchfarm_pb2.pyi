@@ -1188,3 +1188,96 @@ class EntryMeta(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EntryMeta: _TypeAlias = EntryMeta  # noqa: Y015
+
+@_typing.final
+class CompileChildRequest(_message.Message):
+    """==== The compile child (issues 16 and 17) ====================================================
+    A worker's parent process and its sandboxed compile child talk through pipes only, never
+    through files the host can see. The parent writes one CompileChildRequest to the child's
+    stdin and closes it. The child writes CompileChildReport messages to its stdout, each
+    preceded by its length as an 8-byte big-endian unsigned integer: any number of stages, then
+    one artifact. The parent reads them with a cap on the size (TORCHFARM_MAX_ARTIFACT_BYTES);
+    everything the child sends is hostile and is only ever parsed as protobuf.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SizeHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    GRAPH_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    SIZE_HINTS_FIELD_NUMBER: _builtins.int
+    OP_LIBRARIES_FIELD_NUMBER: _builtins.int
+    graph: _builtins.bytes
+    """the CompileRequest's graph (hostile until proven otherwise)"""
+    @_builtins.property
+    def target(self) -> Global___Target: ...
+    @_builtins.property
+    def options(self) -> Global___Options: ...
+    @_builtins.property
+    def size_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def op_libraries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """modules imported first (TORCHFARM_OP_LIBRARIES)"""
+
+    def __init__(
+        self,
+        *,
+        graph: _builtins.bytes = ...,
+        target: Global___Target | None = ...,
+        options: Global___Options | None = ...,
+        size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        op_libraries: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileChildRequest: _TypeAlias = CompileChildRequest  # noqa: Y015
+
+@_typing.final
+class CompileChildReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    ARTIFACT_FIELD_NUMBER: _builtins.int
+    stage: Global___Progress.Stage.ValueType
+    """COMPILING or AUTOTUNING: the child's stage changed"""
+    artifact: _builtins.bytes
+    """the Artifact's protobuf bytes: the child's last report"""
+    def __init__(
+        self,
+        *,
+        stage: Global___Progress.Stage.ValueType = ...,
+        artifact: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact"]  # noqa: Y015
+    _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
+
+Global___CompileChildReport: _TypeAlias = CompileChildReport  # noqa: Y015
