@@ -133,11 +133,13 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
     trusted = remote.verifier(settings, request_id)
     graph_key = public_key(request.graph, request.target, request.options)
-    candidates = remote.lookup(request, settings, request_id)
-    signed = [c for c in candidates if signing.entry_verifies(trusted, graph_key, c)]
+    signed, unsigned = [], []
+    for c in remote.lookup(request, settings, request_id):
+        (signed if signing.entry_verifies(trusted, graph_key, c) else unsigned).append(c)
     # Entries of this key differ by their guards: take one that holds here, else compile.
     request.digest = next((c.digest for c in signed if guards.hold(c.guards, inputs)), "")
-    if not request.digest and len(signed) < len(candidates):  # the farm would serve it again
+    if not request.digest and any(not c.guards.all for c in unsigned):
+        # the farm serves an unguarded entry to a request that names none: this one again
         raise remote.UntrustedEntry(f"an entry of key {graph_key[:16]} is not signed by the farm")
     progress = ProgressLine(label, settings.progress)
     try:
