@@ -20,6 +20,9 @@ class ClientSettings:
     token: str = ""  # TORCHFARM_TOKEN
     connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
     compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
+    # TORCHFARM_INACTIVITY_TIMEOUT: give up on a farm that sends nothing (no progress, no data)
+    # this long, and compile locally; the gateway sends progress every second
+    inactivity_timeout_s: float = 15.0
     progress: bool = True  # TORCHFARM_PROGRESS=0 turns the stderr progress line off
     # TORCHFARM_TLS_CA: PEM certificate(s) to trust for a TLS gateway; "system" = the system's
     # roots; empty = plaintext
@@ -34,6 +37,7 @@ class ClientSettings:
             connect_timeout_s=float(_env("TORCHFARM_CONNECT_TIMEOUT", "2")),
             tls_ca=_env("TORCHFARM_TLS_CA", ""),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
+            inactivity_timeout_s=float(_env("TORCHFARM_INACTIVITY_TIMEOUT", "15")),
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
         )
@@ -64,8 +68,13 @@ class GatewaySettings:
     threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    metrics_host: str = ""  # TORCHFARM_METRICS_HOST: where /metrics listens; "" = the gateway's host
+    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once; then
+    # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
+    auth_failures: int = 10
     admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
-    tenant_max_compiles: int = 0  # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
+    # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none
+    tenant_max_compiles: int = 0
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
 
@@ -86,6 +95,8 @@ class GatewaySettings:
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
+            metrics_host=_env("TORCHFARM_METRICS_HOST", ""),
+            auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),
             admins=_env("TORCHFARM_ADMINS", ""),
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
@@ -112,6 +123,7 @@ class WorkerSettings:
     # compile timeout, or a compile still running would be handed out twice.
     redelivery_s: float = 0
     metrics_port: int = 0  # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
+    metrics_host: str = "127.0.0.1"  # TORCHFARM_WORKER_METRICS_HOST: where /metrics listens
     # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
     # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
     op_libraries: str = ""
@@ -146,6 +158,7 @@ class WorkerSettings:
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
+            metrics_host=_env("TORCHFARM_WORKER_METRICS_HOST", cls.metrics_host),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
             failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
         )
