@@ -68,7 +68,7 @@ class GatewaySettings:
     threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
-    metrics_host: str = ""  # TORCHFARM_METRICS_HOST: where /metrics listens; "" = the gateway's host
+    metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
     # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once; then
     # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
     auth_failures: int = 10

@@ -40,7 +40,8 @@ def _metrics():
     return (
         Counter(
             "torchfarm_worker_compiles",
-            "Compile tasks by pool, mode and result (compiled, failed, error, cached, abandoned, expired)",
+            "Compile tasks by pool, mode and result "
+            "(compiled, failed, error, cached, abandoned, expired)",
             ["pool", "mode", "result"],
         ),
         Histogram(
