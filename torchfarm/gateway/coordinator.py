@@ -187,10 +187,15 @@ class Coordinator:
             return
         with self._waiting_on(job.job_id) as waiter:
             claimed = self._claim(job)
-            refused = self._over_tenant_limit(job)
+            try:
+                refused = self._over_tenant_limit(job)
+            except Exception:
+                if claimed:
+                    self._release(job)
+                raise
             if refused:
                 if claimed:
-                    self.store.jobs.release(job.job_id)
+                    self._release(job)
                 yield Failed(Failure.TENANT_LIMIT, refused)
                 return
             try:
@@ -271,11 +276,15 @@ class Coordinator:
             self.enqueue(job, pool)
         except Exception as e:
             log.warning("could not queue %s: %s", job.job_id[:16], e)
-            try:
-                self.store.jobs.release(job.job_id)
-            except Exception as again:  # the broker is gone: the claim expires by itself
-                log.warning("could not release the claim of %s: %s", job.job_id[:16], again)
+            self._release(job)
             raise _NotQueued(f"the farm could not queue the compile: {e}") from e
+
+    def _release(self, job: pb.Job) -> None:
+        """Give a claim back (its waiters hear it at once)."""
+        try:
+            self.store.jobs.release(job.job_id)
+        except Exception as e:  # the broker is gone: the claim expires by itself
+            log.warning("could not release the claim of %s: %s", job.job_id[:16], e)
 
     def _wait(
         self,
