@@ -290,6 +290,20 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     return server, port
 
 
+def warn_if_open(settings: GatewaySettings) -> bool:
+    """Log a loud warning (and say so) for a gateway without tenants that other machines
+    can reach."""
+    if settings.tenants or _loopback(settings.host):
+        return False
+    log.warning(
+        "OPEN GATEWAY on %s: TORCHFARM_TENANTS is empty, so anyone who reaches this "
+        "address may compile on the farm and read its public entries. Set "
+        "TORCHFARM_TENANTS (tenant:sha256(token),...) or listen on 127.0.0.1.",
+        settings.host,
+    )
+    return True
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -317,13 +331,7 @@ def serve(settings: GatewaySettings, ready=None) -> None:
         port,
         "TLS" if settings.tls_cert else "plaintext",
     )
-    if not settings.tenants and not _loopback(settings.host):
-        log.warning(
-            "OPEN GATEWAY on %s: TORCHFARM_TENANTS is empty, so anyone who reaches this "
-            "address may compile on the farm and read its public entries. Set "
-            "TORCHFARM_TENANTS (tenant:sha256(token),...) or listen on 127.0.0.1.",
-            settings.host,
-        )
+    warn_if_open(settings)
     if ready:
         ready(port)
     stop = threading.Event()

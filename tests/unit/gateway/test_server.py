@@ -7,7 +7,7 @@ import redis
 
 from torchfarm.cache.store import Store
 from torchfarm.gateway import auth
-from torchfarm.gateway.server import build_server
+from torchfarm.gateway.server import build_server, warn_if_open
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings
@@ -78,3 +78,21 @@ def test_a_peer_is_its_address_without_the_port():
     assert auth.peer_address("ipv4:10.0.0.7:51234") == "ipv4:10.0.0.7"
     assert auth.peer_address("ipv6:[::1]:40000") == "ipv6:[::1]"
     assert auth.peer_address("unix:/tmp/sock") == "unix:/tmp/sock"
+
+
+@pytest.mark.parametrize(
+    "host, tenants, loud",
+    [
+        ("0.0.0.0", "", True),
+        ("[::]", "", True),
+        ("10.1.2.3", "", True),
+        ("127.0.0.1", "", False),
+        ("[::1]", "", False),
+        ("localhost", "", False),
+        ("0.0.0.0", f"alice:{auth.hash_token(TOKEN)}", False),
+    ],
+)
+def test_an_open_gateway_on_a_reachable_address_warns_loudly(host, tenants, loud, caplog):
+    settings = GatewaySettings(host=host, tenants=tenants)
+    assert warn_if_open(settings) is loud
+    assert ("OPEN GATEWAY" in caplog.text) is loud
