@@ -20,6 +20,9 @@ class ClientSettings:
     token: str = ""  # TORCHFARM_TOKEN
     connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
     compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
+    # TORCHFARM_INACTIVITY_TIMEOUT: give up on a farm that sends nothing (no progress, no data)
+    # this long, and compile locally; the gateway sends progress every second
+    inactivity_timeout_s: float = 15.0
     progress: bool = True  # TORCHFARM_PROGRESS=0 turns the stderr progress line off
     # TORCHFARM_TLS_CA: PEM certificate(s) to trust for a TLS gateway; "system" = the system's
     # roots; empty = plaintext
@@ -37,6 +40,7 @@ class ClientSettings:
             connect_timeout_s=float(_env("TORCHFARM_CONNECT_TIMEOUT", "2")),
             tls_ca=_env("TORCHFARM_TLS_CA", ""),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT", "900")),
+            inactivity_timeout_s=float(_env("TORCHFARM_INACTIVITY_TIMEOUT", "15")),
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
@@ -68,8 +72,13 @@ class GatewaySettings:
     threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
+    metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
+    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once; then
+    # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
+    auth_failures: int = 10
     admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
-    tenant_max_compiles: int = 0  # TORCHFARM_TENANT_MAX_COMPILES: per tenant and gateway, 0 = none
+    # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none
+    tenant_max_compiles: int = 0
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
     # TORCHFARM_VERIFY_KEYS: the public keys of the workers' signing keys (comma-separated
@@ -93,6 +102,8 @@ class GatewaySettings:
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
+            metrics_host=_env("TORCHFARM_METRICS_HOST", ""),
+            auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),
             admins=_env("TORCHFARM_ADMINS", ""),
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
@@ -122,6 +133,7 @@ class WorkerSettings:
     # compile timeout, or a compile still running would be handed out twice.
     redelivery_s: float = 0
     metrics_port: int = 0  # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
+    metrics_host: str = "127.0.0.1"  # TORCHFARM_WORKER_METRICS_HOST: where /metrics listens
     # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
     # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
     op_libraries: str = ""
@@ -172,6 +184,7 @@ class WorkerSettings:
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
+            metrics_host=_env("TORCHFARM_WORKER_METRICS_HOST", cls.metrics_host),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
             failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
             compile_disk_mb=int(_env("TORCHFARM_COMPILE_DISK_MB", str(cls.compile_disk_mb))),

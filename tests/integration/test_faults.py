@@ -135,3 +135,30 @@ def test_a_client_decides_the_farm_is_down_within_the_connect_timeout(where):
         remote.lookup(pb.CompileRequest(graph=b"x", target=local_target()), settings)
     assert time.monotonic() - started < settings.connect_timeout_s + 0.5
     hung.close()
+
+
+def test_a_failed_enqueue_leaves_no_claim_and_the_next_client_compiles():
+    # The broker refuses Celery's send (LPUSH) after the gateway has claimed the job, as a
+    # full or failing broker does; the claim must not outlive the failure.
+    from tests.integration.helpers import direct_request
+    from torchfarm.client import remote
+    from torchfarm.settings import ClientSettings
+
+    with LocalFarm() as farm:
+        store = farm.store()
+        settings = ClientSettings(addr=farm.addr)
+        import torch
+
+        request = direct_request(
+            torch.nn.Sequential(torch.nn.Linear(3, 17), torch.nn.Tanh()), torch.randn(2, 3)
+        )
+        broker = store.jobs.redis
+        broker.execute_command("ACL", "SETUSER", "default", "-lpush")
+        try:
+            with pytest.raises(remote.FarmError, match="UNAVAILABLE: the farm could not queue"):
+                remote.fetch(request, settings)
+        finally:
+            broker.execute_command("ACL", "SETUSER", "default", "+lpush")
+        assert not list(broker.scan_iter(match=keys.claim("*")))  # released, not left to expire
+        header, _ = remote.fetch(request, settings)  # queued at once, no claim's expiry to wait
+        assert header.source == "miss"

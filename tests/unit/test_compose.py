@@ -13,7 +13,10 @@ from torchfarm.cli import app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMA = os.path.join(ROOT, ".cache", "compose-spec.json")  # made by `make test`
-_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+# ${VAR}, ${VAR:-default} / ${VAR-default}, and ${VAR:?message} (compose refuses to start
+# without VAR): group 2 is the operator, group 3 the default or the message.
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+REQUIRED = {"TORCHFARM_TENANTS", "REDIS_PASSWORD"}  # closed by default: no open gateway
 
 
 def _raw() -> str:
@@ -23,8 +26,21 @@ def _raw() -> str:
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    """The file as compose sees it with an empty environment: every ${VAR:-default} resolved."""
-    return yaml.safe_load(_VARIABLE.sub(lambda m: m.group(2) or "", _raw()))
+    """The file as compose sees it with an environment holding only the required variables:
+    every ${VAR:-default} resolved, every ${VAR:?message} set."""
+    return yaml.safe_load(_VARIABLE.sub(_resolve, _raw()))
+
+
+def _resolve(match: re.Match) -> str:
+    name, operator, value = match.groups()
+    if name in REQUIRED:
+        return f"{name.lower()}-value"
+    return value or "" if operator and operator.endswith("-") else ""
+
+
+def test_authentication_and_a_redis_password_are_required():
+    required = {m.group(1) for m in _VARIABLE.finditer(_raw()) if (m.group(2) or "").endswith("?")}
+    assert required == REQUIRED
 
 
 def test_compose_file_follows_the_compose_specification(compose):
@@ -64,3 +80,19 @@ def test_every_variable_the_compose_file_reads_is_in_env_example():
         documented = {line.split("=", 1)[0] for line in f if re.match(r"^\w+=", line)}
     used = {m.group(1) for m in _VARIABLE.finditer(_raw())}
     assert used <= documented, used - documented
+
+
+def test_redis_has_a_password_and_the_web_uis_are_published_on_loopback_only(compose):
+    services = compose["services"]
+    for name in ("redis", "broker"):
+        assert services[name]["command"][-2:] == ["--requirepass", "redis_password-value"]
+    urls = [
+        value
+        for service in services.values()
+        for value in (service.get("environment") or {}).values()
+        if str(value).startswith("redis://")
+    ]
+    assert urls and all(url.startswith("redis://:redis_password-value@") for url in urls)
+    assert services["gateway"]["environment"]["TORCHFARM_TENANTS"] == "torchfarm_tenants-value"
+    for name in ("flower", "prometheus"):
+        assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"])

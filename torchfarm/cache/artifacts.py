@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import redis
@@ -37,18 +37,43 @@ def digest_of(data: bytes) -> str:
 
 
 class Codec:
-    """zstd on the way in; decompression, size and sha256 checked on the way out."""
+    """zstd on the way in; decompression, size and sha256 checked on the way out.
+
+    Decoding goes chunk by chunk and stops past the recorded size, so what a read holds in
+    memory is one chunk, whatever the compression ratio (300 MB of zeros is 30 KB stored)."""
+
+    CHUNK_BYTES = 1 << 20
 
     def encode(self, data: bytes) -> bytes:
         return zstandard.ZstdCompressor(level=3).compress(data)
 
+    def chunks(self, stored: bytes, size: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The decoded bytes, `chunk_bytes` at a time; raises ValueError (or zstd's error)
+        where they would exceed `size`."""
+        reader = zstandard.ZstdDecompressor().stream_reader(stored)
+        total = 0
+        while piece := reader.read(chunk_bytes):
+            total += len(piece)
+            if total > size:
+                raise ValueError(f"the blob decodes to more than its recorded {size} bytes")
+            yield piece
+
+    def verify(self, stored: bytes, digest: str, size: int) -> bool:
+        """Whether `stored` decodes to the artifact `digest` of `size` (in bounded memory)."""
+        hasher, total = hashlib.sha256(), 0
+        try:
+            for piece in self.chunks(stored, size):
+                hasher.update(piece)
+                total += len(piece)
+        except (ValueError, zstandard.ZstdError):
+            return False
+        return total == size and hasher.hexdigest() == digest
+
     def decode(self, stored: bytes, digest: str, size: int) -> bytes | None:
         """The artifact bytes, or None if `stored` is not the artifact `digest` of `size`."""
-        try:
-            data = zstandard.ZstdDecompressor().decompress(stored)
-        except zstandard.ZstdError:
+        if not self.verify(stored, digest, size):
             return None
-        return data if len(data) == size and digest_of(data) == digest else None
+        return b"".join(self.chunks(stored, size))
 
 
 class BlobBackend(Protocol):
@@ -127,13 +152,19 @@ class ArtifactCache:
         """stored_bytes and entries over the whole cache."""
         return {k.decode(): float(v) for k, v in self.redis.hgetall(keys.TOTALS).items()}
 
+    def stored(self, key: str, entry: pb.EntryMeta) -> bytes | None:
+        """The entry's stored (encoded) bytes, verified; None (and the entry dropped) if bad.
+        The gateway streams them through Codec.chunks without ever holding the artifact."""
+        stored = self.blobs.get(entry.digest)
+        if stored is None or not self.codec.verify(stored, entry.digest, entry.size):
+            self.drop(key, [entry.digest])
+            return None
+        return stored
+
     def read(self, key: str, entry: pb.EntryMeta) -> bytes | None:
         """The artifact bytes of an entry, verified; None (and the entry dropped) if bad."""
-        stored = self.blobs.get(entry.digest)
-        data = None if stored is None else self.codec.decode(stored, entry.digest, entry.size)
-        if data is None:
-            self.drop(key, [entry.digest])
-        return data
+        stored = self.stored(key, entry)
+        return None if stored is None else b"".join(self.codec.chunks(stored, entry.size))
 
     # ---- writes ------------------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: pb.EntryMeta) -> pb.EntryMeta:

@@ -6,6 +6,12 @@ outcome; a waiter subscribes first (`watch`) and reads the state second, so it m
 nothing and sleeps until something happens. The outcome is written, the claim dropped and
 the notification published in one transaction: a waiter that sees the claim gone also sees
 the outcome.
+
+Waiters and tenants are counted here too, so that every gateway sees the same numbers: each
+waiting RPC keeps its id in the job's waiter set with an expiry it refreshes (a worker skips
+a job whose waiters are all gone), and each tenant's queued and running jobs are a set whose
+members leave when their claim does (TORCHFARM_TENANT_MAX_COMPILES counts them). Expiries
+are in the Redis server's time, so gateways and workers need no common clock.
 """
 
 from __future__ import annotations
@@ -26,6 +32,23 @@ STAGE_TTL_S = 3600
 OUTCOME_TTL_S = 3600
 UNCACHED_TTL_S = 600  # long enough for every merged waiter to read it
 ERROR_CHARS = 4000
+
+# Count the tenant's jobs that are still claimed (queued or running) and add `job` unless the
+# tenant is at its limit: one atomic step, so two gateways cannot both take the last slot.
+# KEYS[1]: the tenant's job set. ARGV: now, limit (0: none), job, its expiry, claim prefix.
+# Returns -1 if the job counts now (added, or already counted), else the tenant's count.
+_TAKE_TENANT_SLOT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('EXISTS', ARGV[5] .. member) == 0 then redis.call('ZREM', KEYS[1], member) end
+end
+if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return -1 end
+local count = redis.call('ZCARD', KEYS[1])
+if tonumber(ARGV[2]) > 0 and count >= tonumber(ARGV[2]) then return count end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[4]) - tonumber(ARGV[1])))
+return -1
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +84,51 @@ class JobBoard:
         return token if self.redis.set(keys.claim(job), token, nx=True, ex=ttl_s) else None
 
     def release(self, job: str) -> None:
-        self.redis.delete(keys.claim(job))
+        """Drop the claim and tell the waiters at once, so that one of them (or the next
+        request) takes the job over instead of waiting on nothing."""
+        pipe = self.redis.pipeline()
+        pipe.delete(keys.claim(job))
+        pipe.publish(keys.events(job), b"released")
+        pipe.execute()
+
+    # ---- who waits: waiters per job, jobs per tenant -----------------------------------
+    def _now(self) -> float:
+        seconds, micros = self.redis.time()
+        return seconds + micros / 1e6
+
+    def join(self, job: str, waiter: str, ttl_s: float) -> None:
+        """Record (or refresh) a waiter of the job; it counts for `ttl_s` from now."""
+        expiry = self._now() + ttl_s
+        pipe = self.redis.pipeline()
+        pipe.zadd(keys.waiters(job), {waiter: expiry})
+        pipe.expire(keys.waiters(job), max(1, int(ttl_s) + 1))
+        pipe.execute()
+
+    def leave(self, job: str, waiter: str) -> None:
+        self.redis.zrem(keys.waiters(job), waiter)
+
+    def abandoned(self, job: str) -> bool:
+        """True if no waiter of the job is left (each left, or stopped refreshing)."""
+        pipe = self.redis.pipeline()
+        pipe.zremrangebyscore(keys.waiters(job), "-inf", self._now())
+        pipe.zcard(keys.waiters(job))
+        return pipe.execute()[1] == 0
+
+    def take_tenant_slot(self, tenant: str, job: str, limit: int, ttl_s: float) -> int | None:
+        """Count `job` among the tenant's queued and running jobs (until its claim is gone);
+        None if it counts, else the tenant's count when `limit` (> 0) is reached."""
+        now = self._now()
+        count = self.redis.eval(
+            _TAKE_TENANT_SLOT,
+            1,
+            keys.tenant_jobs(tenant),
+            now,
+            limit,
+            job,
+            now + ttl_s,
+            keys.claim(""),
+        )
+        return None if int(count) < 0 else int(count)
 
     def post(self, job: str, payload: bytes) -> None:
         """Gateway: the payload a worker will compile; the job starts queued, afresh."""
@@ -114,15 +181,15 @@ class JobBoard:
         return value.decode() if value else None
 
     def uncached(self, job: str, digest: str) -> tuple[pb.EntryMeta, bytes] | None:
-        """The entry and verified bytes a job produced while the cache was full, if any."""
+        """The entry and its stored (encoded, verified) bytes a job produced while the cache
+        was full, if any; decode them with Codec.chunks."""
         meta, stored = self.redis.hmget(keys.uncached(job), ["meta", "blob"])
         if meta is None or stored is None:
             return None
         entry = pb.EntryMeta.FromString(meta)
-        if entry.digest != digest:
+        if entry.digest != digest or not self.codec.verify(stored, entry.digest, entry.size):
             return None
-        data = self.codec.decode(stored, entry.digest, entry.size)
-        return None if data is None else (entry, data)
+        return entry, stored
 
     # ---- what workers write ------------------------------------------------------------
     def set_stage(self, job: str, stage: pb.Progress.Stage.ValueType) -> None:
@@ -155,6 +222,6 @@ class JobBoard:
         pipe.set(keys.outcome(job), kept.SerializeToString(), ex=OUTCOME_TTL_S)
         if kept.kind == pb.JobOutcome.FAILED and remember_s > 0:
             pipe.set(keys.failed(job), kept.error, ex=max(1, int(remember_s)))
-        pipe.delete(keys.job(job), keys.stage(job), keys.claim(job))
+        pipe.delete(keys.job(job), keys.stage(job), keys.claim(job), keys.waiters(job))
         pipe.publish(keys.events(job), b"outcome")
         pipe.execute()

@@ -46,6 +46,14 @@ def uncached(job: str) -> str:  # hash {meta, blob}: the artifact when the cache
     return f"{FORMAT}:uncached:{job}"
 
 
+def waiters(job: str) -> str:  # sorted set: waiter id -> expiry (Redis time), refreshed
+    return f"{FORMAT}:waiters:{job}"  # while its RPC waits; no live member = abandoned
+
+
+def tenant_jobs(tenant: str) -> str:  # sorted set: job -> expiry; the tenant's queued and
+    return f"{FORMAT}:tenantjobs:{tenant}"  # running jobs, for TORCHFARM_TENANT_MAX_COMPILES
+
+
 def events(job: str) -> str:  # pub/sub channel: the job's stage or outcome changed
     return f"{FORMAT}:events:{job}"
 

@@ -133,7 +133,8 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
     trusted = remote.verifier(settings, request_id)
     graph_key = public_key(request.graph, request.target, request.options)
-    signed, unsigned = [], []
+    signed: list[pb.Candidate] = []
+    unsigned: list[pb.Candidate] = []
     for c in remote.lookup(request, settings, request_id):
         (signed if signing.entry_verifies(trusted, graph_key, c) else unsigned).append(c)
     # Entries of this key differ by their guards: take one that holds here, else compile.

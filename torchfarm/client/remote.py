@@ -1,10 +1,17 @@
 """The gRPC side of the client: Lookup by key (entries and their guards), then one Compile
-call, which alone carries the payload, with streamed progress and verified artifact bytes."""
+call, which alone carries the payload, with streamed progress and verified artifact bytes.
+
+A farm may hang without closing anything (a stopped gateway, a dead network path): the
+channel sends keepalive pings, and a Compile that hears nothing (no progress, no chunk) for
+TORCHFARM_INACTIVITY_TIMEOUT is cancelled, so the training step compiles locally after
+seconds, not after the whole compile timeout. The gateway sends progress every second.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -16,6 +23,14 @@ from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
 
 MAX_MESSAGE = 256 << 20
+# Pings on an open connection, even while a call only waits (the gateway permits them every
+# 5 s): a connection that stops answering fails its calls instead of hanging. The inactivity
+# deadline below usually acts first; the pings also keep idle NAT/proxy paths open.
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 class FarmError(RuntimeError):
@@ -32,6 +47,7 @@ def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE),
         ("grpc.max_receive_message_length", MAX_MESSAGE),
+        *KEEPALIVE,
     ]
     if not tls_ca:
         return grpc.insecure_channel(addr, options=options)
@@ -74,7 +90,7 @@ def lookup(
     try:
         reply = stub.Lookup(
             pb.LookupRequest(key=key, private=request.private),
-            timeout=settings.connect_timeout_s + 30,
+            timeout=settings.inactivity_timeout_s,
             metadata=_metadata(settings, request_id),
         )
     except grpc.RpcError as e:
@@ -92,10 +108,13 @@ def fetch(
     `request_id` appears in the gateway's and the worker's log lines for this compile."""
     stub = _stub(settings)
     header, chunks = None, []
+    call = stub.Compile(
+        request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+    )
+    silence = _SilenceGuard(call, settings.inactivity_timeout_s)
     try:
-        for event in stub.Compile(
-            request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
-        ):
+        for event in call:
+            silence.heard()
             kind = event.WhichOneof("event")
             if kind == "progress" and on_progress:
                 on_progress(event.progress)
@@ -106,13 +125,46 @@ def fetch(
             elif kind == "chunk":
                 chunks.append(event.chunk)
     except grpc.RpcError as e:
+        if silence.fired:
+            raise FarmError(
+                f"farm silent for {settings.inactivity_timeout_s:g} s "
+                "(no progress, no data; TORCHFARM_INACTIVITY_TIMEOUT)"
+            ) from None
         raise FarmError(f"{e.code().name}: {e.details()}") from None
+    finally:
+        silence.close()
     if header is None:
         raise FarmError("the farm ended the stream without an artifact")
     data = b"".join(chunks)
     if len(data) != header.size or hashlib.sha256(data).hexdigest() != header.digest:
         raise FarmError("artifact failed its digest check; not loading it")
     return header, data
+
+
+class _SilenceGuard:
+    """Cancels a streaming call once nothing has arrived on it for `limit_s`."""
+
+    def __init__(self, call: grpc.Future, limit_s: float):
+        self.call, self.limit_s = call, limit_s
+        self.fired = False
+        self._heard, self._done = threading.Event(), threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="torchfarm-silence").start()
+
+    def heard(self) -> None:
+        self._heard.set()
+
+    def close(self) -> None:
+        self._done.set()
+        self._heard.set()
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            # Cleared before the wait: silence is measured from no earlier than the last event.
+            self._heard.clear()
+            if not self._heard.wait(self.limit_s) and not self._done.is_set():
+                self.fired = True
+                self.call.cancel()
+                return
 
 
 # ---- Signing: the keys this process trusts -----------------------------------------------

@@ -9,6 +9,12 @@ Waiting is event-driven: a waiter subscribes to the job's notifications before i
 job's state, and wakes when the worker changes the stage or writes the outcome; a coarse
 re-check (PROGRESS_EVERY_S) only sends progress ticks and notices a deadline or a vanished
 claim.
+
+Nothing a fault leaves behind stalls anyone: a claim is released (and its waiters told) on
+any failure after it was taken; each waiting request keeps its id in the job's waiter set
+while it waits, so a job nobody waits for any more is skipped by the worker; and the
+tenant's compile limit counts its queued and running jobs on the job board, across gateways,
+not open RPCs.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
+from torchfarm.cache.artifacts import Codec
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.pools import describe, pool_name
@@ -28,7 +35,8 @@ from torchfarm.gateway import metrics
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.gateway")
-PROGRESS_EVERY_S = 1.0
+PROGRESS_EVERY_S = 1.0  # a waiting client hears from the gateway at least this often
+WAITER_TTL_S = 10.0  # a waiter that stopped refreshing (its gateway hung or died) is gone
 Enqueue = Callable[[pb.Job, str], None]  # (job, pool): queue the job on the pool's queue
 
 
@@ -39,7 +47,8 @@ class Failure(enum.Enum):
     TIMED_OUT = "timed out"  # the worker's or the gateway's deadline passed
     WORKER_ERROR = "worker error"  # the worker could not run the compile
     NO_POOL = "no pool"  # no worker serves the target
-    TENANT_LIMIT = "tenant limit"  # the tenant already waits on its maximum of compiles
+    TENANT_LIMIT = "tenant limit"  # the tenant already has its maximum of compiles queued
+    UNAVAILABLE = "unavailable"  # the job could not be queued (broker down or full)
 
 
 _OUTCOME_FAILURES = {
@@ -58,12 +67,16 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class Served:
     """The artifact: from the cache ("hit"), this request's compile ("miss"), or another
-    request's compile it waited on ("merged")."""
+    request's compile it waited on ("merged"). It holds the stored (encoded, verified) bytes,
+    decoded chunk by chunk as they are sent: a hit never holds the whole artifact."""
 
     key: str
     entry: pb.EntryMeta
-    data: bytes
+    stored: bytes
     source: str
+
+    def chunks(self, chunk_bytes: int = Codec.CHUNK_BYTES) -> Iterator[bytes]:
+        return Codec().chunks(self.stored, self.entry.size, chunk_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +98,10 @@ class CompileCall:
     request_id: str
 
 
+class _NotQueued(Exception):
+    """Posting or queueing a claimed job failed; the claim is released already."""
+
+
 class Coordinator:
     def __init__(
         self,
@@ -97,8 +114,6 @@ class Coordinator:
         self.enqueue = enqueue
         self.compile_timeout_s = compile_timeout_s
         self.tenant_max_compiles = tenant_max_compiles
-        self._waiting: dict[str, int] = {}  # per tenant: requests waiting on a compile
-        self._waiting_lock = threading.Lock()
 
     def lookup(self, key: str, private: bool, tenant: str) -> tuple[str, list[pb.EntryMeta]]:
         """The key the tenant meant (its own, derived, for a private lookup) and the entries
@@ -132,18 +147,18 @@ class Coordinator:
 
         hit = self._cached(key, request.digest)
         if hit is not None:
-            entry, data = hit
+            entry, stored = hit
             log.info("hit %s for %s: %s", key[:16], tenant, request.label, extra=extra)
             self.store.artifacts.record_hit(key, entry.digest)
             self.store.counters.count(
                 entry.pool,
                 hits=1,
-                bytes_served=len(data),
+                bytes_served=entry.size,
                 compile_seconds_saved=entry.compile_seconds,
             )
             metrics.RESULTS.labels("hit").inc()
-            metrics.BYTES_SERVED.inc(len(data))
-            yield Served(key, entry, data, "hit")
+            metrics.BYTES_SERVED.inc(entry.size)
+            yield Served(key, entry, stored, "hit")
             return
 
         failure = self.store.jobs.failure(job.job_id)
@@ -170,11 +185,26 @@ class Coordinator:
                 f"Pools available: {served}",
             )
             return
-        with self._compile_slot(tenant) as refused:
+        with self._waiting_on(job.job_id) as waiter:
+            claimed = self._claim(job)
+            try:
+                refused = self._over_tenant_limit(job)
+            except Exception:
+                if claimed:
+                    self._release(job)
+                raise
             if refused:
+                if claimed:
+                    self._release(job)
                 yield Failed(Failure.TENANT_LIMIT, refused)
                 return
-            source = "miss" if self._claim_and_enqueue(job, request.graph, pool) else "merged"
+            try:
+                if claimed:
+                    self._queue(job, request.graph, pool)
+            except _NotQueued as e:
+                yield Failed(Failure.UNAVAILABLE, str(e))
+                return
+            source = "miss" if claimed else "merged"
             self.store.counters.count(pool, **{"misses" if source == "miss" else "merges": 1})
             metrics.RESULTS.labels(source).inc()
             log.info(
@@ -185,31 +215,33 @@ class Coordinator:
                 request.label,
                 extra=dict(extra, pool=pool),
             )
-            yield from self._wait(job, request.graph, pool, started, source, is_active)
+            yield from self._wait(job, request.graph, pool, started, source, is_active, waiter)
 
     @contextlib.contextmanager
-    def _compile_slot(self, tenant: str) -> Iterator[str]:
-        """Hold one of the tenant's compile slots (TORCHFARM_TENANT_MAX_COMPILES, counted per
-        gateway) while its request waits on a compile; yields why not if none is free."""
-        limit = self.tenant_max_compiles
-        with self._waiting_lock:
-            waiting = self._waiting.get(tenant, 0)
-            if limit and waiting >= limit:
-                refused = (
-                    f"tenant {tenant or '(open farm)'} already waits on {waiting} "
-                    f"compiles (limit {limit}); retry when one finishes"
-                )
-            else:
-                refused = ""
-                self._waiting[tenant] = waiting + 1
-        if refused:
-            yield refused
-            return
+    def _waiting_on(self, job: str) -> Iterator[str]:
+        """Count this request among the job's waiters while it waits (a worker skips a job
+        whose waiters are all gone); leave however the wait ends, cancellation included."""
+        waiter = uuid.uuid4().hex
+        self.store.jobs.join(job, waiter, WAITER_TTL_S)
         try:
-            yield ""
+            yield waiter
         finally:
-            with self._waiting_lock:
-                self._waiting[tenant] -= 1
+            with contextlib.suppress(Exception):  # Redis gone: the waiter expires by itself
+                self.store.jobs.leave(job, waiter)
+
+    def _over_tenant_limit(self, job: pb.Job) -> str:
+        """Why the tenant may not have this job compiled now ('' if it may): it already has
+        TORCHFARM_TENANT_MAX_COMPILES other jobs queued or running, on any gateway."""
+        limit = self.tenant_max_compiles
+        if not limit:
+            return ""
+        count = self.store.jobs.take_tenant_slot(job.tenant, job.job_id, limit, self._claim_ttl)
+        if count is None:
+            return ""
+        return (
+            f"tenant {job.tenant or '(open farm)'} already has {count} compiles queued or "
+            f"running (limit {limit}); retry when one finishes"
+        )
 
     def _cached(self, key: str, digest: str) -> tuple[pb.EntryMeta, bytes] | None:
         """The entry the client chose (its guards hold there), or else an unguarded entry
@@ -222,19 +254,37 @@ class Coordinator:
         )
         if entry is None:
             return None
-        data = artifacts.read(key, entry)
-        if data is None:
+        stored = artifacts.stored(key, entry)
+        if stored is None:
             log.warning("dropped corrupt or missing blob %s of %s", entry.digest[:16], key[:16])
             return None
-        return entry, data
+        return entry, stored
 
-    def _claim_and_enqueue(self, job: pb.Job, payload: bytes, pool: str) -> bool:
-        ttl = int(self.compile_timeout_s) + 60
-        if not self.store.jobs.claim(job.job_id, ttl):
-            return False
-        self.store.jobs.post(job.job_id, payload)
-        self.enqueue(job, pool)
-        return True
+    @property
+    def _claim_ttl(self) -> int:
+        return int(self.compile_timeout_s) + 60
+
+    def _claim(self, job: pb.Job) -> bool:
+        """Single flight: True if this request compiles the job, False if it merges."""
+        return self.store.jobs.claim(job.job_id, self._claim_ttl) is not None
+
+    def _queue(self, job: pb.Job, payload: bytes, pool: str) -> None:
+        """Post the payload and queue the claimed job; on any failure release the claim (its
+        waiters hear it at once and the next request queues afresh) and raise _NotQueued."""
+        try:
+            self.store.jobs.post(job.job_id, payload)
+            self.enqueue(job, pool)
+        except Exception as e:
+            log.warning("could not queue %s: %s", job.job_id[:16], e)
+            self._release(job)
+            raise _NotQueued(f"the farm could not queue the compile: {e}") from e
+
+    def _release(self, job: pb.Job) -> None:
+        """Give a claim back (its waiters hear it at once)."""
+        try:
+            self.store.jobs.release(job.job_id)
+        except Exception as e:  # the broker is gone: the claim expires by itself
+            log.warning("could not release the claim of %s: %s", job.job_id[:16], e)
 
     def _wait(
         self,
@@ -244,6 +294,7 @@ class Coordinator:
         started: float,
         source: str,
         is_active: Callable[[], bool],
+        waiter: str,
     ) -> Iterator[Event]:
         deadline = started + self.compile_timeout_s
         next_progress = 0.0
@@ -263,16 +314,25 @@ class Coordinator:
                         f"compile did not finish in {self.compile_timeout_s:.0f} s",
                     )
                     return
-                # The compiler vanished without an outcome, or its artifact is gone: take over.
-                if not state.claimed:
-                    self._claim_and_enqueue(job, payload, pool)
+                # The compiler vanished without an outcome (released, abandoned, or its worker
+                # died), or its artifact is gone: take over.
+                if not state.claimed and self._claim(job):
+                    try:
+                        self._queue(job, payload, pool)
+                    except _NotQueued as e:
+                        yield Failed(Failure.UNAVAILABLE, str(e))
+                        return
                 if now >= next_progress:
+                    self.store.jobs.join(job.job_id, waiter, WAITER_TTL_S)
                     yield Progress(state.stage, now - started)
                     next_progress = now + PROGRESS_EVERY_S
                 watch.wait(max(0.0, min(next_progress, deadline) - time.monotonic()))
 
     def _ended(self, job: pb.Job, outcome: pb.JobOutcome, pool: str, source: str) -> Event | None:
-        """The event that ends the wait; None if the stored artifact is already gone."""
+        """The event that ends the wait; None if the stored artifact is already gone, or the
+        job was abandoned after this request joined it (then it is queued again)."""
+        if outcome.kind == pb.JobOutcome.ABANDONED:
+            return None
         if outcome.kind in _OUTCOME_FAILURES:
             return Failed(
                 _OUTCOME_FAILURES[outcome.kind], f"compile failed on the farm: {outcome.error}"
@@ -284,10 +344,10 @@ class Coordinator:
         )
         if hit is None:
             return None
-        entry, data = hit
+        entry, stored = hit
         saved = entry.compile_seconds if source == "merged" else 0.0
-        self.store.counters.count(pool, bytes_served=len(data), compile_seconds_saved=saved)
-        metrics.BYTES_SERVED.inc(len(data))
+        self.store.counters.count(pool, bytes_served=entry.size, compile_seconds_saved=saved)
+        metrics.BYTES_SERVED.inc(entry.size)
         if source == "miss":
             metrics.COMPILE_SECONDS.labels(pool, job.options.mode).observe(entry.compile_seconds)
-        return Served(job.key, entry, data, source)
+        return Served(job.key, entry, stored, source)

@@ -84,8 +84,9 @@ class QueueDepth:
         yield family
 
 
-def serve_metrics(port: int, broker_url: str, pools) -> None:
-    """Expose /metrics on `port` (0: do not serve)."""
+def serve_metrics(host: str, port: int, broker_url: str, pools) -> None:
+    """Expose /metrics on `host`:`port` (port 0: do not serve). The host defaults to the
+    gateway's own, never every interface unless asked (TORCHFARM_METRICS_HOST)."""
     if port:
         REGISTRY.register(QueueDepth(redis.Redis.from_url(broker_url), pools))
-        start_http_server(port)
+        start_http_server(port, addr=host.strip("[]"))

@@ -8,6 +8,7 @@ or evaluates anything a client sends.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
@@ -48,7 +49,15 @@ _STATUS = {
     Failure.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Failure.NO_POOL: grpc.StatusCode.FAILED_PRECONDITION,
     Failure.TENANT_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
+# Clients ping every 10 s (client/remote.py KEEPALIVE); accept that, even while a call only
+# waits, instead of answering "too many pings" by closing the connection.
+KEEPALIVE = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -57,8 +66,25 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("context.abort returned")
 
 
+def _authenticate(context, tenants: dict[str, str], limiter: auth.FailureLimiter) -> str | None:
+    """The caller's tenant, or None for an unknown token; a peer over its failure budget is
+    refused (RESOURCE_EXHAUSTED, with when to retry) before its token is looked at."""
+    peer = auth.peer_address(context.peer() or "")
+    wait_s = limiter.retry_after_s(peer)
+    if wait_s:
+        _abort(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"too many failed authentications from {peer}; retry in {wait_s:.1f} s",
+        )
+    tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), tenants)
+    if tenant is None:
+        limiter.failed(peer)
+    return tenant
+
+
 class FarmServicer(pb_grpc.FarmServicer):
-    def __init__(self, settings: GatewaySettings, store: Store):
+    def __init__(self, settings: GatewaySettings, store: Store, limiter: auth.FailureLimiter):
         self.settings = settings
         self.tenants = parse_tenants(settings.tenants)
         # Signing: the keys clients verify entries with; checked here, so a typo fails at start
@@ -68,6 +94,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "no TORCHFARM_VERIFY_KEYS: clients that pin no keys will load no artifact "
                 "from this farm (give the gateway the workers' public signing key)"
             )
+        self.limiter = limiter
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,
@@ -77,7 +104,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         )
 
     def _authenticate(self, context) -> str:
-        tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), self.tenants)
+        tenant = _authenticate(context, self.tenants, self.limiter)
         if tenant is None:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
         return tenant
@@ -144,19 +171,20 @@ class FarmServicer(pb_grpc.FarmServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
 
     def _send(self, served: Served) -> Iterator[pb.CompileEvent]:
+        """The header, then the artifact decoded one chunk at a time (verified in the same
+        bounded way before): a hit costs a chunk of memory, whatever it inflates to."""
         yield pb.CompileEvent(
             header=pb.ArtifactHeader(
                 key=served.key,
                 digest=served.entry.digest,
-                size=len(served.data),
+                size=served.entry.size,
                 source=served.source,
                 compile_seconds=served.entry.compile_seconds,
                 signature=served.entry.signature,
             )
         )
-        step = self.settings.chunk_bytes
-        for offset in range(0, len(served.data), step):
-            yield pb.CompileEvent(chunk=served.data[offset : offset + step])
+        for chunk in served.chunks(self.settings.chunk_bytes):
+            yield pb.CompileEvent(chunk=chunk)
 
 
 class _Undecodable:
@@ -208,17 +236,18 @@ def _request_id(context) -> str:
 class AdminServicer(pb_grpc.AdminServicer):
     """Operators' RPCs, for tokens in TORCHFARM_ADMINS only."""
 
-    def __init__(self, settings: GatewaySettings, store: Store):
+    def __init__(self, settings: GatewaySettings, store: Store, limiter: auth.FailureLimiter):
         self.store = store
         self.tenants = parse_tenants(settings.tenants)
         self.admins = parse_tenants(settings.admins, "TORCHFARM_ADMINS")
+        self.limiter = limiter
 
     def _authorize(self, context) -> str:
         token = auth.bearer_token(context.invocation_metadata())
         admin = auth.tenant_for(token, self.admins) if self.admins else None
         if admin is not None:
             return admin
-        if auth.tenant_for(token, self.tenants) is None:
+        if _authenticate(context, self.tenants, self.limiter) is None:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
         _abort(
             context,
@@ -244,10 +273,14 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.threads),
         interceptors=[metrics.MetricsInterceptor(), UndecodableRequests()],
-        options=[("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20))],
+        options=[
+            ("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20)),
+            *KEEPALIVE,
+        ],
     )
-    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store), server)
+    limiter = auth.FailureLimiter(settings.auth_failures)
+    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, limiter), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store, limiter), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -272,6 +305,27 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     return server, port
 
 
+def warn_if_open(settings: GatewaySettings) -> bool:
+    """Log a loud warning (and say so) for a gateway without tenants that other machines
+    can reach."""
+    if settings.tenants or _loopback(settings.host):
+        return False
+    log.warning(
+        "OPEN GATEWAY on %s: TORCHFARM_TENANTS is empty, so anyone who reaches this "
+        "address may compile on the farm and read its public entries. Set "
+        "TORCHFARM_TENANTS (tenant:sha256(token),...) or listen on 127.0.0.1.",
+        settings.host,
+    )
+    return True
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve(settings: GatewaySettings, ready=None) -> None:
     """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
     import signal
@@ -281,6 +335,7 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     server.start()
     pools = store.pools.live
     metrics.serve_metrics(
+        settings.metrics_host or settings.host,
         settings.metrics_port,
         broker_url(settings.redis_url, settings.broker_url),
         lambda: list(pools()),
@@ -291,6 +346,7 @@ def serve(settings: GatewaySettings, ready=None) -> None:
         port,
         "TLS" if settings.tls_cert else "plaintext",
     )
+    warn_if_open(settings)
     if ready:
         ready(port)
     stop = threading.Event()

@@ -1002,6 +1002,8 @@ class JobOutcome(_message.Message):
         """the compile exceeded the worker's timeout"""
         WORKER_ERROR: JobOutcome._Kind.ValueType  # 5
         """the worker could not run the compile (expired payload, crash, ...)"""
+        ABANDONED: JobOutcome._Kind.ValueType  # 6
+        """every waiter had gone before a worker took it: not compiled"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: JobOutcome.Kind.ValueType  # 0
@@ -1015,6 +1017,8 @@ class JobOutcome(_message.Message):
     """the compile exceeded the worker's timeout"""
     WORKER_ERROR: JobOutcome.Kind.ValueType  # 5
     """the worker could not run the compile (expired payload, crash, ...)"""
+    ABANDONED: JobOutcome.Kind.ValueType  # 6
+    """every waiter had gone before a worker took it: not compiled"""
 
     KIND_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
@@ -1023,7 +1027,7 @@ class JobOutcome(_message.Message):
     digest: _builtins.str
     """STORED, UNCACHED"""
     error: _builtins.str
-    """FAILED, TIMED_OUT, WORKER_ERROR: why, for the client"""
+    """FAILED, TIMED_OUT, WORKER_ERROR, ABANDONED: why, for the client"""
     def __init__(
         self,
         *,

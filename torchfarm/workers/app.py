@@ -81,9 +81,18 @@ def compile_graph(task, job_json: dict) -> str:
 def _compile_and_store(
     task, job: pb.Job, settings: WorkerSettings, store: Store
 ) -> tuple[str, int]:
-    """The task's result (compiled, uncached, failed, cached, expired) and the bytes stored."""
+    """The task's result (compiled, uncached, failed, cached, abandoned, expired) and the
+    bytes stored."""
     if store.jobs.outcome(job.job_id) is not None:  # a redelivered task whose first run ended
         return "cached", 0
+    if store.jobs.abandoned(job.job_id):  # every client that wanted it has gone
+        store.counters.count(_pool_of(task), abandoned=1)
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(kind=pb.JobOutcome.ABANDONED, error="no client waits for it any more"),
+        )
+        log.info("skipped %s: no client waits for it any more", job.key[:16])
+        return "abandoned", 0
     payload = store.jobs.payload(job.job_id)
     if payload is None:
         store.jobs.finish(
@@ -230,7 +239,7 @@ def run_worker(settings: WorkerSettings) -> None:
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = worker_celery(settings)
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port)
+        metrics.serve(settings.metrics_port, settings.metrics_host)
     info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
     threading.Thread(
         target=_heartbeat,

@@ -23,13 +23,14 @@ def enable() -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="torchfarm-worker-metrics-")
 
 
-def serve(port: int) -> None:
-    """Expose the sum over this worker's processes on /metrics at `port`."""
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Expose the sum over this worker's processes on /metrics at `host`:`port` (loopback
+    unless TORCHFARM_WORKER_METRICS_HOST says otherwise, e.g. inside a compose network)."""
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
-    start_http_server(port, registry=registry)
+    start_http_server(port, addr=host, registry=registry)
 
 
 @functools.cache
@@ -39,7 +40,8 @@ def _metrics():
     return (
         Counter(
             "torchfarm_worker_compiles",
-            "Compile tasks by pool, mode and result (compiled, failed, error, cached, expired)",
+            "Compile tasks by pool, mode and result "
+            "(compiled, failed, error, cached, abandoned, expired)",
             ["pool", "mode", "result"],
         ),
         Histogram(

@@ -38,6 +38,7 @@ def main(name: str, mode: str) -> None:
         json.dumps(
             {
                 "sources": [r.source for r in history],
+                "whys": [r.why for r in history],
                 "out_err": (out - expected).abs().max().item(),
                 "grad_err": grad_err,
                 "local_inductor_compiles": counters["fxgraph_cache_miss"],

@@ -7,9 +7,10 @@ import time
 import pytest
 import redis
 
+from torchfarm.cache import keys
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import Store
-from torchfarm.contract.cache_key import cache_key, private_key
+from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.options import canonical_options
 from torchfarm.contract.pools import pool_name
 from torchfarm.gateway.coordinator import (
@@ -72,6 +73,10 @@ def _run(coordinator: Coordinator, call: CompileCall) -> list:
     return list(coordinator.compile(call, lambda: True))
 
 
+def _bytes(served: Served) -> bytes:
+    return b"".join(served.chunks())
+
+
 def _store_as_worker(store: Store, job: pb.Job, data: bytes = ARTIFACT, **meta) -> None:
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
     entry = store.artifacts.put(
@@ -115,9 +120,9 @@ def test_a_miss_is_queued_once_then_served_and_the_repeat_is_a_hit(store):
     assert queue.jobs[0][1] == pool_name(TARGET)
     assert isinstance(first[0], Progress) and first[0].stage == pb.Progress.QUEUED
     assert [type(e) for e in first][-1] is Served and first[-1].source == "miss"
-    assert merged[-1].source == "merged" and merged[-1].data == ARTIFACT
+    assert merged[-1].source == "merged" and _bytes(merged[-1]) == ARTIFACT
     again = _run(coordinator, _call())
-    assert len(again) == 1 and again[0].source == "hit" and again[0].data == ARTIFACT
+    assert len(again) == 1 and again[0].source == "hit" and _bytes(again[0]) == ARTIFACT
     assert store.counters.farm()["hits"] == 1 and store.counters.farm()["misses"] == 1
 
 
@@ -171,7 +176,7 @@ def test_an_uncached_artifact_reaches_its_waiters(store):
         uncached=(meta, ARTIFACT),
     )
     thread.join(30)
-    assert events[-1].source == "miss" and events[-1].data == ARTIFACT
+    assert events[-1].source == "miss" and _bytes(events[-1]) == ARTIFACT
     assert not store.artifacts.keys()
 
 
@@ -221,6 +226,133 @@ def test_without_a_digest_only_an_unguarded_entry_is_served(store):
     thread.join(30)
     assert events[-1].source == "miss"
     again = _run(coordinator, _call())
-    assert again[-1].source == "hit" and again[-1].data == b"unguarded bytes"
+    assert again[-1].source == "hit" and _bytes(again[-1]) == b"unguarded bytes"
     chosen = _run(coordinator, _call(digest=guarded.digest))
-    assert chosen[-1].source == "hit" and chosen[-1].data == ARTIFACT
+    assert chosen[-1].source == "hit" and _bytes(chosen[-1]) == ARTIFACT
+
+
+class FailingQueue(Queue):
+    """Refuses the first `failures` jobs, as Celery's send does when the broker is full or
+    unreachable; `gate` (if set) holds the refusal until the test opens it."""
+
+    def __init__(self, failures: int = 1, gate: threading.Event | None = None):
+        super().__init__()
+        self.failures, self.gate, self.refused = failures, gate, 0
+
+    def __call__(self, job: pb.Job, pool: str) -> None:
+        if self.refused < self.failures:
+            self.refused += 1
+            if self.gate is not None:
+                assert self.gate.wait(30)
+            raise ConnectionError("OOM command not allowed when used memory > 'maxmemory'")
+        super().__call__(job, pool)
+
+
+def _claimed(store: Store, job_id: str) -> bool:
+    return store.jobs.state(job_id).claimed
+
+
+def test_a_failed_enqueue_releases_the_claim_and_the_next_request_compiles(store):
+    queue = FailingQueue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    refused = _run(coordinator, _call())
+    assert refused[-1].kind is Failure.UNAVAILABLE and "maxmemory" in refused[-1].message
+    job_id = job_id_of(_call())
+    assert not _claimed(store, job_id) and store.jobs.abandoned(job_id)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    _store_as_worker(store, queue.next())  # queued at once: no claim left to wait out
+    thread.join(30)
+    assert events[-1].source == "miss" and _bytes(events[-1]) == ARTIFACT
+
+
+def test_a_merged_waiter_takes_over_when_the_claimant_cannot_queue(store):
+    gate = threading.Event()
+    queue = FailingQueue(gate=gate)
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    claimant, merged = [], []
+    first = _in_background(claimant, coordinator, _call())
+    while not _claimed(store, job_id_of(_call())):
+        time.sleep(0.01)
+    second = _in_background(merged, coordinator, _call())
+    _until_waiting(merged)
+    gate.set()  # the claimant's enqueue fails now: its claim is released and announced
+    first.join(30)
+    assert claimant[-1].kind is Failure.UNAVAILABLE
+    _store_as_worker(store, queue.next())  # the merged waiter queued it again
+    second.join(30)
+    assert _bytes(merged[-1]) == ARTIFACT and len(queue.jobs) == 1
+
+
+def test_a_job_is_abandoned_once_its_last_waiter_leaves_or_goes_silent(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    active = {"first": True, "second": True}
+    events: list = []
+    threads = [
+        threading.Thread(
+            target=lambda name=name: events.extend(
+                coordinator.compile(_call(), lambda: active[name])
+            ),
+            daemon=True,
+        )
+        for name in active
+    ]
+    for thread in threads:
+        thread.start()
+    job = queue.next()
+    deadline = time.monotonic() + 30
+    while store.jobs.redis.zcard(keys.waiters(job.job_id)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    active["first"] = False  # the first client cancelled its RPC
+    threads[0].join(30)
+    assert not store.jobs.abandoned(job.job_id)  # the second one still waits
+    active["second"] = False
+    threads[1].join(30)
+    assert store.jobs.abandoned(job.job_id)
+    assert _claimed(store, job.job_id)  # still queued: the worker skips it when it comes
+    store.jobs.join("another job", "a hung gateway's waiter", ttl_s=0.2)
+    assert not store.jobs.abandoned("another job")
+    time.sleep(0.3)  # no refresh: gone, as when its gateway stopped
+    assert store.jobs.abandoned("another job")
+
+
+def test_the_tenant_limit_counts_queued_jobs_not_open_requests(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60, tenant_max_compiles=1)
+    cancelled = list(coordinator.compile(_call(), lambda: False))  # sent, then cancelled
+    assert not any(isinstance(e, Failed) for e in cancelled)
+    job = queue.next()
+    limited = _run(coordinator, _call(graph=b"a graph sent a few seconds later"))
+    assert limited[-1].kind is Failure.TENANT_LIMIT and "queued or running" in limited[-1].message
+    assert not _claimed(store, job_id_of(_call(graph=b"a graph sent a few seconds later")))
+    other: list = []
+    bobs = _in_background(other, coordinator, _call(graph=b"bob's graph", tenant="bob"))
+    _store_as_worker(store, queue.next())  # bob has a slot of his own
+    bobs.join(30)
+    assert other[-1].source == "miss"
+    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.ABANDONED))  # the skip
+    later: list = []
+    thread = _in_background(later, coordinator, _call(graph=b"a graph sent a few seconds later"))
+    _store_as_worker(store, queue.next())
+    thread.join(30)
+    assert later[-1].source == "miss"
+
+
+def test_an_abandoned_outcome_sends_a_new_waiter_back_to_the_queue(store):
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    # a worker judged the job abandoned just before this request joined it
+    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.ABANDONED))
+    _store_as_worker(store, queue.next())
+    thread.join(30)
+    assert events[-1].source == "miss" and len(queue.jobs) == 2
+
+
+def job_id_of(call: CompileCall) -> str:
+    key = cache_key(call.request.graph, TARGET, call.options)
+    return job_id(key, call.request.size_hints)

@@ -1,0 +1,98 @@
+"""The gRPC servicer on a real server and a bare redis-server: what it adds to the
+coordinator (authentication and its failure limit, streaming a hit in bounded pieces)."""
+
+import grpc
+import pytest
+import redis
+
+from torchfarm.cache.store import Store
+from torchfarm.gateway import auth
+from torchfarm.gateway.server import build_server, warn_if_open
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import GatewaySettings
+
+TOKEN = "alice-token-0123456789"
+
+
+@pytest.fixture
+def gateway(redis_url):
+    """A gateway with one tenant, on every loopback address: 127.0.0.1 and ::1 are two
+    peers of it."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    settings = GatewaySettings(
+        host="[::]",
+        port=0,
+        redis_url=redis_url,
+        tenants=f"alice:{auth.hash_token(TOKEN)}",
+        metrics_port=0,
+        auth_failures=3,
+    )
+    server, port = build_server(settings, Store.from_clients(client))
+    server.start()
+    yield port
+    server.stop(0)
+    client.flushdb()
+
+
+def _lookup(addr: str, token: str) -> grpc.StatusCode:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            pb_grpc.FarmStub(channel).Lookup(
+                pb.LookupRequest(key="0" * 64),
+                metadata=[("authorization", f"Bearer {token}")],
+                timeout=10,
+            )
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_failed_authentications_are_limited_per_peer(gateway):
+    guesser, other = f"127.0.0.1:{gateway}", f"[::1]:{gateway}"
+    assert [_lookup(guesser, f"guess-{i}") for i in range(3)] == [
+        grpc.StatusCode.UNAUTHENTICATED
+    ] * 3
+    # Over its budget the peer is refused before its token is looked at, even a valid one.
+    assert _lookup(guesser, "guess-4") is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _lookup(guesser, TOKEN) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _lookup(other, TOKEN) is grpc.StatusCode.OK  # another peer is not affected
+
+
+def test_the_failure_budget_refills_one_per_interval():
+    now = [100.0]
+    limiter = auth.FailureLimiter(burst=2, every_s=1.0, clock=lambda: now[0])
+    for _ in range(2):
+        assert limiter.retry_after_s("ipv4:10.0.0.7") == 0
+        limiter.failed("ipv4:10.0.0.7")
+    assert limiter.retry_after_s("ipv4:10.0.0.7") == pytest.approx(1.0)
+    assert limiter.retry_after_s("ipv4:10.0.0.8") == 0
+    now[0] += 1.0
+    assert limiter.retry_after_s("ipv4:10.0.0.7") == 0
+    limiter.failed("ipv4:10.0.0.7")
+    assert limiter.retry_after_s("ipv4:10.0.0.7") > 0
+
+
+def test_a_peer_is_its_address_without_the_port():
+    assert auth.peer_address("ipv4:10.0.0.7:51234") == "ipv4:10.0.0.7"
+    assert auth.peer_address("ipv6:[::1]:40000") == "ipv6:[::1]"
+    assert auth.peer_address("unix:/tmp/sock") == "unix:/tmp/sock"
+
+
+@pytest.mark.parametrize(
+    "host, tenants, loud",
+    [
+        ("0.0.0.0", "", True),
+        ("[::]", "", True),
+        ("10.1.2.3", "", True),
+        ("127.0.0.1", "", False),
+        ("[::1]", "", False),
+        ("localhost", "", False),
+        ("0.0.0.0", f"alice:{auth.hash_token(TOKEN)}", False),
+    ],
+)
+def test_an_open_gateway_on_a_reachable_address_warns_loudly(host, tenants, loud, caplog):
+    settings = GatewaySettings(host=host, tenants=tenants)
+    assert warn_if_open(settings) is loud
+    assert ("OPEN GATEWAY" in caplog.text) is loud
