@@ -132,12 +132,14 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
         args += (
             ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
         )
-    for path in (*layout.etc, *layout.python_roots, *settings.sandbox_binds):
-        args += ["--ro-bind", path, path]
-    args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
     args += ["--dev", "/dev", "--proc", "/proc"]
     args += ["--size", str(settings.compile_disk_mb << 20), "--tmpfs", WORK_DIR]
     args += ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+    # After the private /tmp, so that an environment living under the host's /tmp (a CI
+    # clone's venv) is bound on top of it instead of hidden by it.
+    for path in (*layout.etc, *layout.python_roots, *settings.sandbox_binds):
+        args += ["--ro-bind", path, path]
+    args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
     if settings.device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
         for node in layout.gpu_nodes:
             args += ["--dev-bind", node, node]
