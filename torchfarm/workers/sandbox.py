@@ -86,6 +86,9 @@ class HostLayout:
     package_dir: str  # the torchfarm package (never its checkout)
     etc: tuple[str, ...]  # the /etc entries of _ETC that exist
     gpu_nodes: tuple[str, ...]  # /dev/nvidia*
+    # PYTHONPATH entries of the worker's (packages installed with `pip --target`), minus the
+    # working directory and any checkout holding a torchfarm source tree
+    python_path: tuple[str, ...] = ()
 
     @classmethod
     def probe(cls) -> HostLayout:
@@ -109,7 +112,22 @@ class HostLayout:
             gpu_nodes=tuple(
                 f"/dev/{n}" for n in sorted(os.listdir("/dev")) if n.startswith("nvidia")
             ),
+            python_path=_extra_python_path(),
         )
+
+
+def _extra_python_path() -> tuple[str, ...]:
+    cwd, found = os.path.realpath(os.getcwd()), []
+    for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        path = os.path.realpath(entry)
+        if (
+            os.path.isdir(path)
+            and path != cwd
+            and not os.path.isdir(os.path.join(path, "torchfarm"))
+            and path not in found
+        ):
+            found.append(path)
+    return tuple(found)
 
 
 def _under(path: str, root: str) -> bool:
@@ -137,7 +155,7 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
     args += ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
     # After the private /tmp, so that an environment living under the host's /tmp (a CI
     # clone's venv) is bound on top of it instead of hidden by it.
-    for path in (*layout.etc, *layout.python_roots, *settings.sandbox_binds):
+    for path in (*layout.etc, *layout.python_roots, *layout.python_path, *settings.sandbox_binds):
         args += ["--ro-bind", path, path]
     args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
     if settings.device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
@@ -148,11 +166,13 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
     return args
 
 
-def child_environment(work_dir: str, lib_dir: str) -> dict[str, str]:
+def child_environment(
+    work_dir: str, lib_dir: str, python_path: tuple[str, ...] = ()
+) -> dict[str, str]:
     """The child's whole environment: no secret of the worker's reaches it."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "PYTHONPATH": lib_dir,
+        "PYTHONPATH": os.pathsep.join((lib_dir, *python_path)),
         "PYTHONDONTWRITEBYTECODE": "1",
         "HOME": work_dir,
         "USER": "nobody",
@@ -169,18 +189,19 @@ def _child_command(settings: WorkerSettings, private_dir: str) -> tuple[list[str
     """argv, environment and working directory of one compile child. `private_dir` is an
     empty host directory of the parent's, used only without a sandbox."""
     python = [sys.executable, "-m", "torchfarm.workers.compile_child"]
+    layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
         return (
-            bwrap_args(settings, HostLayout.probe()) + python,
-            child_environment(WORK_DIR, LIB_DIR),
+            bwrap_args(settings, layout) + python,
+            child_environment(WORK_DIR, LIB_DIR, layout.python_path),
             "/",
         )
     # Unconfined: still off the worker's working directory, with only the package importable.
     lib_dir, work_dir = os.path.join(private_dir, "lib"), os.path.join(private_dir, "work")
     os.makedirs(lib_dir)
     os.makedirs(work_dir)
-    os.symlink(HostLayout.probe().package_dir, os.path.join(lib_dir, "torchfarm"))
-    return python, child_environment(work_dir, lib_dir), work_dir
+    os.symlink(layout.package_dir, os.path.join(lib_dir, "torchfarm"))
+    return python, child_environment(work_dir, lib_dir, layout.python_path), work_dir
 
 
 def check_available(settings: WorkerSettings) -> None:

@@ -82,6 +82,20 @@ def test_this_hosts_layout_binds_no_checkout_working_directory_home_or_tmp():
     assert not sources & forbidden, sources & forbidden
 
 
+def test_pip_target_packages_on_the_workers_pythonpath_reach_the_child(tmp_path, monkeypatch):
+    site, checkout = tmp_path / "site", tmp_path / "checkout"
+    (checkout / "torchfarm").mkdir(parents=True)
+    site.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(checkout), "", str(tmp_path)]))
+    layout = sandbox.HostLayout.probe()
+    assert layout.python_path == (str(site),)  # not the checkout, not the working directory
+    binds = _binds(sandbox.bwrap_args(WorkerSettings(), layout))
+    assert binds[str(site)] == str(site)
+    env = sandbox.child_environment("/tmp", "/run/torchfarm", layout.python_path)
+    assert env["PYTHONPATH"] == f"/run/torchfarm{os.pathsep}{site}"
+
+
 def test_the_childs_environment_carries_no_secret(monkeypatch):
     monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://:secret@host/0")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
