@@ -1,6 +1,6 @@
 """Load run: many client processes asking an embedded farm for a cached graph at once.
 
-Each request is what a client does on a hit: `Lookup` (the key's entries and guards), then
+Each request is what a client does on a hit: `Lookup` by key (the entries and their guards), then
 `Compile` with the chosen digest, the artifact streamed back and its digest checked. The
 graph is compiled once first (the miss), so every timed request is a hit.
 
@@ -53,17 +53,19 @@ def _client(
     results: multiprocessing.Queue,
 ) -> None:
     from torchfarm.client import remote
+    from torchfarm.contract.cache_key import public_key
     from torchfarm.settings import ClientSettings
 
     settings = ClientSettings(addr=addr, progress=False)
     request = _request(graph, hints)
+    key = public_key(request.graph, request.target, request.options)
     latencies, errors, nbytes = [], [], 0
     time.sleep(max(0.0, start_at - time.time()))
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         started = time.perf_counter()
         try:
-            candidates = remote.lookup(request, settings)
+            candidates = remote.lookup(key, settings)
             request.digest = candidates[0].digest if candidates else ""
             header, data = remote.fetch(request, settings)
             if header.source != "hit":

@@ -135,7 +135,7 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     graph_key = public_key(request.graph, request.target, request.options)
     signed: list[pb.Candidate] = []
     unsigned: list[pb.Candidate] = []
-    for c in remote.lookup(request, settings, request_id):
+    for c in remote.lookup(graph_key, settings, request.private, request_id):
         (signed if signing.entry_verifies(trusted, graph_key, c) else unsigned).append(c)
     # Entries of this key differ by their guards: take one that holds here, else compile.
     request.digest = next((c.digest for c in signed if guards.hold(c.guards, inputs)), "")

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import grpc
 
 from torchfarm import signing
-from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
@@ -81,15 +80,15 @@ def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]
 
 
 def lookup(
-    request: pb.CompileRequest, settings: ClientSettings, request_id: str = ""
+    key: str, settings: ClientSettings, private: bool = False, request_id: str = ""
 ) -> list[pb.Candidate]:
-    """The entries cached for this graph, with the guards under which each applies. Sends
-    the key, computed here as the gateway computes it, not the payload."""
+    """The entries cached for a graph's public key (`contract.cache_key.public_key`, computed
+    by the client as the gateway computes it: the payload is not sent), with the guards under
+    which each applies; `private`: the tenant's own entries of that graph."""
     stub = _stub(settings)
-    key = public_key(request.graph, request.target, request.options)
     try:
         reply = stub.Lookup(
-            pb.LookupRequest(key=key, private=request.private),
+            pb.LookupRequest(key=key, private=private),
             timeout=settings.inactivity_timeout_s,
             metadata=_metadata(settings, request_id),
         )
