@@ -24,7 +24,7 @@ from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import default_compile_memory_mb
-from torchfarm.workers.sandbox import ERROR_TAIL_BYTES
+from torchfarm.workers.sandbox import ERROR_TAIL_BYTES, HostLayout
 
 pytestmark = pytest.mark.integration
 DISK_MB = 64
@@ -160,6 +160,10 @@ def test_a_child_reads_none_of_the_workers_data(sandbox_farm, parent_dir):
             f.write(secret)
     redis_dir = os.path.join(sandbox_farm.workdir, "redis")
     assert os.listdir(redis_dir)  # the AOF the child is after
+    # The Python environment is bound on purpose (read-only); in a checkout under the host's
+    # /tmp (a CI clone) it shows up inside the child's own /tmp, so the walk passes over it.
+    layout = HostLayout.probe()
+    environment = [*layout.python_roots, *layout.python_path]
     code = f"""
 import json, os
 found = {{}}
@@ -169,7 +173,8 @@ for path in {files!r}:
     except OSError:
         pass
 for top in [{redis_dir!r}, {str(parent_dir)!r}, os.path.expanduser("~")]:
-    for where, _, names in os.walk(top):
+    for where, dirs, names in os.walk(top):
+        dirs[:] = [d for d in dirs if os.path.join(where, d) not in {environment!r}]
         for name in names:
             try:
                 with open(os.path.join(where, name), "rb") as f:

@@ -13,13 +13,13 @@ ATOL = 1e-4
 
 def test_a_miss_then_a_hit_in_fresh_processes_on_this_torch(farm, store, compiler_log):
     assert gate.release(torch.__version__) in gate.VERIFIED
-    compiles_before = store.stats().get("compiles", 0)
+    compiles_before = store.counters.farm().get("compiles", 0)
     first = run_client(farm, "model_client.py", "mlp12", "train")
     assert first["sources"] == ["miss"]
     bindir, log = compiler_log
     second = run_client(farm, "model_client.py", "mlp12", "train", path_prefix=bindir)
     assert second["sources"] == ["hit"]
-    assert store.stats().get("compiles", 0) == compiles_before + 1
+    assert store.counters.farm().get("compiles", 0) == compiles_before + 1
     assert second["local_inductor_compiles"] == 0
     calls = log.read_text().splitlines() if log.exists() else []
     assert not [c for c in calls if ".cpp" in c or " -c " in c or " -o " in c], calls
