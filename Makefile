@@ -13,12 +13,16 @@ COMPOSE_SCHEMA := .cache/compose-spec.json
 # from PyPI run torch.compile on the CPU too (5.3 GB each).
 OTHER_TORCH := 2.11.0 2.15.0
 
-.PHONY: demo test unit integration lint deps system proto bench coverage clean test-versions
+.PHONY: demo test unit integration lint deps system proto bench coverage clean test-versions other-venvs
 
 demo: deps
 	$(PY) examples/demo.py
 
-test: lint unit integration test-versions
+# The other torch releases' venvs (5.3 GB each, mostly download and unpack) install while
+# the integration tier runs; their tests run after it.
+test: lint unit
+	$(MAKE) -j2 integration other-venvs
+	$(MAKE) test-versions
 
 unit: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
@@ -26,16 +30,21 @@ unit: deps $(COMPOSE_SCHEMA)
 integration: deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests/integration
 
-test-versions: $(COMPOSE_SCHEMA)
+other-venvs:
 	@set -e; for version in $(OTHER_TORCH); do \
 		venv=.venv-$${version%.*}; \
 		if [ ! $$venv/.installed-$$version -nt pyproject.toml ]; then \
 			python3 -m venv $$venv; \
 			$$venv/bin/pip install -q --upgrade pip; \
-			$$venv/bin/pip install -q torch==$$version; \
+			$$venv/bin/pip install -q --no-compile torch==$$version; \
 			$$venv/bin/pip install -q -e '.[server,dev]'; \
 			touch $$venv/.installed-$$version; \
 		fi; \
+	done
+
+test-versions: other-venvs $(COMPOSE_SCHEMA)
+	@set -e; for version in $(OTHER_TORCH); do \
+		venv=.venv-$${version%.*}; \
 		echo "== torch $$version ($$venv)"; \
 		$$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit \
 			tests/integration/test_versions.py; \
