@@ -9,12 +9,17 @@ the CLI first re-executes itself without it: `python -P` on 3.11+, the same by h
 import os
 import sys
 
-if sys.path and sys.path[0] in ("", os.getcwd()):
+# Only `python -m`'s own entry: with -P, sys.path[0] is the first PYTHONPATH entry, which may
+# well be the working directory on purpose (bench/gpu/run.sh), and must not re-execute again.
+if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
     if sys.version_info >= (3, 11):
         argv = [sys.executable, "-P", "-m", "torchfarm"]
-    else:
-        run = "import runpy, sys; del sys.path[0]; runpy.run_module('torchfarm', alter_sys=True)"
-        argv = [sys.executable, "-c", run]
+    else:  # -c puts "" first, which it drops before importing the CLI
+        argv = [
+            sys.executable,
+            "-c",
+            "import sys; del sys.path[0]; from torchfarm.cli import main; main()",
+        ]
     os.execv(sys.executable, argv + sys.argv[1:])
 
 from torchfarm.cli import main  # noqa: E402
