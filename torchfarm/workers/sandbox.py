@@ -57,6 +57,10 @@ _PASSED_ENV = (
     "TRITON_LIBCUDA_PATH",
     "TRITON_PTXAS_PATH",
 )
+# Of those, the ones that name a compiler: its whole installation prefix is bound (gcc needs
+# its libexec and headers beside bin/). The others are bound as they are, file or directory.
+_COMPILER_ENV = ("CC", "CXX")
+_TOOL_ENV = ("CUDA_HOME", "TRITON_LIBCUDA_PATH", "TRITON_PTXAS_PATH")
 
 
 class CompileFailed(RuntimeError):
@@ -89,6 +93,9 @@ class HostLayout:
     # PYTHONPATH entries of the worker's (packages installed with `pip --target`), minus the
     # working directory and any checkout holding a torchfarm source tree
     python_path: tuple[str, ...] = ()
+    # compilers and CUDA tools the environment names outside /usr (a GPU image's /opt/gcc,
+    # which Triton's driver build and Inductor use through CC / CXX)
+    toolchain: tuple[str, ...] = ()
 
     @classmethod
     def probe(cls) -> HostLayout:
@@ -113,6 +120,7 @@ class HostLayout:
                 f"/dev/{n}" for n in sorted(os.listdir("/dev")) if n.startswith("nvidia")
             ),
             python_path=_extra_python_path(),
+            toolchain=_toolchain_paths(),
         )
 
 
@@ -128,6 +136,21 @@ def _extra_python_path() -> tuple[str, ...]:
         ):
             found.append(path)
     return tuple(found)
+
+
+def _toolchain_paths() -> tuple[str, ...]:
+    found = []
+    for name in (*_COMPILER_ENV, *_TOOL_ENV):
+        value = os.environ.get(name, "")
+        path = (shutil.which(value) or value) if value else ""
+        if not path or not os.path.exists(path):
+            continue
+        for p in {os.path.abspath(path), os.path.realpath(path)}:
+            if name in _COMPILER_ENV and os.path.basename(os.path.dirname(p)) == "bin":
+                p = os.path.dirname(os.path.dirname(p))
+            if p != "/" and not _under(p, "/usr"):
+                found.append(p)
+    return _outermost(found)
 
 
 def _under(path: str, root: str) -> bool:
@@ -155,7 +178,8 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
     args += ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
     # After the private /tmp, so that an environment living under the host's /tmp (a CI
     # clone's venv) is bound on top of it instead of hidden by it.
-    for path in (*layout.etc, *layout.python_roots, *layout.python_path, *settings.sandbox_binds):
+    binds = (*layout.etc, *layout.python_roots, *layout.python_path, *layout.toolchain)
+    for path in (*binds, *settings.sandbox_binds):
         args += ["--ro-bind", path, path]
     args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
     if settings.device == "cuda":  # autotuning benchmarks need the GPU, and nothing else

@@ -163,3 +163,23 @@ def test_the_worker_refuses_to_start_without_a_sandbox_that_builds():
     with pytest.raises(SystemExit, match="cannot build the compile sandbox") as e:
         sandbox.check_available(WorkerSettings(sandbox_binds=("/nonexistent/toolchain",)))
     assert "\n" not in str(e.value)
+
+
+def test_a_compiler_named_outside_usr_reaches_the_child_with_its_prefix(tmp_path, monkeypatch):
+    # The GPU image's CC=/opt/gcc/bin/gcc: Triton builds its driver stubs with it, and the
+    # child failed with "No such file or directory: '/opt/gcc/bin/gcc'" until it was bound.
+    prefix, tools = tmp_path / "gcc", tmp_path / "tf-bin"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "gcc").write_text("#!/bin/sh\n")
+    tools.mkdir()
+    (tools / "ptxas").write_text("#!/bin/sh\n")
+    (tools / "unrelated").write_text("")
+    monkeypatch.setenv("CC", str(prefix / "bin" / "gcc"))
+    monkeypatch.setenv("CXX", "/usr/bin/g++")  # under /usr: bound already
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(tools / "ptxas"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "missing"))
+    layout = sandbox.HostLayout.probe()
+    assert layout.toolchain == (str(prefix), str(tools / "ptxas"))
+    binds = _binds(sandbox.bwrap_args(WorkerSettings(), layout))
+    assert binds[str(prefix)] == str(prefix) and str(tools) not in binds
+    assert "--bind" not in sandbox.bwrap_args(WorkerSettings(), layout)
