@@ -74,6 +74,7 @@ class Served:
     entry: pb.EntryMeta
     stored: bytes
     source: str
+    timings: pb.MissTimings | None = None  # "miss" and "merged": the worker's account
 
     def chunks(self, chunk_bytes: int = Codec.CHUNK_BYTES) -> Iterator[bytes]:
         return Codec().chunks(self.stored, self.entry.size, chunk_bytes)
@@ -273,6 +274,7 @@ class Coordinator:
         waiters hear it at once and the next request queues afresh) and raise _NotQueued."""
         try:
             self.store.jobs.post(job.job_id, payload)
+            job.queued_at = time.time()
             self.enqueue(job, pool)
         except Exception as e:
             log.warning("could not queue %s: %s", job.job_id[:16], e)
@@ -350,4 +352,4 @@ class Coordinator:
         metrics.BYTES_SERVED.inc(entry.size)
         if source == "miss":
             metrics.COMPILE_SECONDS.labels(pool, job.options.mode).observe(entry.compile_seconds)
-        return Served(job.key, entry, stored, source)
+        return Served(job.key, entry, stored, source, outcome.timings)

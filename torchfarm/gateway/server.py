@@ -181,6 +181,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 source=served.source,
                 compile_seconds=served.entry.compile_seconds,
                 signature=served.entry.signature,
+                timings=served.timings,
             )
         )
         for chunk in served.chunks(self.settings.chunk_bytes):

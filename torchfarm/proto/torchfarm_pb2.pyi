@@ -360,6 +360,7 @@ class ArtifactHeader(_message.Message):
     SOURCE_FIELD_NUMBER: _builtins.int
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the key the gateway computed"""
     digest: _builtins.str
@@ -370,6 +371,10 @@ class ArtifactHeader(_message.Message):
     compile_seconds: _builtins.float
     signature: _builtins.bytes
     """signing: the entry's signature; the client verifies it before loading"""
+    @_builtins.property
+    def timings(self) -> Global___MissTimings:
+        """"miss" and "merged": where the farm's time went"""
+
     def __init__(
         self,
         *,
@@ -379,14 +384,53 @@ class ArtifactHeader(_message.Message):
         source: _builtins.str = ...,
         compile_seconds: _builtins.float = ...,
         signature: _builtins.bytes = ...,
+        timings: Global___MissTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ArtifactHeader: _TypeAlias = ArtifactHeader  # noqa: Y015
+
+@_typing.final
+class MissTimings(_message.Message):
+    """Where a miss's time went on the farm, in seconds (bench/warm_start.py prints them)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_S_FIELD_NUMBER: _builtins.int
+    HANDOFF_S_FIELD_NUMBER: _builtins.int
+    CHILD_S_FIELD_NUMBER: _builtins.int
+    COMPILE_S_FIELD_NUMBER: _builtins.int
+    STORE_S_FIELD_NUMBER: _builtins.int
+    queued_s: _builtins.float
+    """the gateway queued the job -> a worker took it (worker's clock)"""
+    handoff_s: _builtins.float
+    """the worker took it -> a compile child had the request"""
+    child_s: _builtins.float
+    """the child had the request -> its artifact was read back"""
+    compile_s: _builtins.float
+    """the child's own compile (Artifact.compile_seconds), part of child_s"""
+    store_s: _builtins.float
+    """the artifact read back -> signed and stored, the job ended"""
+    def __init__(
+        self,
+        *,
+        queued_s: _builtins.float = ...,
+        handoff_s: _builtins.float = ...,
+        child_s: _builtins.float = ...,
+        compile_s: _builtins.float = ...,
+        store_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_s", b"child_s", "compile_s", b"compile_s", "handoff_s", b"handoff_s", "queued_s", b"queued_s", "store_s", b"store_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MissTimings: _TypeAlias = MissTimings  # noqa: Y015
 
 @_typing.final
 class CompileEvent(_message.Message):
@@ -942,6 +986,7 @@ class Job(_message.Message):
     PRIVATE_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    QUEUED_AT_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the cache key the gateway computed (never a client's)"""
     job_id: _builtins.str
@@ -950,6 +995,8 @@ class Job(_message.Message):
     private: _builtins.bool
     label: _builtins.str
     request_id: _builtins.str
+    queued_at: _builtins.float
+    """Unix time the gateway queued it (MissTimings.queued_s)"""
     @_builtins.property
     def target(self) -> Global___Target: ...
     @_builtins.property
@@ -970,10 +1017,11 @@ class Job(_message.Message):
         private: _builtins.bool = ...,
         label: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        queued_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "queued_at", b"queued_at", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1023,21 +1071,27 @@ class JobOutcome(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
     kind: Global___JobOutcome.Kind.ValueType
     digest: _builtins.str
     """STORED, UNCACHED"""
     error: _builtins.str
     """FAILED, TIMED_OUT, WORKER_ERROR, ABANDONED: why, for the client"""
+    @_builtins.property
+    def timings(self) -> Global___MissTimings:
+        """STORED, UNCACHED: where the worker's time went"""
+
     def __init__(
         self,
         *,
         kind: Global___JobOutcome.Kind.ValueType = ...,
         digest: _builtins.str = ...,
         error: _builtins.str = ...,
+        timings: Global___MissTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "error", b"error", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "error", b"error", "kind", b"kind", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
