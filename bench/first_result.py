@@ -22,12 +22,13 @@ def main(backend: str) -> None:
     loss = compiled(x).square().mean()
     loss.backward()
     seconds = time.perf_counter() - started
-    source = backend
+    source, graphs = backend, []
     if backend == "torchfarm":
         from torchfarm.client.backend import history
 
         source = ",".join(sorted({r.source for r in history}))
-    print(json.dumps({"seconds": seconds, "source": source}))
+        graphs = [r.timings for r in history]
+    print(json.dumps({"seconds": seconds, "source": source, "graphs": graphs}))
 
 
 if __name__ == "__main__":

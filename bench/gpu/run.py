@@ -7,6 +7,7 @@ Markdown table to OUTDIR.
 default:  correctness and warm start (local cold, local warm, farm miss, farm hit) in mode
           default for a GPT-style training step and ResNet-50 inference; an SDPA block with
           a dynamic sequence length; runtime parity.
+miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode default.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
@@ -98,6 +99,13 @@ class Runner:
         self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp(prefix="hit-"))
         self.compare(model, mode, "farm hit", "local cold")
 
+    def miss_vs_cold(self, model: str, mode: str) -> None:
+        """Issue 18's rows: local cold and farm miss side by side, then the hit."""
+        self.run(model, mode, "local", "local cold", tempfile.mkdtemp(prefix="local-"))
+        self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp(prefix="miss-"))
+        self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp(prefix="hit-"))
+        self.compare(model, mode, "farm miss", "local cold")
+
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""
 
@@ -178,7 +186,7 @@ class Runner:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("default", "autotune", "smoke"), required=True)
+    parser.add_argument("--part", choices=("default", "autotune", "smoke", "miss"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -189,6 +197,9 @@ def main() -> None:
             for case in ("farm miss", "farm hit"):
                 runner.run("sdpa-dynamic", "default", "farm", case, tempfile.mkdtemp())
             runner.run("resnet50", "default", "farm", "farm miss", tempfile.mkdtemp())
+        elif args.part == "miss":
+            runner.miss_vs_cold("gpt", "default")
+            runner.miss_vs_cold("resnet50", "default")
         elif args.part == "default":
             runner.warm_start("gpt", "default")
             runner.warm_start("resnet50", "default")

@@ -3,12 +3,12 @@
 # Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
 # part of bench/gpu/run.py. Results and farm logs land in $OUT.
 #
-#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh default|autotune|smoke|coverage
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh default|autotune|smoke|miss|coverage
 # coverage runs bench/coverage/suite.py (ONLY=a,b,... for a subset) on the GPU, with the
 # transformers that the machine's image already holds.
 # Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
 set -euo pipefail
-PART=${1:?usage: run.sh default|autotune|smoke|coverage}
+PART=${1:?usage: run.sh default|autotune|smoke|miss|coverage}
 OUT=${OUT:-/tmp/torchfarm-bench}
 mkdir -p "$OUT"
 
