@@ -12,12 +12,16 @@ compiles. Read in the sources of torch 2.11.0, 2.13.0 and 2.15.0, the index live
   binaries are unpacked to) and the statically launched kernels: `CachingAutotuner
   .triton_meta["device"]`, `.device_props` and each compile result's `compile_meta["device"]`,
   filed under `CompiledTritonKernels.key(kernel source)`;
-- AOTAutograd's runtime metadata: `graphsafe_rng_state_index` / `graphsafe_rng_device`.
+- AOTAutograd's runtime metadata: `graphsafe_rng_state_index` / `graphsafe_rng_device`;
+- the pickled CUDA tensor constants themselves: unpickling restores their storages on
+  cuda:0 (`torch.storage._load_from_bytes`, a `torch.load` without map_location), which
+  would make every rank open a CUDA context on GPU 0.
 
 While `on_device(n)` is entered, every graph Inductor loads from its cache
 (`FxGraphCache.cache_hit_post_compile`, which both the lookup and the bundled AOTAutograd
 path call) and every AOTAutograd entry (`GenericAOTAutogradResult.wrap_post_compile`) is
-rewritten from 0 to `n` before anything runs, emits files or loads a binary. A statically
+rewritten from 0 to `n` before anything runs, emits files or loads a binary, and storages
+unpickled in the block (process-wide) are restored on cuda:n instead of cuda:0. A statically
 launched kernel whose source cannot be matched is dropped: Inductor then builds it from the
 rewritten source (correct, slower). An index other than 0 anywhere is refused (ValueError):
 such an artifact was not compiled from a canonical payload.
@@ -33,10 +37,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import io
 import re
 from collections.abc import Iterator
 
 import torch
+import torch.storage
 from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
 from torch._inductor.async_compile import CompiledTritonKernels
 from torch._inductor.codecache import FxGraphCache
@@ -168,10 +174,18 @@ def rewriting(index: int) -> Iterator[None]:
         remap_runtime_metadata(self.runtime_metadata, index)
         return wrap_post_compile(self, args, aot_config, fx_config)
 
+    load_from_bytes = torch.storage._load_from_bytes
+    location = {f"cuda:{CANONICAL_INDEX}": f"cuda:{index}"}
+
+    def storage_on_device(data: bytes):
+        return torch.load(io.BytesIO(data), weights_only=False, map_location=location)
+
     setattr(FxGraphCache, "cache_hit_post_compile", staticmethod(graph_on_device))  # noqa: B010
     setattr(GenericAOTAutogradResult, "wrap_post_compile", result_on_device)  # noqa: B010
+    setattr(torch.storage, "_load_from_bytes", storage_on_device)  # noqa: B010
     try:
         yield
     finally:
         setattr(FxGraphCache, "cache_hit_post_compile", post_compile)  # noqa: B010
         setattr(GenericAOTAutogradResult, "wrap_post_compile", wrap_post_compile)  # noqa: B010
+        setattr(torch.storage, "_load_from_bytes", load_from_bytes)  # noqa: B010

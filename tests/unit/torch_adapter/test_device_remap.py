@@ -1,6 +1,7 @@
 """The device remap: code compiled for cuda:0 rewritten for cuda:N, and nothing else."""
 
 import dataclasses
+import pickle
 import types
 
 import pytest
@@ -154,3 +155,22 @@ def test_frozen_bundle_types_are_replaced_not_mutated(source):
     before = graph._triton_bundle
     device_remap.remap_graph(graph, 1)
     assert before.kernel_artifacts[0].device == 0 and dataclasses.is_dataclass(graph._triton_bundle)
+
+
+def test_pickled_storages_load_on_the_callers_device_inside_the_block_only(monkeypatch):
+    # CUDA constants come out of a cache entry through torch.storage._load_from_bytes, a
+    # torch.load without map_location: they would land on cuda:0 (a context on GPU 0).
+    data = pickle.dumps(torch.arange(3.0))
+    locations = []
+    load = torch.load
+
+    def recording_load(*args, **kwargs):
+        locations.append(kwargs.get("map_location"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    with device_remap.on_device(6):
+        inside = pickle.loads(data)
+    outside = pickle.loads(data)
+    assert torch.equal(inside, outside) and torch.equal(inside, torch.arange(3.0))
+    assert locations == [{"cuda:0": "cuda:6"}, None]
