@@ -20,7 +20,9 @@ from torch.utils._ordered_set import OrderedSet
 from torchfarm.torch_adapter import device_remap
 
 DATA = __import__("pathlib").Path(__file__).parents[2] / "data"
-# Output code Inductor generated for CUDA (recorded on the GPU machine, see tests/data).
+# Output code for CUDA: the forward and backward of a small training graph as torch 2.11's
+# Inductor wrote them on an H100 (with compile-time autotuning, as workers compile), and a
+# sample in torch 2.13's format that adds the forms that graph lacks.
 SAMPLES = sorted(DATA.glob("cuda_output_code_*.txt"))
 FORMS = (
     "torch.cuda._DeviceGuard({})",
@@ -42,7 +44,7 @@ def test_index_0_stays_index_0(source):
 
 def test_every_device_index_in_output_code_becomes_the_callers(source):
     remapped = device_remap.remap_source(source, 3)
-    assert all(form.format(0) in source for form in FORMS[2:])  # the sample names them
+    assert all(form.format(0) in source for form in FORMS[::2])  # guard, stream, kernel
     for form in FORMS:
         assert form.format(0) not in remapped
         assert remapped.count(form.format(3)) == source.count(form.format(0))
@@ -55,6 +57,13 @@ def test_every_device_index_in_output_code_becomes_the_callers(source):
                 or "cuda:0" in before
                 or ("default_generators[0]" in before)
             )
+
+
+def test_the_samples_hold_every_form():
+    texts = [p.read_text() for p in SAMPLES]
+    assert len(texts) >= 3
+    for form in [*FORMS, "torch.cuda.default_generators[{}]", "'cuda:{}'"]:
+        assert any(form.format(0) in text for text in texts), form
 
 
 def test_output_code_naming_another_device_is_refused(source):
