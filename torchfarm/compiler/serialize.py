@@ -269,9 +269,14 @@ def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict]:
         return device_remap.CANONICAL_INDEX
 
     def mapped(value: object, bare_int: bool) -> object:
-        if isinstance(value, (tuple, list)):
-            return type(value)(canonical(v, False) for v in value)
-        return canonical(value, bare_int)
+        if not isinstance(value, (tuple, list)):
+            return canonical(value, bare_int)
+        items = [canonical(v, False) for v in value]
+        changed = any(new is not old for new, old in zip(items, value, strict=True))
+        return type(value)(items) if changed else value
+
+    if index is None:
+        return node.args, dict(node.kwargs)
 
     args = tuple(mapped(v, _takes_bare_index(node)) for v in node.args)
     kwargs = {k: mapped(v, k == "device") for k, v in node.kwargs.items()}

@@ -189,8 +189,9 @@ def test_subgraphs_travel_and_weights_read_with_get_attr_are_refused():
 
 def _graph_on_cuda(index: int, second: int | None = None) -> torch.fx.GraphModule:
     """A Dynamo-like graph on fake `cuda:index` tensors (no GPU needed), naming its device in
-    every form a traced program can: tensor devices, "cuda:N", torch.device("cuda", N), and a
-    bare N where an argument is a device; `second` adds a tensor on another device."""
+    every form a traced program can: tensor devices (a view's base too), "cuda:N",
+    torch.device("cuda", N), and a bare N where an argument is a device; `second` adds a
+    tensor on another device."""
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
 
     def fake(*shape, on=index):
@@ -204,6 +205,7 @@ def _graph_on_cuda(index: int, second: int | None = None) -> torch.fx.GraphModul
 
     x = node(graph.placeholder("x"), fake(4, 8))
     w = node(graph.placeholder("w"), fake(8, 3))
+    flat = node(graph.call_method("view", (x, 32)), x.meta["example_value"].view(32))
     ones = node(graph.call_function(torch.ones, (8,), {"device": f"cuda:{index}"}), fake(8))
     moved = node(graph.call_method("to", (x, f"cuda:{index}")), fake(4, 8))
     zeros = graph.call_function(torch.zeros, (3,), {"device": torch.device("cuda", index)})
@@ -212,7 +214,7 @@ def _graph_on_cuda(index: int, second: int | None = None) -> torch.fx.GraphModul
     product = node(graph.call_function(torch.matmul, (summed, w)), fake(4, 3))
     back = node(graph.call_method("to", (product, index)), fake(4, 3))
     empty = node(graph.call_function(torch.empty, (2,), {"device": index}), fake(2))
-    outputs = [back, zeros, empty]
+    outputs = [back, zeros, empty, flat]
     if second is not None:
         outputs.append(node(graph.call_method("to", (x, f"cuda:{second}")), fake(4, 8, on=second)))
     graph.output(tuple(outputs))
