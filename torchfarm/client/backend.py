@@ -161,7 +161,9 @@ def _compile_on_farm(gm, settings, options, label) -> tuple[Callable, pb.Artifac
     if not guards.install(artifact.guards, inputs):
         raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
     compiled = load_artifact(
-        artifact, cudagraphs=bool(config_patches(options).get("triton.cudagraphs"))
+        artifact,
+        cudagraphs=bool(config_patches(options).get("triton.cudagraphs")),
+        device_index=serialize.local_device_index(gm),
     )
     return (lambda *args: compiled(*args)), header
 

@@ -16,7 +16,13 @@ import torch
 from torchfarm.compiler import files, guards, native, serialize, trace_state
 from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import autotune_progress, autotune_results, fake_tensors, standalone
+from torchfarm.torch_adapter import (
+    autotune_progress,
+    autotune_results,
+    device_remap,
+    fake_tensors,
+    standalone,
+)
 from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
 from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.shape_env import ShapeEnv
@@ -131,8 +137,9 @@ def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
 
 
 @contextlib.contextmanager
-def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
-    """An Inductor cache dir that holds this artifact alone, reused when it loads again.
+def _artifact_cache_dir(artifact: pb.Artifact, device_index: int | None) -> Iterator[str]:
+    """An Inductor cache dir that holds this artifact alone, for one device, reused when it
+    loads again.
 
     `CompiledArtifact.load` looks the graph up in the local FX cache with its shape guards
     switched off, so the first entry under the graph's key wins. Two artifacts of one
@@ -145,16 +152,20 @@ def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
         yield directory
 
 
-def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
+def load_artifact(
+    artifact: pb.Artifact, cudagraphs: bool = False, device_index: int | None = None
+) -> Callable:
     """Load an Artifact into a callable taking the graph's inputs; compiles no C++.
 
     `cudagraphs` (reduce-overhead, max-autotune): the client records and replays CUDA graphs
     (Inductor's cudagraph trees) around the loaded code, as a local compile would.
+    `device_index`: the caller's CUDA device (serialize.local_device_index), where code
+    compiled for the canonical device 0 is made to run (None or 0: as compiled).
     """
     if artifact.format != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {artifact.format}, this client reads {ARTIFACT_FORMAT}")
     objects = {n.source_sha256: n.binary for n in artifact.natives}
-    with _artifact_cache_dir(artifact) as directory:
+    with _artifact_cache_dir(artifact, device_index) as directory:
         path = os.path.join(directory, "artifact.bin")
         if not os.path.exists(path):
             files.write_atomically(path, artifact.inductor)
@@ -163,6 +174,7 @@ def load_artifact(artifact: pb.Artifact, cudagraphs: bool = False) -> Callable:
             native.provide(objects, os.path.join(directory, "native")),
             _autotune_results_here(directory, artifact.tuned_configs),
             cudagraphs_on_load(cudagraphs),
+            device_remap.on_device(device_index),
         ):
             return standalone.load(path)
 

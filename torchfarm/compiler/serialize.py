@@ -6,6 +6,11 @@ cache key is their hash). Size hints (the concrete sizes behind each symbol) are
 the bytes and travel beside them (`size_hints`), so one dynamic graph is one key whatever
 batch size a process traced it with. Only a sandboxed worker child ever calls `loads`.
 
+The payload names one canonical CUDA device (index 0) whatever device the graph was traced
+on, so the ranks of a job, each on its own `cuda:N`, send the same bytes and share one
+compile; the client runs the artifact on its own device (`local_device_index`,
+torch_adapter/device_remap.py). A graph on several CUDA devices keeps its indices.
+
 Custom operators (torch.library ops of other libraries, e.g. transformers' MoE kernels)
 travel by name with their schema; a worker resolves them only if its operator imported the
 library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schema.
@@ -16,11 +21,13 @@ from __future__ import annotations
 import contextvars
 import copyreg
 import dataclasses
+import re
+from typing import Any
 
 import sympy
 import torch
 
-from torchfarm.torch_adapter import graph_pickler, shape_env
+from torchfarm.torch_adapter import device_remap, graph_pickler, shape_env
 from torchfarm.torch_adapter.fake_tensors import FakeTensor, FakeTensorMode
 from torchfarm.torch_adapter.graph_pickler import GraphPickler, Options
 from torchfarm.torch_adapter.shape_env import NO_SLOC, ShapeEnv, ShapeGuard, SymNode
@@ -35,6 +42,11 @@ _PICKLE_OPTIONS = Options(ops_filter=None)
 _NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
 # The hints `loads` puts back while it unpickles.
 _loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
+# The CUDA index that `dumps` writes as the canonical one, while it pickles (None: none).
+_local_index: contextvars.ContextVar[int | None] = contextvars.ContextVar("index", default=None)
+_CUDA_NAME = re.compile(r"cuda:(\d+)")
+# Methods whose second positional argument may be a bare device index (`x.cuda(1)`).
+_DEVICE_METHODS = ("cuda", "to")
 
 
 def _integer_hints(env: ShapeEnv | None) -> dict:
@@ -128,7 +140,7 @@ class _PortablePickler(GraphPickler):
 
     def persistent_id(self, obj: object):
         if type(obj) is torch.device:
-            return ("device", str(obj))
+            return ("device", str(_canonical(obj)))
         if isinstance(obj, sympy.Basic):
             numbers = self.__dict__.setdefault("_sympy_numbers", {})
             value = (type(obj), sympy.srepr(obj))
@@ -194,12 +206,112 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 )
             _set_attribute(root, node.target, _metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
+        new.args, new.kwargs = _canonical_arguments(new)
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
         schema = graph_pickler.custom_op_schema(node.target)
         if schema is not None:
             new.meta[_OP_SCHEMA] = schema
         env[node] = new
     return torch.fx.GraphModule(root, graph)
+
+
+def _device_index(value: object, bare_int: bool = False) -> int | None:
+    """The CUDA index that an argument or example value names, if any: a device, a
+    "cuda:N" string, a tensor's device, or (where the argument is a device) a bare int."""
+    if isinstance(value, torch.Tensor):
+        value = value.device
+    if isinstance(value, torch.device):
+        return value.index if value.type == "cuda" else None
+    if isinstance(value, str):
+        match = _CUDA_NAME.fullmatch(value)
+        return int(match.group(1)) if match else None
+    if bare_int and type(value) is int:
+        return value
+    return None
+
+
+def _takes_bare_index(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target in _DEVICE_METHODS
+
+
+def _device_arguments(node: torch.fx.Node) -> list[tuple[Any, bool]]:
+    """Each argument of the node, with whether a bare int there is a device index."""
+    positional = [(v, _takes_bare_index(node)) for v in node.args]
+    return positional + [(v, k == "device") for k, v in node.kwargs.items()]
+
+
+def _leaves(value: object) -> list:
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
+def _canonical(device: torch.device) -> torch.device:
+    index = _local_index.get()
+    if index is not None and device.type == "cuda" and device.index == index:
+        return torch.device("cuda", device_remap.CANONICAL_INDEX)
+    return device
+
+
+def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict]:
+    """The node's arguments with the local CUDA index, in any form, made canonical."""
+    index = _local_index.get()
+
+    def canonical(value: object, bare_int: bool) -> object:
+        if index is None or _device_index(value, bare_int) != index:
+            return value
+        if isinstance(value, torch.device):
+            return _canonical(value)
+        if isinstance(value, str):
+            return f"cuda:{device_remap.CANONICAL_INDEX}"
+        return device_remap.CANONICAL_INDEX
+
+    def mapped(value: object, bare_int: bool) -> object:
+        if not isinstance(value, (tuple, list)):
+            return canonical(value, bare_int)
+        items = [canonical(v, False) for v in value]
+        changed = any(new is not old for new, old in zip(items, value, strict=True))
+        return type(value)(items) if changed else value
+
+    if index is None:
+        return node.args, dict(node.kwargs)
+
+    args = tuple(mapped(v, _takes_bare_index(node)) for v in node.args)
+    kwargs = {k: mapped(v, k == "device") for k, v in node.kwargs.items()}
+    return args, kwargs
+
+
+def _cuda_indices(gm: torch.fx.GraphModule) -> set[int]:
+    """Every CUDA index the graph (and its subgraphs) names in values or arguments."""
+    found: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if isinstance(value, torch.fx.GraphModule):
+                found |= _cuda_indices(value)
+        values = [(v, False) for v in _leaves(node.meta.get("example_value"))]
+        for value, bare_int in _device_arguments(node):
+            if isinstance(value, (tuple, list)):
+                values += [(v, False) for v in value]
+            else:
+                values.append((value, bare_int))
+        for value, bare_int in values:
+            index = _device_index(value, bare_int)
+            if index is not None:
+                found.add(index)
+    return found
+
+
+def local_device_index(gm: torch.fx.GraphModule) -> int | None:
+    """The one CUDA device the graph runs on, which its payload names as the canonical
+    index: the client runs the artifact there. None for a CPU graph, a graph on several
+    devices, or a torch without a device remap (their payloads keep their indices)."""
+    indices = _cuda_indices(gm)
+    if len(indices) == 1 and device_remap.SUPPORTED:
+        return indices.pop()
+    return None
 
 
 def _attribute(module: torch.nn.Module, path: str):
@@ -218,8 +330,13 @@ def _set_attribute(root: torch.nn.Module, path: str, value: torch.nn.Module) -> 
 
 
 def dumps(gm: torch.fx.GraphModule) -> bytes:
-    """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without weights."""
-    return _PortablePickler.dumps(_metadata_only(gm), _PICKLE_OPTIONS)
+    """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without
+    weights, on the canonical CUDA device (see `local_device_index`)."""
+    token = _local_index.set(local_device_index(gm))
+    try:
+        return _PortablePickler.dumps(_metadata_only(gm), _PICKLE_OPTIONS)
+    finally:
+        _local_index.reset(token)
 
 
 def shape_env_of(inputs: list) -> ShapeEnv | None:

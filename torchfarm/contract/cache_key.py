@@ -7,8 +7,9 @@ sends is never trusted for a write. A private key is derived by the gateway from
 key and the authenticated tenant: no client can name another tenant's private key.
 
 The payload holds the graph, its input metadata and the ShapeEnv without size hints, so the
-same model traced anywhere, at any batch size that keeps its symbols, gives the same key;
-the entries under a key differ by their guards. See docs/cache.md for what goes in and why.
+same model traced anywhere, at any batch size that keeps its symbols, on any one CUDA device
+(payloads name it cuda:0; the target names the device kind only), gives the same key; the
+entries under a key differ by their guards. See docs/cache.md for what goes in and why.
 """
 
 from __future__ import annotations

@@ -9,10 +9,14 @@ import sys
 import pytest
 import sympy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._graph_pickler import GraphPickler
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._sympy.functions import FloorDiv
 
 from torchfarm.compiler import serialize
+from torchfarm.contract.cache_key import public_key
+from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import graph_pickler
 
 SCRIPT = """
@@ -181,3 +185,90 @@ def test_subgraphs_travel_and_weights_read_with_get_attr_are_refused():
     weights = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # reads weight/bias by get_attr
     with pytest.raises(ValueError, match="get_attr"):
         serialize.dumps(weights)
+
+
+def _graph_on_cuda(index: int, second: int | None = None) -> torch.fx.GraphModule:
+    """A Dynamo-like graph on fake `cuda:index` tensors (no GPU needed), naming its device in
+    every form a traced program can: tensor devices (a view's base too), "cuda:N",
+    torch.device("cuda", N), and a bare N where an argument is a device; `second` adds a
+    tensor on another device."""
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+    def fake(*shape, on=index):
+        return FakeTensor(mode, torch.empty(*shape, device="meta"), torch.device("cuda", on))
+
+    graph = torch.fx.Graph()
+
+    def node(n, value):
+        n.meta["example_value"] = value
+        return n
+
+    x = node(graph.placeholder("x"), fake(4, 8))
+    w = node(graph.placeholder("w"), fake(8, 3))
+    flat = node(graph.call_method("view", (x, 32)), x.meta["example_value"].view(32))
+    ones = node(graph.call_function(torch.ones, (8,), {"device": f"cuda:{index}"}), fake(8))
+    moved = node(graph.call_method("to", (x, f"cuda:{index}")), fake(4, 8))
+    zeros = graph.call_function(torch.zeros, (3,), {"device": torch.device("cuda", index)})
+    node(zeros, fake(3))
+    summed = node(graph.call_function(torch.add, (ones, moved)), fake(4, 8))
+    product = node(graph.call_function(torch.matmul, (summed, w)), fake(4, 3))
+    back = node(graph.call_method("to", (product, index)), fake(4, 3))
+    empty = node(graph.call_function(torch.empty, (2,), {"device": index}), fake(2))
+    outputs = [back, zeros, empty, flat]
+    if second is not None:
+        outputs.append(node(graph.call_method("to", (x, f"cuda:{second}")), fake(4, 8, on=second)))
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _devices_named(gm: torch.fx.GraphModule) -> set[str]:
+    named = set()
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            named.add(str(value.device))
+        for arg in [*node.args, *node.kwargs.values()]:
+            if isinstance(arg, (torch.device, str)) and str(arg).startswith("cuda"):
+                named.add(str(arg))
+    return named
+
+
+@pytest.mark.parametrize("index", [1, 3])
+def test_a_graph_traced_on_any_cuda_device_gives_the_payload_and_key_of_cuda_0(index):
+    # The ranks of a job trace one graph each on their own device: one payload, one key.
+    target, options = pb.Target(device="cuda", torch_version="t"), pb.Options(mode="default")
+    on_0, on_n = _graph_on_cuda(0), _graph_on_cuda(index)
+    assert serialize.local_device_index(on_n) == index
+    assert serialize.dumps(on_0) == serialize.dumps(on_n)
+    assert public_key(serialize.dumps(on_n), target, options) == public_key(
+        serialize.dumps(on_0), target, options
+    )
+    loaded = serialize.loads(serialize.dumps(on_n))
+    assert _devices_named(loaded) == {"cuda:0"}
+    moves = [n.args[1] for n in loaded.graph.nodes if n.op == "call_method" and n.target == "to"]
+    (empty,) = loaded.graph.find_nodes(op="call_function", target=torch.empty)
+    assert moves == ["cuda:0", 0] and empty.kwargs == {"device": 0}
+    assert _devices_named(on_n) >= {f"cuda:{index}"}  # the caller's graph is left as it was
+
+
+def test_a_graph_on_two_cuda_devices_keeps_its_indices():
+    gm = _graph_on_cuda(1, second=2)
+    assert serialize.local_device_index(gm) is None
+    assert _devices_named(serialize.loads(serialize.dumps(gm))) == {"cuda:1", "cuda:2"}
+    assert serialize.dumps(gm) != serialize.dumps(_graph_on_cuda(0, second=2))
+
+
+def test_only_cuda_devices_and_device_arguments_name_an_index():
+    assert serialize._device_index("xpu:1") is None
+    assert serialize._device_index(torch.device("cpu")) is None
+    assert serialize._device_index("cuda:12") == 12
+    assert serialize._device_index(1) is None  # a bare int only where an argument is a device
+    assert serialize._device_index(1, bare_int=True) == 1
+    assert serialize._device_index(True, bare_int=True) is None
+
+
+def test_a_cpu_graph_has_no_local_device_and_the_same_payload():
+    model = torch.nn.Linear(4, 4)
+    captured = _capture(model, torch.randn(2, 4))
+    assert serialize.local_device_index(captured["gm"]) is None
+    assert serialize.dumps(captured["gm"]) == captured["payload"]
