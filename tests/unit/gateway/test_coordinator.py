@@ -9,6 +9,7 @@ import redis
 
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import digest_of
+from torchfarm.cache.pools import Readiness
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.options import canonical_options
@@ -41,7 +42,7 @@ def store(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     farm = Store.from_clients(client)
-    farm.pools.register(pool_name(TARGET), {"describe": "a test pool"})
+    farm.pools.register(pool_name(TARGET), "w1", {"describe": "a test pool"}, Readiness("ready"))
     yield farm
     client.flushdb()
 
