@@ -206,8 +206,11 @@ class LocalFarm:
             },
         )
 
-    def start_worker(self, name: str, device: str = "") -> subprocess.Popen:
-        """One more worker, for the farm's device or for `device`."""
+    def start_worker(
+        self, name: str, device: str = "", env: dict | None = None
+    ) -> subprocess.Popen:
+        """One more worker, for the farm's device or for `device`; `env` adds to its
+        environment (a worker of other settings)."""
         self.worker_names.add(name)
         self.worker_metrics_ports[name] = free_port()
         return self._spawn(
@@ -227,6 +230,7 @@ class LocalFarm:
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
                 "TORCHFARM_SIGNING_KEY": self.signing_key,
+                **(env or {}),
             },
         )
 
