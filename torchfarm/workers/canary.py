@@ -27,6 +27,7 @@ from torchfarm.cache.pools import Readiness
 from torchfarm.compiler import serialize
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
 from torchfarm.workers import sandbox
 
 log = logging.getLogger("torchfarm.worker")
@@ -38,17 +39,18 @@ def _tiny(x: torch.Tensor) -> torch.Tensor:
 
 
 def canary_request(device: str) -> tuple[bytes, dict[str, int]]:
-    """The canary's payload and size hints: `_tiny` traced by Dynamo on `device`, as a
-    client's backend would hand it to the farm."""
+    """The canary's payload and size hints: `_tiny` traced by Dynamo for `device`, as a
+    client's backend would hand it to the farm. The input is a FakeTensor: the worker's own
+    process never touches the device (no CUDA context held for the worker's lifetime)."""
     captured: dict[str, bytes | dict[str, int]] = {}
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         captured["graph"], captured["hints"] = serialize.dumps(gm), serialize.size_hints(gm)
         return gm.forward
 
-    torch.compile(_tiny, backend=capture, dynamic=False, fullgraph=True)(
-        torch.ones(4, 8, device=device)
-    )
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device=device)
+    torch.compile(_tiny, backend=capture, dynamic=False, fullgraph=True)(x)
     graph, hints = captured["graph"], captured["hints"]
     assert isinstance(graph, bytes) and isinstance(hints, dict)
     return graph, hints

@@ -16,3 +16,9 @@ def test_the_canary_is_a_tiny_static_graph_serialized_as_a_client_does():
     assert serialize.op_counts(gm)  # ops a compile child has something to do with
     (x,) = serialize.example_inputs(gm)
     assert tuple(x.shape) == (4, 8) and x.device.type == "cpu"
+
+
+def test_a_gpu_pools_canary_is_traced_without_touching_the_gpu():
+    graph, _ = canary.canary_request("cuda")  # this machine has none
+    (x,) = serialize.example_inputs(serialize.loads(graph))
+    assert x.device.type == "cuda"
