@@ -4,14 +4,25 @@
 directory, the repository root there shadows the package (as a namespace package with no
 `__file__`), and whatever else lies there becomes importable by the farm's processes. So
 the CLI first re-executes itself without it: `python -P` on 3.11+, the same by hand on 3.10.
+On 3.11+ the interpreter's own flag decides, so a working directory that no longer exists
+(os.getcwd() raises) starts the CLI too.
 """
 
 import os
 import sys
 
-# Only `python -m`'s own entry: with -P, sys.path[0] is the first PYTHONPATH entry, which may
-# well be the working directory on purpose (bench/gpu/run.sh), and must not re-execute again.
-if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
+
+def _working_directory_on_path() -> bool:
+    if sys.version_info >= (3, 11):
+        return not sys.flags.safe_path
+    try:
+        cwd = os.getcwd()
+    except OSError:  # deleted: nothing there to import
+        return bool(sys.path) and sys.path[0] == ""
+    return bool(sys.path) and sys.path[0] in ("", cwd)
+
+
+if _working_directory_on_path():
     if sys.version_info >= (3, 11):
         argv = [sys.executable, "-P", "-m", "torchfarm"]
     else:  # -c puts "" first, which it drops before importing the CLI

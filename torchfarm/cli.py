@@ -36,13 +36,14 @@ def up(
     ),
     admins: str = typer.Option("", envvar="TORCHFARM_ADMINS", help="admin:sha256(token),..."),
 ) -> None:
-    """Start an embedded local farm; prints TORCHFARM_ADDR=host:port when ready."""
-    from torchfarm.local_farm import LocalFarm
+    """Start an embedded local farm; prints TORCHFARM_ADDR=host:port once every worker has
+    compiled its canary, or exits 1 with the reason (a worker's own error) instead."""
+    from torchfarm.local_farm import FarmNotReady, LocalFarm
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with LocalFarm(
+    farm = LocalFarm(
         grpc_port=grpc_port,
         redis_port=redis_port,
         host=host,
@@ -51,15 +52,20 @@ def up(
         device=device,
         tenants=tenants,
         admins=admins,
-    ) as farm:
-        print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
-        typer.echo(
-            f"redis on 127.0.0.1:{farm.redis_port} (password in {farm.workdir}/redis/redis.conf); "
-            f"{'tenants' if tenants else 'OPEN farm (no TORCHFARM_TENANTS)'}; "
-            f"logs in {farm.log_dir}; Ctrl-C stops the farm",
-            err=True,
-        )
-        stop.wait()
+    )
+    try:
+        with farm:
+            print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
+            typer.echo(
+                f"redis on 127.0.0.1:{farm.redis_port} (password in {farm.workdir}/redis/"
+                f"redis.conf); {'tenants' if tenants else 'OPEN farm (no TORCHFARM_TENANTS)'}; "
+                f"logs in {farm.log_dir}; Ctrl-C stops the farm",
+                err=True,
+            )
+            stop.wait()
+    except FarmNotReady as e:
+        typer.echo(f"torchfarm up: the farm is not ready: {e}", err=True)
+        raise typer.Exit(1) from None
     typer.echo("farm stopped", err=True)
 
 

@@ -1,8 +1,9 @@
 """`torchfarm doctor`: check, in order, everything a client needs from its farm.
 
 address set → gateway reachable and healthy → transport (TLS or plaintext) → token accepted →
-this machine's target → a round-trip compile of a tiny graph through the farm, compared with
-eager. Each failed check says what to do; later checks that depend on it are skipped.
+this machine's target → its pool's workers passed their canary compile → a round-trip
+compile of a tiny graph through the farm, compared with eager. Each failed check says what
+to do; later checks that depend on it are skipped.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from torchfarm.cache.pools import summary
 from torchfarm.client import backend, remote
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import describe, pool_name
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
 
 
@@ -59,6 +63,9 @@ def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
         return checks
     target = local_target(device)
     checks.append(Check("target", None, f"{describe(target)} → pool {pool_name(target)}"))
+    checks.append(_pool(settings, pool_name(target)))
+    if checks[-1].ok is False:
+        return checks
     checks.append(_round_trip(settings, device))
     return checks
 
@@ -115,6 +122,40 @@ def _auth(settings: ClientSettings) -> Check:
                 "set TORCHFARM_TOKEN to your tenant's token (ask the farm's operator)",
             )
     return Check("token", True, "accepted" if settings.token else "none needed")
+
+
+def _pool(settings: ClientSettings, pool: str) -> Check:
+    """Does a worker serve this machine's pool, and did it pass its canary compile? (The
+    round trip alone cannot tell: a cached answer comes back from a pool that cannot
+    compile.)"""
+    metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
+    try:
+        reply = pb_grpc.FarmStub(remote.channel(settings.addr, settings.tls_ca)).Info(
+            pb.InfoRequest(), metadata=metadata, timeout=settings.connect_timeout_s + 30
+        )
+    except grpc.RpcError as e:
+        return Check("pool", False, f"Info failed: {e.code().name}: {e.details()}")
+    pools = {p.name: p for p in reply.pools}
+    found = pools.get(pool)
+    if found is None:
+        return Check(
+            "pool",
+            False,
+            f"no worker serves pool {pool}; pools: {', '.join(sorted(pools)) or 'none'}",
+            "start a worker on a machine like this one (`torchfarm worker --pool auto`)",
+        )
+    workers = f"{found.ready_workers} of {found.workers} workers passed their canary compile"
+    if found.state == pb.PoolHealth.READY:
+        return Check("pool", True, f"ready: {workers}")
+    if found.state == pb.PoolHealth.STARTING:
+        return Check("pool", None, f"starting: {workers} so far (compiles queue meanwhile)")
+    return Check(
+        "pool",
+        False,
+        f"{pool} cannot compile: {summary(found.error)}",
+        "its workers failed their canary compile and exited: fix what the error names "
+        "(the worker's log has all of it), then restart them",
+    )
 
 
 def _round_trip(settings: ClientSettings, device: str) -> Check:

@@ -22,6 +22,11 @@ from torchfarm import signing
 from torchfarm.cache.store import Store
 
 
+class FarmNotReady(RuntimeError):
+    """The farm did not become ready: a process exited, a worker's canary failed, or time
+    ran out; the message says which, with the worker's error where there is one."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,6 +77,7 @@ class LocalFarm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.metrics_port = 0  # the gateway's Prometheus port, once started
         self.worker_metrics_ports: dict[str, int] = {}  # each worker's Prometheus port
+        self.worker_names: set[str] = set()  # wait_ready waits for each one's canary
 
     def _url(self, port: int | None) -> str:
         return f"redis://:{self.redis_password}@127.0.0.1:{port}/0"
@@ -116,7 +122,7 @@ class LocalFarm:
         self.procs[name] = proc
         return proc
 
-    def start(self, timeout_s: float = 120) -> None:
+    def start(self, timeout_s: float = 300) -> None:
         self.start_redis()
         if self.broker_port is not None:
             self.start_redis("broker")
@@ -200,8 +206,12 @@ class LocalFarm:
             },
         )
 
-    def start_worker(self, name: str, device: str = "") -> subprocess.Popen:
-        """One more worker, for the farm's device or for `device`."""
+    def start_worker(
+        self, name: str, device: str = "", env: dict | None = None
+    ) -> subprocess.Popen:
+        """One more worker, for the farm's device or for `device`; `env` adds to its
+        environment (a worker of other settings)."""
+        self.worker_names.add(name)
         self.worker_metrics_ports[name] = free_port()
         return self._spawn(
             name,
@@ -220,11 +230,13 @@ class LocalFarm:
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
                 "TORCHFARM_SIGNING_KEY": self.signing_key,
+                **(env or {}),
             },
         )
 
-    def wait_ready(self, timeout_s: float, pools: int = 1) -> None:
-        """Until the gateway answers health checks and workers have registered `pools` pools."""
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway answers health checks and every worker started has passed its
+        canary compile; FarmNotReady with the reason (a worker's own error) otherwise."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -241,10 +253,12 @@ class LocalFarm:
         ) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
+                waiting = self._workers_not_ready(store)  # first: a failed one exits at once
                 for name, proc in self.procs.items():
                     if proc.poll() is not None:
-                        raise RuntimeError(
-                            f"{name} exited ({proc.returncode}); see {self.log_dir}/{name}.log"
+                        raise FarmNotReady(
+                            f"{name} exited ({proc.returncode}): {self._last_words(name)}"
+                            f"; see {self.log_dir}/{name}.log"
                         )
                 try:
                     ok = (
@@ -253,13 +267,45 @@ class LocalFarm:
                     )
                 except grpc.RpcError:
                     ok = False
-                if ok and len(store.pools.live()) >= pools:
+                if ok and not waiting:
                     return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"farm not ready in {timeout_s:.0f} s; logs in {self.log_dir}"
+                    raise FarmNotReady(
+                        f"farm not ready in {timeout_s:.0f} s (waiting for "
+                        f"{', '.join(waiting) or 'the gateway'}); logs in {self.log_dir}"
                     )
                 time.sleep(0.2)
+
+    def _workers_not_ready(self, store: Store) -> list[str]:
+        """The workers started that have not passed their canary yet; FarmNotReady with the
+        error of one whose canary failed."""
+        found = {
+            entry.pid: (pool, entry)
+            for pool in store.pools.live().values()
+            for entry in pool.workers.values()
+        }
+        waiting = []
+        for name in sorted(self.worker_names & self.procs.keys()):
+            pool, entry = found.get(self.procs[name].pid, (None, None))
+            if pool is not None and entry is not None and entry.readiness.state == "failed":
+                raise FarmNotReady(
+                    f"{name}: pool {pool.name} cannot compile: {entry.readiness.error}"
+                    f"\n(see {self.log_dir}/{name}.log)"
+                )
+            if entry is None or entry.readiness.state != "ready":
+                waiting.append(name)
+        return waiting
+
+    def _last_words(self, name: str) -> str:
+        """The last line of a process's log: why it exited, when it said so."""
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
         proc = self.procs.pop(name, None)

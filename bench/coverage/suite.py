@@ -291,7 +291,7 @@ def main() -> None:
         ) as farm:
             if args.device != "cpu":  # a GPU host serves its CPU graphs too, as in compose
                 farm.start_worker("worker-cpu", device="cpu")
-                farm.wait_ready(120, pools=2)
+                farm.wait_ready(300)
             run_all(farm.addr)
     if args.out == os.path.join(HERE, "results"):
         with open(os.path.join(ROOT, "docs", "coverage.md"), "w") as f:

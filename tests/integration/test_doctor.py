@@ -34,8 +34,9 @@ def _doctor(addr: str, token: str) -> subprocess.CompletedProcess:
 def test_doctor_passes_every_check_against_a_healthy_farm(farm):
     proc = _doctor(farm.addr, TOKENS["alice"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("gateway", "token", "target", "round trip"):
+    for name in ("gateway", "token", "target", "pool", "round trip"):
         assert name in proc.stdout
+    assert "passed their canary compile" in " ".join(proc.stdout.split())
     assert "output equals eager" in proc.stdout
     assert "FAIL" not in proc.stdout
 

@@ -175,9 +175,7 @@ class Coordinator:
         pools = self.store.pools.live()
         if pool not in pools:
             served = (
-                "; ".join(
-                    f"{name} ({info.get('describe', '')})" for name, info in sorted(pools.items())
-                )
+                "; ".join(f"{name} ({state.describe})" for name, state in sorted(pools.items()))
                 or "none"
             )
             yield Failed(
@@ -185,6 +183,10 @@ class Coordinator:
                 f"no pool serves target {describe(request.target)} (pool {pool}). "
                 f"Pools available: {served}",
             )
+            return
+        unable = pools[pool].cannot_compile()
+        if unable:  # its workers failed their canary: queueing would wait for nothing
+            yield Failed(Failure.UNAVAILABLE, unable)
             return
         with self._waiting_on(job.job_id) as waiter:
             claimed = self._claim(job)

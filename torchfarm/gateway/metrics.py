@@ -67,7 +67,8 @@ def _count(rpc: str, context, failed: bool = False) -> None:
 
 
 class QueueDepth:
-    """Collector: messages waiting in each live pool's Celery queue (a Redis list)."""
+    """Collector: messages waiting in each live pool's Celery queue (a Redis list), and each
+    pool's workers that passed their canary compile (0: the pool cannot compile yet)."""
 
     def __init__(self, broker: redis.Redis, pools) -> None:
         self.broker, self.pools = broker, pools
@@ -76,12 +77,21 @@ class QueueDepth:
         family = GaugeMetricFamily(
             "torchfarm_queue_depth", "Compile tasks waiting, by pool", labels=["pool"]
         )
+        ready = GaugeMetricFamily(
+            "torchfarm_pool_ready_workers",
+            "Workers whose canary compile succeeded, by pool",
+            labels=["pool"],
+        )
         try:
-            for pool in self.pools():
-                family.add_metric([pool], self.broker.llen(pool))
+            for name, pool in self.pools().items():
+                family.add_metric([name], self.broker.llen(name))
+                ready.add_metric(
+                    [name], sum(w.readiness.state == "ready" for w in pool.workers.values())
+                )
         except redis.RedisError:
             pass  # Redis down: report no depth rather than fail the scrape
         yield family
+        yield ready
 
 
 def serve_metrics(host: str, port: int, broker_url: str, pools) -> None:

@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import NoReturn
 
@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from torchfarm import queue, signing
+from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
 from torchfarm.gateway import auth, metrics
@@ -124,7 +125,11 @@ class FarmServicer(pb_grpc.FarmServicer):
 
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         self._authenticate(context)
-        return pb.InfoReply(verify_keys=self.verify_keys)
+        pools = self.coordinator.store.pools.live()
+        return pb.InfoReply(
+            verify_keys=self.verify_keys,
+            pools=[pool_health(pools[name]) for name in sorted(pools)],
+        )
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
@@ -234,6 +239,58 @@ def _request_id(context) -> str:
     return uuid.uuid4().hex[:16]
 
 
+_POOL_STATES = {
+    "starting": pb.PoolHealth.STARTING,
+    "ready": pb.PoolHealth.READY,
+    "failed": pb.PoolHealth.FAILED,
+}
+POOL_HEALTH_PREFIX = "torchfarm.pool/"  # the health service name of pool X is this + X
+
+
+def pool_health(pool: PoolState) -> pb.PoolHealth:
+    """A pool's readiness as Info reports it."""
+    return pb.PoolHealth(
+        name=pool.name,
+        describe=pool.describe,
+        state=_POOL_STATES[pool.state],
+        error=pool.error,
+        workers=len(pool.workers),
+        ready_workers=sum(w.readiness.state == "ready" for w in pool.workers.values()),
+    )
+
+
+class FarmHealth(health.HealthServicer):
+    """gRPC health. "" and the Farm service: the gateway answers (hits are served whatever
+    the pools' state). POOL_HEALTH_PREFIX + a pool's name: SERVING while one of its workers
+    has passed its canary compile, NOT_SERVING while none has (starting, or every canary
+    failed), SERVICE_UNKNOWN for a pool no worker serves. Pools are read at each Check; a
+    Watch sees what the last Check read."""
+
+    def __init__(self, pools: Callable[[], dict[str, PoolState]]):
+        super().__init__()
+        self.pools = pools
+        self.known: set[str] = set()  # pools given a status so far
+
+    def Check(self, request, context):
+        if request.service.startswith(POOL_HEALTH_PREFIX):
+            self.refresh()
+        return super().Check(request, context)
+
+    def refresh(self) -> None:
+        pools = self.pools()
+        for name in self.known - pools.keys():  # no worker serves it any more
+            self.set(POOL_HEALTH_PREFIX + name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        for name, pool in pools.items():
+            serving = pool.state == "ready"
+            self.set(
+                POOL_HEALTH_PREFIX + name,
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+        self.known = set(pools)
+
+
 class AdminServicer(pb_grpc.AdminServicer):
     """Operators' RPCs, for tokens in TORCHFARM_ADMINS only."""
 
@@ -282,7 +339,7 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     limiter = auth.FailureLimiter(settings.auth_failures)
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, limiter), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store, limiter), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = FarmHealth(store.pools.live)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     service_name = pb.DESCRIPTOR.services_by_name["Farm"].full_name
@@ -339,7 +396,7 @@ def serve(settings: GatewaySettings, ready=None) -> None:
         settings.metrics_host or settings.host,
         settings.metrics_port,
         broker_url(settings.redis_url, settings.broker_url),
-        lambda: list(pools()),
+        pools,
     )
     log.info(
         "gateway listening on %s:%d (%s)",

@@ -483,24 +483,93 @@ class InfoReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VERIFY_KEYS_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def verify_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The gateway's TORCHFARM_VERIFY_KEYS: base64 Ed25519 public keys whose signatures on an
         entry a client accepts (several during a key rotation).
         """
 
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolHealth]:
+        """Every pool the gateway can route to, and whether its workers can compile."""
+
     def __init__(
         self,
         *,
         verify_keys: _abc.Iterable[_builtins.str] | None = ...,
+        pools: _abc.Iterable[Global___PoolHealth] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["verify_keys", b"verify_keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "verify_keys", b"verify_keys"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InfoReply: _TypeAlias = InfoReply  # noqa: Y015
+
+@_typing.final
+class PoolHealth(_message.Message):
+    """A pool as its workers' heartbeats describe it (cache/pools.py)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _State:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[PoolHealth._State.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATE_UNSPECIFIED: PoolHealth._State.ValueType  # 0
+        STARTING: PoolHealth._State.ValueType  # 1
+        """no worker has finished its canary compile yet: jobs queue"""
+        READY: PoolHealth._State.ValueType  # 2
+        """a worker's canary compile succeeded: it serves the queue"""
+        FAILED: PoolHealth._State.ValueType  # 3
+        """every worker's canary failed: compiles are refused (UNAVAILABLE)"""
+
+    class State(_State, metaclass=_StateEnumTypeWrapper): ...
+    STATE_UNSPECIFIED: PoolHealth.State.ValueType  # 0
+    STARTING: PoolHealth.State.ValueType  # 1
+    """no worker has finished its canary compile yet: jobs queue"""
+    READY: PoolHealth.State.ValueType  # 2
+    """a worker's canary compile succeeded: it serves the queue"""
+    FAILED: PoolHealth.State.ValueType  # 3
+    """every worker's canary failed: compiles are refused (UNAVAILABLE)"""
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIBE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    READY_WORKERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the queue (contract/pools.py pool_name)"""
+    describe: _builtins.str
+    """the target, for humans"""
+    state: Global___PoolHealth.State.ValueType
+    error: _builtins.str
+    """the latest canary failure of the pool's workers, if any"""
+    workers: _builtins.int
+    """workers heard from"""
+    ready_workers: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        describe: _builtins.str = ...,
+        state: Global___PoolHealth.State.ValueType = ...,
+        error: _builtins.str = ...,
+        workers: _builtins.int = ...,
+        ready_workers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["describe", b"describe", "error", b"error", "name", b"name", "ready_workers", b"ready_workers", "state", b"state", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolHealth: _TypeAlias = PoolHealth  # noqa: Y015
 
 @_typing.final
 class StatsRequest(_message.Message):

@@ -19,6 +19,7 @@ from celery import Celery
 from google.protobuf import json_format
 
 from torchfarm import signing
+from torchfarm.cache import pools
 from torchfarm.cache.artifacts import CacheFull, digest_of
 from torchfarm.cache.store import Store
 from torchfarm.compiler.target import local_target
@@ -28,7 +29,7 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter import isa_probe
-from torchfarm.workers import metrics, sandbox
+from torchfarm.workers import canary, metrics, sandbox
 
 log = logging.getLogger("torchfarm.worker")
 _GRAPH_CODE_CHARS = 20_000  # the readable graph kept with an entry, for `torchfarm cache show`
@@ -221,13 +222,41 @@ def _pool_of(task) -> str:
     return task.request.delivery_info.get("routing_key", "")
 
 
-def _heartbeat(store: Store, pool: str, info: dict, every_s: float = 10) -> None:
-    while True:
+class _Heartbeat:
+    """This worker's entry in the pool registry: its target and readiness, refreshed every
+    `every_s` so the registry forgets a worker that died."""
+
+    def __init__(self, store: Store, pool: str, info: dict, every_s: float = 10):
+        self.store, self.pool, self.info, self.every_s = store, pool, info, every_s
+        self.worker = f"{socket.gethostname()}.{os.getpid()}"  # as Celery's node name ends
+        self.readiness = pools.Readiness()
+        self.lock = threading.Lock()  # the last write is the latest readiness
+
+    def beat(self) -> None:
         try:
-            store.pools.register(pool, info)
+            with self.lock:
+                self.store.pools.register(
+                    self.pool,
+                    self.worker,
+                    self.info,
+                    self.readiness,
+                    os.getpid(),
+                    socket.gethostname(),
+                )
         except Exception as e:  # Redis restarting: keep trying, the worker stays up
             log.warning("pool heartbeat failed: %s", e)
-        time.sleep(every_s)
+
+    def set(self, readiness: pools.Readiness) -> None:
+        self.readiness = readiness
+        self.beat()
+
+    def start(self) -> None:
+        def forever() -> None:
+            while True:
+                self.beat()
+                time.sleep(self.every_s)
+
+        threading.Thread(target=forever, daemon=True, name="pool-heartbeat").start()
 
 
 def run_worker(settings: WorkerSettings) -> None:
@@ -241,12 +270,14 @@ def run_worker(settings: WorkerSettings) -> None:
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, settings.metrics_host)
     info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
-    threading.Thread(
-        target=_heartbeat,
-        args=(Store.from_url(settings.redis_url, settings.broker_url), pool, info),
-        daemon=True,
-        name="pool-heartbeat",
-    ).start()
+    heartbeat = _Heartbeat(Store.from_url(settings.redis_url, settings.broker_url), pool, info)
+    heartbeat.start()  # "starting": the gateway queues this pool's jobs meanwhile
+    log.info("worker for pool %s (%s): canary compile", pool, describe(target))
+    readiness = canary.run(settings, target)
+    heartbeat.set(readiness)
+    if readiness.state != "ready":
+        # Exit, not retry: canary.py's docstring says why.
+        raise SystemExit(f"torchfarm worker: pool {pool} cannot compile: {readiness.error}")
     log.info("worker serving pool %s (%s)", pool, describe(target))
     app.worker_main(
         [

@@ -9,6 +9,7 @@ import redis
 
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import digest_of
+from torchfarm.cache.pools import Readiness
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.options import canonical_options
@@ -41,7 +42,7 @@ def store(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     farm = Store.from_clients(client)
-    farm.pools.register(pool_name(TARGET), {"describe": "a test pool"})
+    farm.pools.register(pool_name(TARGET), "w1", {"describe": "a test pool"}, Readiness("ready"))
     yield farm
     client.flushdb()
 
@@ -356,3 +357,25 @@ def test_an_abandoned_outcome_sends_a_new_waiter_back_to_the_queue(store):
 def job_id_of(call: CompileCall) -> str:
     key = cache_key(call.request.graph, TARGET, call.options)
     return job_id(key, call.request.size_hints)
+
+
+def test_a_pool_whose_workers_failed_their_canary_is_refused_at_once_a_starting_one_queues(store):
+    # The test pool's worker fails its canary (a later heartbeat of the same worker).
+    error = "CompileFailed: compile child failed (exit 1):\nTraceback ...\nModuleNotFoundError: x"
+    store.pools.register(
+        pool_name(TARGET), "w1", {"describe": "a test pool"}, Readiness("failed", error, 1.0)
+    )
+    coordinator = Coordinator(store, Queue(), compile_timeout_s=60, tenant_max_compiles=0)
+    refused = _run(coordinator, _call())
+    assert refused[-1].kind is Failure.UNAVAILABLE
+    assert f"pool {pool_name(TARGET)} cannot compile" in refused[-1].message
+    assert "ModuleNotFoundError: x" in refused[-1].message
+    assert not coordinator.enqueue.jobs
+    # Another worker of the pool still running its canary: the job queues for it.
+    store.pools.register(pool_name(TARGET), "w2", {"describe": "a test pool"}, Readiness())
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = coordinator.enqueue.next()
+    _store_as_worker(store, job)
+    thread.join(30)
+    assert events[-1].source == "miss"

@@ -4,10 +4,12 @@ coordinator (authentication and its failure limit, streaming a hit in bounded pi
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from torchfarm.cache.pools import Readiness
 from torchfarm.cache.store import Store
 from torchfarm.gateway import auth
-from torchfarm.gateway.server import build_server, warn_if_open
+from torchfarm.gateway.server import POOL_HEALTH_PREFIX, build_server, warn_if_open
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings
@@ -96,3 +98,51 @@ def test_an_open_gateway_on_a_reachable_address_warns_loudly(host, tenants, loud
     settings = GatewaySettings(host=host, tenants=tenants)
     assert warn_if_open(settings) is loud
     assert ("OPEN GATEWAY" in caplog.text) is loud
+
+
+def test_health_and_info_report_each_pool_and_why_it_cannot_compile(gateway, redis_url):
+    store, serving = (
+        Store.from_clients(redis.Redis.from_url(redis_url)),
+        health_pb2.HealthCheckResponse,
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{gateway}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def status(service: str):
+            request = health_pb2.HealthCheckRequest(service=service)
+            return health.Check(request, timeout=10).status
+
+        def info() -> list:
+            metadata = [("authorization", f"Bearer {TOKEN}")]
+            return list(
+                pb_grpc.FarmStub(channel)
+                .Info(pb.InfoRequest(), metadata=metadata, timeout=10)
+                .pools
+            )
+
+        assert info() == []
+        store.pools.register("cpu-a", "w1", {"describe": "pool a"}, Readiness())
+        store.pools.register("cpu-b", "w2", {"describe": "pool b"}, Readiness("ready", "", 1.0))
+        assert status(POOL_HEALTH_PREFIX + "cpu-a") == serving.NOT_SERVING  # starting
+        assert status(POOL_HEALTH_PREFIX + "cpu-b") == serving.SERVING
+        store.pools.register("cpu-a", "w1", {}, Readiness("failed", "ImportError: no ops", 2.0))
+        assert status(POOL_HEALTH_PREFIX + "cpu-a") == serving.NOT_SERVING
+        assert status("") == serving.SERVING  # the gateway still serves hits
+        assert info() == [
+            pb.PoolHealth(
+                name="cpu-a",
+                describe="",
+                state=pb.PoolHealth.FAILED,
+                error="ImportError: no ops",
+                workers=1,
+            ),
+            pb.PoolHealth(
+                name="cpu-b",
+                describe="pool b",
+                state=pb.PoolHealth.READY,
+                workers=1,
+                ready_workers=1,
+            ),
+        ]
+        store.pools.redis.flushdb()  # every worker gone
+        assert status(POOL_HEALTH_PREFIX + "cpu-b") == serving.SERVICE_UNKNOWN

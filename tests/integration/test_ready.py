@@ -1,0 +1,125 @@
+"""Ready means able to compile: a farm started from a checkout's parent directory (where the
+repository root shadows the package) compiles; a worker whose canary compile fails ends
+`torchfarm up` with its error, and the gateway, its health and `torchfarm doctor` say why."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.helpers import direct_request
+from torchfarm.compiler.target import local_target
+from torchfarm.contract.pools import pool_name
+from torchfarm.gateway.server import POOL_HEALTH_PREFIX
+from torchfarm.local_farm import FarmNotReady, LocalFarm
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MISSING_OPS = "torchfarm_no_such_ops"  # an operator's TORCHFARM_OP_LIBRARIES typo
+MISSING = f"No module named '{MISSING_OPS}'"
+
+
+def _doctor(addr: str, cwd: str | None = None) -> tuple[int, str]:
+    """Its exit status and its report, the table's wrapped lines joined back."""
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=addr,
+        TORCHFARM_TOKEN="",
+        TORCHFARM_PROGRESS="0",
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchfarm", "doctor"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
+
+
+def _up(cwd: str, how: str, env: dict | None = None) -> subprocess.Popen:
+    command = (
+        [sys.executable, "-m", "torchfarm"]
+        if how == "python -m torchfarm"
+        else [os.path.join(os.path.dirname(sys.executable), "torchfarm")]
+    )
+    return subprocess.Popen(
+        [*command, "up"],
+        cwd=cwd,
+        env={**os.environ, "TORCHFARM_TENANTS": "", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("how", ["python -m torchfarm", "the console script"])
+def test_a_farm_started_from_the_checkouts_parent_directory_compiles(tmp_path, how):
+    os.symlink(ROOT, tmp_path / "torchfarm")  # <parent>/torchfarm: the repository root
+    shadowed = subprocess.run(
+        [sys.executable, "-c", "import torchfarm; print(torchfarm.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert shadowed.stdout.strip() == "None"  # the trap is set: a namespace package there
+    proc = _up(str(tmp_path), how)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("TORCHFARM_ADDR="), proc.stderr.read() if not line else line
+        returncode, report = _doctor(line.split("=", 1)[1], cwd=str(tmp_path))
+        assert returncode == 0, report
+        assert "ready: 1 of 1 workers passed their canary compile" in report
+        assert "miss in" in report  # compiled by the farm's worker, not a hit
+        assert "output equals eager" in report and "FAIL" not in report
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_exits_non_zero_with_the_workers_error_when_its_canary_fails(tmp_path):
+    proc = _up(str(tmp_path), "python -m torchfarm", {"TORCHFARM_OP_LIBRARIES": MISSING_OPS})
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "TORCHFARM_ADDR" not in out  # never announced as ready
+    assert "cannot compile" in err and MISSING in err, err[-3000:]
+
+
+def test_gateway_health_and_doctor_report_a_pool_that_cannot_compile():
+    pool = pool_name(local_target("cpu"))
+    with LocalFarm(workers=0, tenants="") as farm:
+        farm.start_worker("worker0", env={"TORCHFARM_OP_LIBRARIES": MISSING_OPS})
+        with pytest.raises(FarmNotReady) as e:
+            farm.wait_ready(600)
+        assert f"pool {pool} cannot compile" in str(e.value) and MISSING in str(e.value)
+        with grpc.insecure_channel(farm.addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(
+                health_pb2.HealthCheckRequest(service=POOL_HEALTH_PREFIX + pool), timeout=10
+            ).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            request = direct_request(lambda x: x.sin() + 1, torch.randn(4))
+            with pytest.raises(grpc.RpcError) as refused:
+                list(pb_grpc.FarmStub(channel).Compile(request, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"pool {pool} cannot compile" in refused.value.details()
+            assert MISSING in refused.value.details()
+        returncode, report = _doctor(farm.addr)
+        assert returncode == 1
+        assert f"{pool} cannot compile" in report and MISSING in report, report
+        assert "round trip" not in report  # skipped: it depends on the pool
