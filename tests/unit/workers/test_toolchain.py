@@ -1,0 +1,35 @@
+"""A compile child's sandbox gains the worker's precompiled headers, read-only, once built."""
+
+import json
+
+from tests.unit.workers.test_sandbox import LAYOUT
+from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.workers import sandbox
+
+WHERE = "/tmp/torchinductor_nobody/precompiled_headers"
+
+
+def test_built_headers_are_bound_read_only_over_the_childs_tmpfs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", str(tmp_path))
+    before = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    assert not [a for a in before if "precompiled_headers" in a]
+    (tmp_path / "k.h").write_text("#include <torch/csrc/inductor/cpp_prefix.h>\n")
+    (tmp_path / "k.h.gch").write_bytes(b"gpch")
+    precompiled_headers.record(str(tmp_path), ["k.h", "k.h.gch"])
+    args = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    binds = [args[i : i + 3] for i, a in enumerate(args) if a in ("--bind", "--ro-bind")]
+    assert ["--ro-bind", str(tmp_path / "k.h.gch"), f"{WHERE}/k.h.gch"] in binds
+    assert ["--ro-bind", str(tmp_path / "k.h"), f"{WHERE}/k.h"] in binds
+    assert not [b for b in binds if b[0] == "--bind"]  # nothing of the worker's writable
+    # after the private /tmp, or the tmpfs would hide them
+    assert args.index(f"{WHERE}/k.h.gch") > args.index(sandbox.WORK_DIR)
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+    assert json.loads((tmp_path / precompiled_headers.MANIFEST).read_text()) == ["k.h", "k.h.gch"]
+
+
+def test_children_compile_without_headers_before_they_are_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", str(tmp_path))
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
