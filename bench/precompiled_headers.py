@@ -22,9 +22,8 @@ from torch import nn
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
 from torchfarm.torch_adapter import precompiled_headers  # noqa: E402
-
-READY_LINE = "precompiled headers ready"
 
 
 def block(cin: int, cout: int, stride: int) -> nn.Module:
@@ -86,18 +85,6 @@ def measure(backend: str, headers: str = "1", tmp: str = "", addr: str = "") -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def wait_for_headers(farm, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for name in os.listdir(farm.log_dir):
-            if name.endswith(".log"):
-                with open(os.path.join(farm.log_dir, name), errors="replace") as f:
-                    if READY_LINE in f.read():
-                        return
-        time.sleep(2)
-    raise RuntimeError(f"worker built no precompiled headers; logs in {farm.log_dir}")
-
-
 def child_alone(with_headers: bool) -> float:
     """One compile child (sandboxed, as on a miss) compiling the model's forward graph."""
     from tests.integration.helpers import direct_request
@@ -145,7 +132,7 @@ def main() -> None:
         add("child_headers_off", child_alone(False))
         add("child_headers_prebuilt", child_alone(True))
     with LocalFarm() as farm:
-        wait_for_headers(farm)
+        wait_for_precompiled_headers(farm)
         for _ in range(args.repeats):
             farm.store().artifacts.redis.flushdb()
             farm.wait_ready(60)

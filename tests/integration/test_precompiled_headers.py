@@ -9,11 +9,13 @@ import pickle
 import pytest
 import torch
 
+from tests.integration.helpers import run_client, wait_for_precompiled_headers
 from tests.integration.test_attacks import _Exploit
 from tests.models import build
 from torchfarm.compiler import serialize
 from torchfarm.compiler.inductor import load_artifact
 from torchfarm.compiler.target import local_target
+from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter import precompiled_headers
@@ -96,3 +98,16 @@ def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch):
     )
     with pytest.raises(sandbox.CompileFailed, match="No space left on device"):
         _compile(_cnn()["graph"])
+
+
+@pytest.fixture(scope="module")
+def small_disk_farm():
+    with LocalFarm(extra_env={"TORCHFARM_COMPILE_DISK_MB": str(SETTINGS.compile_disk_mb)}) as f:
+        yield f
+
+
+def test_a_worker_builds_the_headers_at_start_and_a_miss_uses_them(small_disk_farm):
+    wait_for_precompiled_headers(small_disk_farm)
+    result = run_client(small_disk_farm, "model_client.py", "cnn", "train")
+    assert result["sources"] == ["miss"], result  # a failed compile would be "local"
+    assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4, result
