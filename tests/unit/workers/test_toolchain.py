@@ -1,11 +1,14 @@
-"""A compile child's sandbox gains the worker's precompiled headers, read-only, once built."""
+"""Per-toolchain work, once per worker: a compile child's sandbox gains the worker's
+precompiled headers, read-only, once built."""
 
 import json
+import threading
+from pathlib import Path
 
 from tests.unit.workers.test_sandbox import LAYOUT
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import precompiled_headers
-from torchfarm.workers import sandbox
+from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.workers import sandbox, toolchain
 
 WHERE = "/tmp/torchinductor_nobody/precompiled_headers"
 
@@ -33,3 +36,26 @@ def test_children_compile_without_headers_before_they_are_built(tmp_path, monkey
     monkeypatch.setenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", str(tmp_path))
     env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
     assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+
+
+def test_the_worker_probes_then_builds_once_in_the_background(tmp_path, monkeypatch):
+    for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
+        monkeypatch.setenv(name, "")  # restored after the test; the worker sets them
+    order: list[str] = []
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: order.append("isa") or True)
+    built = threading.Event()
+
+    def build(settings, directory):  # the real build runs in tests/integration
+        order.append("headers")
+        (Path(directory) / "k.h.gch").write_bytes(b"gpch")
+        precompiled_headers.record(directory, ["k.h.gch"])
+        built.set()
+
+    monkeypatch.setattr(toolchain, "build_headers", build)
+    toolchain.start_in_background(WorkerSettings())
+    assert built.wait(30)
+    assert order == ["isa", "headers"]  # the header's flags follow the ISA children pick
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert (
+        env["TORCHINDUCTOR_VEC_ISA_OK"] == env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+    )
