@@ -42,7 +42,7 @@ def start_in_background(settings: WorkerSettings) -> None:
             return
         try:
             build_headers(settings, headers)
-        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError, IndexError) as e:
             log.warning("precompiled headers not built, compiles go on without them: %s", e)
 
     threading.Thread(target=prepare, name="toolchain-prep", daemon=True).start()
