@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
 from torchfarm.torch_adapter import precompiled_headers  # noqa: E402
+
+# Caches and headers of every measurement (~150 MB a header), removed at the end (main).
+SCRATCH = ""
 
 
 def block(cin: int, cout: int, stride: int) -> nn.Module:
@@ -66,11 +70,12 @@ def step(backend: str) -> None:
 
 
 def measure(backend: str, headers: str = "1", tmp: str = "", addr: str = "") -> dict:
-    cache = tempfile.mkdtemp(prefix="pch-bench-")
+    cache = tempfile.mkdtemp(prefix="pch-bench-", dir=SCRATCH)
     env = dict(
         os.environ,
         TORCHINDUCTOR_CACHE_DIR=cache,
-        TMPDIR=tmp or tempfile.mkdtemp(prefix="pch-bench-tmp-"),  # where the header lives
+        TMPDIR=tmp
+        or tempfile.mkdtemp(prefix="pch-bench-tmp-", dir=SCRATCH),  # where the header lives
         TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=headers,
         TORCHFARM_ADDR=addr,
         TORCHFARM_PROGRESS="0",
@@ -95,7 +100,7 @@ def child_alone(with_headers: bool) -> float:
     saved = dict(os.environ)
     try:
         if with_headers:
-            directory = tempfile.mkdtemp(prefix="pch-bench-store-")
+            directory = tempfile.mkdtemp(prefix="pch-bench-store-", dir=SCRATCH)
             precompiled_headers.set_store(directory)
             toolchain.build_headers(settings, directory)
         request = direct_request(model().eval(), torch.randn(8, 3, 64, 64))
@@ -105,6 +110,8 @@ def child_alone(with_headers: bool) -> float:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        if with_headers:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
@@ -116,6 +123,15 @@ def main() -> None:
     if args.step:
         step(args.step)
         return
+    global SCRATCH
+    SCRATCH = tempfile.mkdtemp(prefix="pch-bench-")
+    try:
+        measure_all(args)
+    finally:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+def measure_all(args: argparse.Namespace) -> None:
     from torchfarm.local_farm import LocalFarm
 
     runs: dict[str, list[float]] = {}
@@ -126,7 +142,7 @@ def main() -> None:
 
     for _ in range(args.repeats):
         add("local_headers_off", measure("inductor", headers="0")["seconds"])
-        tmp = tempfile.mkdtemp(prefix="pch-bench-tmp-")
+        tmp = tempfile.mkdtemp(prefix="pch-bench-tmp-", dir=SCRATCH)
         add("local_headers_on_first", measure("inductor", tmp=tmp)["seconds"])
         add("local_headers_on_built", measure("inductor", tmp=tmp)["seconds"])
         add("child_headers_off", child_alone(False))
