@@ -62,3 +62,18 @@ def direct_request(model, *inputs, mode: str = "default"):
     return pb.CompileRequest(
         graph=captured["graph"], target=local_target(), options=pb.Options(mode=mode)
     )
+
+
+def wait_for_precompiled_headers(farm, timeout_s: float = 900) -> None:
+    """Until a worker of `farm` logs that its children have Inductor's precompiled headers."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in os.listdir(farm.log_dir):
+            if name.endswith(".log"):
+                with open(os.path.join(farm.log_dir, name), errors="replace") as f:
+                    if "precompiled headers ready" in f.read():
+                        return
+        time.sleep(2)
+    raise TimeoutError(f"no worker built precompiled headers in {timeout_s:.0f} s: {farm.log_dir}")

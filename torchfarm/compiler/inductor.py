@@ -21,6 +21,7 @@ from torchfarm.torch_adapter import (
     autotune_results,
     device_remap,
     fake_tensors,
+    precompiled_headers,
     standalone,
 )
 from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
@@ -29,12 +30,15 @@ from torchfarm.torch_adapter.shape_env import ShapeEnv
 
 ARTIFACT_FORMAT = 2  # 2: guards as a ShapeGuards tree, not Python text (issue 17)
 
-# Precompiled headers write outside the cache dir and break in a fresh one (seen on 2.13);
-# they only save time when many kernels share one header.
+# Precompiled C++ headers: on once the worker has built them for all its children, which it
+# says in their environment (workers/toolchain.py); a child would otherwise build its own.
 # Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
 # the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
-_WORKER_CONFIG = {"cpp_cache_precompile_headers": False, "triton.autotune_at_compile_time": True}
+_WORKER_CONFIG = {
+    "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
+    "triton.autotune_at_compile_time": True,
+}
 # Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
 # backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
 _WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}

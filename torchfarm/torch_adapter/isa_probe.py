@@ -7,7 +7,8 @@ worker runs the probe once, in a subprocess with a throwaway cache dir. Where it
 exactly the ISAs the flags list, the children may trust the flags
 (`TORCHINDUCTOR_VEC_ISA_OK=1`, read into `config.cpp.vec_isa_ok`) and pick the same ISA
 without building anything; otherwise they keep probing. The probe runs in the background
-while the worker starts, so the first compiles may still probe for themselves.
+while the worker starts (workers/toolchain.py), so the first compiles may still probe for
+themselves.
 
 Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd) and
 `torch._inductor.config.cpp.vec_isa_ok`. Verified: torch 2.11.0, 2.13.0, 2.15.0.
@@ -21,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
 # Set in the worker's main process before Celery forks its pool: where the probe's verdict
@@ -62,16 +62,17 @@ def children_may_trust_flags(timeout_s: float = 300) -> bool:
     return bool(found["built"]) and found["built"] == found["flagged"]
 
 
-def start_in_background() -> None:
-    """Worker main process, before its pool forks: probe once, off the start-up path."""
+def declare() -> str:
+    """Worker main process, before its pool forks: where the probe's verdict will appear."""
     marker = os.path.join(tempfile.mkdtemp(prefix="torchfarm-isa-"), "children-may-trust-flags")
     os.environ[_MARKER_ENV] = marker
+    return marker
 
-    def probe() -> None:
-        if children_may_trust_flags():
-            open(marker, "w").close()
 
-    threading.Thread(target=probe, name="isa-probe", daemon=True).start()
+def settle(marker: str) -> None:
+    """Probe once (off the start-up path); let the children trust the flags if it agreed."""
+    if children_may_trust_flags():
+        open(marker, "w").close()
 
 
 def child_environment() -> dict[str, str]:

@@ -28,8 +28,7 @@ from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import isa_probe
-from torchfarm.workers import canary, metrics, sandbox
+from torchfarm.workers import canary, metrics, sandbox, toolchain
 
 log = logging.getLogger("torchfarm.worker")
 _GRAPH_CODE_CHARS = 20_000  # the readable graph kept with an entry, for `torchfarm cache show`
@@ -263,7 +262,7 @@ def run_worker(settings: WorkerSettings) -> None:
     """Serve this machine's pool (or settings.pool) until stopped."""
     sandbox.check_available(settings)
     load_signer(settings)
-    isa_probe.start_in_background()
+    toolchain.start_in_background(settings)
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = worker_celery(settings)

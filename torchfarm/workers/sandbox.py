@@ -29,7 +29,7 @@ from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import isa_probe
+from torchfarm.torch_adapter import isa_probe, precompiled_headers
 from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
@@ -37,6 +37,7 @@ log = logging.getLogger("torchfarm.worker")
 SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
 LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
+CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
 SHM_BYTES = 256 << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
 ERROR_TAIL_BYTES = 2048  # how much of the child's stderr a failure reports
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
@@ -182,6 +183,8 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
     for path in (*binds, *settings.sandbox_binds):
         args += ["--ro-bind", path, path]
     args += ["--ro-bind", layout.package_dir, f"{LIB_DIR}/torchfarm"]
+    for source, dest in precompiled_headers.child_binds(WORK_DIR, CHILD_USER):  # once built
+        args += ["--ro-bind", source, dest]
     if settings.device == "cuda":  # autotuning benchmarks need the GPU, and nothing else
         for node in layout.gpu_nodes:
             args += ["--dev-bind", node, node]
@@ -199,13 +202,14 @@ def child_environment(
         "PYTHONPATH": os.pathsep.join((lib_dir, *python_path)),
         "PYTHONDONTWRITEBYTECODE": "1",
         "HOME": work_dir,
-        "USER": "nobody",
+        "USER": CHILD_USER,
         "TMPDIR": work_dir,
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor"),
         "TRITON_CACHE_DIR": os.path.join(work_dir, "triton"),
     }
     env.update({name: os.environ[name] for name in _PASSED_ENV if name in os.environ})
     env.update(isa_probe.child_environment())
+    env.update(precompiled_headers.child_environment())
     return env
 
 

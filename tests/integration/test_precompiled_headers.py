@@ -1,0 +1,113 @@
+"""Inductor's precompiled C++ header, built once as a worker builds it and used read-only by
+compile children whose /tmp is far too small to build the ~150 MB header themselves: a child
+that did not get it, or got one of another key, would fail with "No space left on device"."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from tests.integration.helpers import run_client, wait_for_precompiled_headers
+from tests.integration.test_attacks import _Exploit
+from tests.models import build
+from torchfarm.compiler import serialize
+from torchfarm.compiler.inductor import load_artifact
+from torchfarm.compiler.target import local_target
+from torchfarm.local_farm import LocalFarm
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.workers import sandbox, toolchain
+
+pytestmark = pytest.mark.integration
+SETTINGS = WorkerSettings(compile_disk_mb=64)
+
+
+@pytest.fixture(scope="module")
+def headers(tmp_path_factory):
+    """The headers built into a worker-owned directory, as the worker does at start."""
+    directory = str(tmp_path_factory.mktemp("precompiled-headers"))
+    saved = dict(os.environ)
+    precompiled_headers.set_store(directory)
+    try:
+        toolchain.build_headers(SETTINGS, directory)
+        yield directory
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _cnn():
+    """The CNN's inference graph, its real inputs and its eager outputs."""
+    model, x = build("cnn")
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured.update(graph=serialize.dumps(gm), inputs=list(example_inputs))
+        captured["eager"] = gm(*example_inputs)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(x)
+    return captured
+
+
+def _compile(graph: bytes) -> pb.Artifact:
+    data = sandbox.run_compile(graph, local_target(), pb.Options(), {}, SETTINGS)
+    return pb.Artifact.FromString(data)
+
+
+def test_a_child_sees_the_headers_read_only_and_has_them_on(headers):
+    code = f"""
+import json, os
+where = {precompiled_headers.header_dir(sandbox.WORK_DIR, sandbox.CHILD_USER)!r}
+found = {{"flag": os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS")}}
+found["files"] = sorted(os.listdir(where))
+try:
+    open(os.path.join(where, [n for n in found["files"] if n.endswith(".gch")][0]), "ab")
+    found["write"] = "written"
+except OSError as e:
+    found["write"] = e.strerror
+raise RuntimeError("report: " + json.dumps(found))
+"""
+    with pytest.raises(sandbox.CompileFailed) as failed:
+        _compile(pickle.dumps(_Exploit(code)))
+    found = json.loads(str(failed.value).rsplit("report: ", 1)[1].strip())
+    built = json.loads(open(os.path.join(headers, precompiled_headers.MANIFEST)).read())
+    assert found["flag"] == "1"
+    assert found["files"] == sorted(built) and any(n.endswith(".h.gch") for n in built)
+    assert found["write"] == "Read-only file system"
+
+
+def test_a_kernel_heavy_compile_uses_the_prebuilt_header_and_matches_eager(headers):
+    cnn = _cnn()
+    artifact = _compile(cnn["graph"])
+    assert len(artifact.natives) >= 2  # C++ kernels were built, each with the header
+    compiled = load_artifact(artifact)
+    torch.testing.assert_close(compiled(*cnn["inputs"]), cnn["eager"])
+
+
+def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch):
+    # The control: what the child did before (headers on, nothing prebuilt) fails under this
+    # cap, so the compile above can only have used the worker's header.
+    monkeypatch.delenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", raising=False)
+    monkeypatch.setattr(
+        precompiled_headers, "child_environment", lambda: {precompiled_headers.FLAG_ENV: "1"}
+    )
+    with pytest.raises(sandbox.CompileFailed, match="No space left on device"):
+        _compile(_cnn()["graph"])
+
+
+@pytest.fixture(scope="module")
+def small_disk_farm():
+    with LocalFarm(extra_env={"TORCHFARM_COMPILE_DISK_MB": str(SETTINGS.compile_disk_mb)}) as f:
+        yield f
+
+
+def test_a_worker_builds_the_headers_at_start_and_a_miss_uses_them(small_disk_farm):
+    wait_for_precompiled_headers(small_disk_farm)
+    result = run_client(small_disk_farm, "model_client.py", "cnn", "train")
+    assert result["sources"] == ["miss"], result  # a failed compile would be "local"
+    assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4, result

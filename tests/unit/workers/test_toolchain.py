@@ -1,0 +1,61 @@
+"""Per-toolchain work, once per worker: a compile child's sandbox gains the worker's
+precompiled headers, read-only, once built."""
+
+import json
+import threading
+from pathlib import Path
+
+from tests.unit.workers.test_sandbox import LAYOUT
+from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.workers import sandbox, toolchain
+
+WHERE = "/tmp/torchinductor_nobody/precompiled_headers"
+
+
+def test_built_headers_are_bound_read_only_over_the_childs_tmpfs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", str(tmp_path))
+    before = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    assert not [a for a in before if "precompiled_headers" in a]
+    (tmp_path / "k.h").write_text("#include <torch/csrc/inductor/cpp_prefix.h>\n")
+    (tmp_path / "k.h.gch").write_bytes(b"gpch")
+    precompiled_headers.record(str(tmp_path), ["k.h", "k.h.gch"])
+    args = sandbox.bwrap_args(WorkerSettings(), LAYOUT)
+    binds = [args[i : i + 3] for i, a in enumerate(args) if a in ("--bind", "--ro-bind")]
+    assert ["--ro-bind", str(tmp_path / "k.h.gch"), f"{WHERE}/k.h.gch"] in binds
+    assert ["--ro-bind", str(tmp_path / "k.h"), f"{WHERE}/k.h"] in binds
+    assert not [b for b in binds if b[0] == "--bind"]  # nothing of the worker's writable
+    # after the private /tmp, or the tmpfs would hide them
+    assert args.index(f"{WHERE}/k.h.gch") > args.index(sandbox.WORK_DIR)
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+    assert json.loads((tmp_path / precompiled_headers.MANIFEST).read_text()) == ["k.h", "k.h.gch"]
+
+
+def test_children_compile_without_headers_before_they_are_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", str(tmp_path))
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+
+
+def test_the_worker_probes_then_builds_once_in_the_background(tmp_path, monkeypatch):
+    for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
+        monkeypatch.setenv(name, "")  # restored after the test; the worker sets them
+    order: list[str] = []
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: order.append("isa") or True)
+    built = threading.Event()
+
+    def build(settings, directory):  # the real build runs in tests/integration
+        order.append("headers")
+        (Path(directory) / "k.h.gch").write_bytes(b"gpch")
+        precompiled_headers.record(directory, ["k.h.gch"])
+        built.set()
+
+    monkeypatch.setattr(toolchain, "build_headers", build)
+    toolchain.start_in_background(WorkerSettings())
+    assert built.wait(30)
+    assert order == ["isa", "headers"]  # the header's flags follow the ISA children pick
+    env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
+    assert (
+        env["TORCHINDUCTOR_VEC_ISA_OK"] == env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+    )
