@@ -6,14 +6,22 @@ toolchain: the vector-ISA probe (torch_adapter/isa_probe.py) and the precompiled
 so it would redo both on every compile (~12 s and ~25 s here). The worker does them once in
 the background, in that order (the header's flags follow the ISA the children pick); a child
 started before they are in compiles without them, a little slower, never differently.
+
+The headers are kept per toolchain (TORCHFARM_TOOLCHAIN_CACHE, default
+~/.cache/torchfarm/toolchain/<id>, ~150 MB each): a restarted worker, or another worker of the
+same machine and toolchain, binds them at once instead of building again. The id covers what
+Inductor's header key covers (torch build, compiler, CPU, interpreter), so a stale store only
+names headers a child's Inductor does not look for: it builds its own, never uses a wrong one.
+Only the worker's trusted build child, compiling the worker's own kernel, writes there.
 """
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -32,26 +40,70 @@ HEADER_BUILD_TIMEOUT_S = 900  # ~25 s alone on the 2-core machine, more beside c
 def start_in_background(settings: WorkerSettings) -> None:
     """Worker main process, before its pool forks: probe the ISA, then build the headers."""
     marker = isa_probe.declare()
-    headers = tempfile.mkdtemp(prefix="torchfarm-pch-")  # ~150 MB once built
+    headers = store_dir()
     precompiled_headers.set_store(headers)
-    atexit.register(_remove_in, os.getpid(), headers)
 
     def prepare() -> None:
         isa_probe.settle(marker)
         if settings.sandbox != "bwrap":  # unconfined children have no binds: no headers
             return
+        if precompiled_headers.child_binds(sandbox.WORK_DIR, sandbox.CHILD_USER):
+            log.info("precompiled headers ready for compile children (kept): %s", headers)
+            return
+        building = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(headers))
         try:
-            build_headers(settings, headers)
+            build_headers(settings, building)
+            _publish(building, headers)
+            log.info("precompiled headers ready for compile children: %s", headers)
         except (OSError, subprocess.SubprocessError, RuntimeError, ValueError, IndexError) as e:
             log.warning("precompiled headers not built, compiles go on without them: %s", e)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
 
     threading.Thread(target=prepare, name="toolchain-prep", daemon=True).start()
 
 
-def _remove_in(owner: int, directory: str) -> None:
-    """At exit of the worker's main process only (its forked pool inherits the hook)."""
-    if os.getpid() == owner:
-        shutil.rmtree(directory, ignore_errors=True)
+def store_dir() -> str:
+    """This toolchain's header store (created); a private temporary one where the cache root
+    cannot be written."""
+    root = os.environ.get("TORCHFARM_TOOLCHAIN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torchfarm", "toolchain"
+    )
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError:
+        root = tempfile.mkdtemp(prefix="torchfarm-toolchain-")
+    return os.path.join(root, toolchain_id())
+
+
+def toolchain_id() -> str:
+    """What Inductor's header key depends on, hashed: torch build, C++ compiler, CPU,
+    interpreter and environment prefix (the -I paths)."""
+    import torch
+
+    compiler = shutil.which(os.environ.get("CXX", "") or "g++") or ""
+    stat = os.stat(compiler) if compiler else None
+    parts = [
+        torch.__version__,
+        torch.version.git_version,
+        os.path.realpath(compiler) if compiler else "",
+        f"{stat.st_size}:{stat.st_mtime_ns}" if stat else "",
+        torch.backends.cpu.get_cpu_capability(),
+        platform.machine(),
+        sys.version,
+        sys.prefix,
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _publish(building: str, headers: str) -> None:
+    """Move a finished build into place at once; another worker's finished build wins."""
+    try:
+        os.rename(building, headers)
+    except OSError:  # there already (a worker beside this one built it first)
+        if not precompiled_headers.child_binds(sandbox.WORK_DIR, sandbox.CHILD_USER):
+            shutil.rmtree(headers, ignore_errors=True)
+            os.rename(building, headers)
 
 
 def build_headers(settings: WorkerSettings, directory: str) -> None:

@@ -2,7 +2,9 @@
 precompiled headers, read-only, once built."""
 
 import json
+import os
 import threading
+import time
 from pathlib import Path
 
 from tests.unit.workers.test_sandbox import LAYOUT
@@ -38,9 +40,19 @@ def test_children_compile_without_headers_before_they_are_built(tmp_path, monkey
     assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
 
 
+def _wait_for_headers(timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not precompiled_headers.child_binds(sandbox.WORK_DIR, sandbox.CHILD_USER):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_the_worker_probes_then_builds_once_in_the_background(tmp_path, monkeypatch):
     for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
         monkeypatch.setenv(name, "")  # restored after the test; the worker sets them
+    monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
     order: list[str] = []
     monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: order.append("isa") or True)
     built = threading.Event()
@@ -53,9 +65,33 @@ def test_the_worker_probes_then_builds_once_in_the_background(tmp_path, monkeypa
 
     monkeypatch.setattr(toolchain, "build_headers", build)
     toolchain.start_in_background(WorkerSettings())
-    assert built.wait(30)
+    assert built.wait(30) and _wait_for_headers()
     assert order == ["isa", "headers"]  # the header's flags follow the ISA children pick
     env = sandbox.child_environment(sandbox.WORK_DIR, sandbox.LIB_DIR)
     assert (
         env["TORCHINDUCTOR_VEC_ISA_OK"] == env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
     )
+
+
+def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, monkeypatch):
+    for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: True)
+    builds: list[str] = []
+
+    def build(settings, directory):
+        builds.append(directory)
+        (Path(directory) / "k.h.gch").write_bytes(b"gpch")
+        precompiled_headers.record(directory, ["k.h.gch"])
+
+    monkeypatch.setattr(toolchain, "build_headers", build)
+    toolchain.start_in_background(WorkerSettings())
+    assert _wait_for_headers()
+    kept = os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"]
+    assert os.path.dirname(kept) == str(tmp_path / "toolchain")
+    assert not os.path.exists(builds[0])  # built aside, then moved into place whole
+    toolchain.start_in_background(WorkerSettings())  # the next worker of this toolchain
+    time.sleep(1)
+    assert len(builds) == 1 and os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"] == kept
+    assert sorted(os.listdir(tmp_path / "toolchain")) == [os.path.basename(kept)]
