@@ -45,11 +45,13 @@ Command = Callable[[int, str], tuple[list[str], dict[str, str], str]]
 
 @dataclasses.dataclass(frozen=True)
 class Events:
-    """What the pool tells its owner (metrics): how many children are ready now, and each
-    child it replaced, with why ("died" or "hung")."""
+    """What the pool tells its owner (metrics): how many children are ready now, each child
+    it replaced, with why ("died" or "hung"), and each child taken for a request, in which
+    state ("ready"; "warming" or "started": the pool had run dry)."""
 
     ready: Callable[[int], None] = lambda count: None
     replaced: Callable[[str], None] = lambda reason: None
+    taken: Callable[[str], None] = lambda state: None
 
 
 class Child:
@@ -189,6 +191,7 @@ class ChildPool:
                 self._idle.remove(chosen)
                 self._report_ready()
         self._wake.set()  # start its replacement now
+        self._events.taken("started" if not chosen else "ready" if chosen.is_ready else "warming")
         return chosen or self._start()
 
     def idle(self) -> list[Child]:

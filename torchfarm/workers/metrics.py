@@ -87,6 +87,12 @@ def _child_metrics():
             "Idle compile children killed and replaced, by reason (died, hung in warm-up)",
             ["reason"],
         ),
+        Counter(
+            "torchfarm_worker_children_taken",
+            "Compile children taken for a request, by their state then: ready (warmed up "
+            "ahead of need), warming or started (the pool had run dry)",
+            ["state"],
+        ),
         Histogram(
             "torchfarm_worker_child_handoff_seconds",
             "Seconds from a compile's start until a ready child had its request",
@@ -109,5 +115,9 @@ def replaced(reason: str) -> None:
     _child_metrics()[2].labels(reason).inc()
 
 
+def taken(state: str) -> None:
+    _child_metrics()[3].labels(state).inc()
+
+
 def handoff(seconds: float) -> None:
-    _child_metrics()[3].observe(seconds)
+    _child_metrics()[4].observe(seconds)

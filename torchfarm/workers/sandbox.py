@@ -370,7 +370,9 @@ def pool(settings: WorkerSettings) -> child_pool.ChildPool:
         functools.partial(_pool_command, settings),
         settings.warm_up_timeout_s,
         preexec_fn=_limits(settings),
-        events=child_pool.Events(ready=metrics.warm_children_ready, replaced=metrics.replaced),
+        events=child_pool.Events(
+            ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
+        ),
     )
     atexit.register(started.close)
     log.info(

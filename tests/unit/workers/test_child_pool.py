@@ -53,7 +53,8 @@ def _command(*modes: str, delay: float = 0.0, started: list | None = None):
 class _Events:
     def __init__(self) -> None:
         self.replaced: list[str] = []
-        self.events = child_pool.Events(replaced=self.replaced.append)
+        self.taken: list[str] = []
+        self.events = child_pool.Events(replaced=self.replaced.append, taken=self.taken.append)
 
 
 def _until(condition, timeout_s: float = 60) -> None:
@@ -96,10 +97,11 @@ def pools():
 
 
 def test_a_ready_child_serves_one_request_and_is_replaced_at_once(pools):
-    pool = pools(2, _command("ready"))
+    events = _Events()
+    pool = pools(2, _command("ready"), events=events.events)
     _until(lambda: len(_ready(pool)) == 2)
     child = pool.take()
-    assert child.is_ready and child not in pool.idle()
+    assert child.is_ready and child not in pool.idle() and events.taken == ["ready"]
     assert _serve(child, b"request bytes") == b"request bytes"
     _until(lambda: len(_ready(pool)) == 2)
 
@@ -129,11 +131,14 @@ def test_a_hanging_warm_up_is_killed_and_replaced(pools):
 
 def test_a_request_with_no_ready_child_still_gets_one(pools):
     # A pool of none (every child on demand), and a pool whose children are still warming.
-    on_demand, warming = pools(0, _command("ready", delay=2)), pools(1, _command("ready", delay=2))
-    for pool in (on_demand, warming):
-        child = pool.take()
-        assert not child.is_ready  # taken while it warms up (or just started)
-        assert _serve(child, b"served") == b"served"
+    events = _Events()
+    warming = pools(1, _command("ready", delay=5), events=events.events)
+    _until(lambda: len(warming.idle()) == 1)
+    on_demand = pools(0, _command("ready", delay=5), events=events.events)
+    children = [warming.take(), on_demand.take()]
+    assert not any(child.is_ready for child in children)  # taken while they warm up
+    assert [_serve(child, b"served") for child in children] == [b"served"] * 2
+    assert events.taken == ["warming", "started"]
     assert on_demand.idle() == []  # a pool of none keeps none
 
 
