@@ -19,6 +19,7 @@ import importlib
 import os
 import struct
 import sys
+import tempfile
 from typing import BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -61,7 +62,12 @@ def warm_up(device: str, op_libraries: list[str]) -> None:
     else:
         from torch._inductor import cpu_vec_isa
 
-        cpu_vec_isa.pick_vec_isa()  # the ISA probe (instant where the worker's probe vouched)
+        from torchfarm.torch_adapter import standalone
+
+        # The ISA probe (instant where the worker's probe vouched), remembered in-process; its
+        # test programs go to a directory removed at once, so the request finds an empty home.
+        with tempfile.TemporaryDirectory() as probe_dir, standalone.cache_dir_at(probe_dir):
+            cpu_vec_isa.pick_vec_isa()
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:

@@ -361,10 +361,18 @@ class ChildResult:
     handoff_s: float
 
 
-@functools.cache
+_pool_lock = threading.Lock()  # Celery's threads may ask for the pool at once
+
+
 def pool(settings: WorkerSettings) -> child_pool.ChildPool:
     """This worker process's pool of warm compile children (one per settings), started on
     first use and killed at exit."""
+    with _pool_lock:
+        return _pool(settings)
+
+
+@functools.cache
+def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
     started = child_pool.ChildPool(
         settings.warm_children,
         functools.partial(_pool_command, settings),
