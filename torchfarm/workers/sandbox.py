@@ -194,7 +194,10 @@ _CHILD = ("-m", "torchfarm.workers.compile_child")
 
 
 def _child_command(
-    settings: WorkerSettings, private_dir: str, python_args: tuple[str, ...] = _CHILD, number=0
+    settings: WorkerSettings,
+    private_dir: str,
+    python_args: tuple[str, ...] = _CHILD,
+    number: int = 0,
 ) -> tuple[list[str], dict, str]:
     """argv, environment and working directory of compile child number `number` (a CUDA
     child gets one of the visible GPUs, in turn). `private_dir` is an empty host directory
