@@ -239,7 +239,8 @@ def _whole(name: str, default: str) -> int:
 
 
 def visible_gpus() -> tuple[str, ...]:
-    """The GPUs this worker may use, as CUDA_VISIBLE_DEVICES names them (or their indexes)."""
+    """The GPUs this worker may use, as CUDA_VISIBLE_DEVICES names them; without it, CUDA's
+    ordinals of the /dev/nvidiaN nodes (a container may see /dev/nvidia3 alone, as ordinal 0)."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return tuple(g.strip() for g in listed.split(",") if g.strip())
@@ -247,9 +248,8 @@ def visible_gpus() -> tuple[str, ...]:
         nodes = os.listdir("/dev")
     except OSError:
         return ()
-    return tuple(
-        sorted((n[6:] for n in nodes if n[6:].isdigit() and n.startswith("nvidia")), key=int)
-    )
+    count = sum(1 for n in nodes if n.startswith("nvidia") and n[6:].isdigit())
+    return tuple(str(i) for i in range(count))
 
 
 def default_concurrency(device: str) -> int:

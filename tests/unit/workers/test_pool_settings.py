@@ -56,3 +56,11 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
         assert cmd[-4:] == ["--device", "cuda", "--op-libraries", ""]
     assert gpus == ["2", "5", "2"]
+
+
+def test_without_cuda_visible_devices_the_gpus_are_cudas_ordinals(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # A container given the host's fourth GPU alone: CUDA calls it 0, not 3.
+    monkeypatch.setattr(os, "listdir", lambda path: ["nvidia3", "nvidiactl", "nvidia-uvm", "null"])
+    assert visible_gpus() == ("0",)
+    assert default_concurrency("cuda") == 2
