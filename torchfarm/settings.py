@@ -120,7 +120,15 @@ class WorkerSettings:
     broker_url: str = ""  # TORCHFARM_BROKER_URL
     pool: str = "auto"  # TORCHFARM_POOL: "auto" = this machine's own target
     device: str = "cpu"  # TORCHFARM_DEVICE: cpu or cuda
-    concurrency: int = 1  # TORCHFARM_WORKER_CONCURRENCY: compiles at once
+    # TORCHFARM_WORKER_CONCURRENCY: compiles at once (threads of one worker process, each
+    # driving its own sandboxed child); 0 = default_concurrency(device)
+    concurrency: int = 0
+    # TORCHFARM_WARM_CHILDREN: compile children kept started and warmed up ahead of need;
+    # -1 = as many as compiles at once, 0 = start each child on demand
+    warm_children: int = -1
+    # TORCHFARM_WARM_UP_TIMEOUT: a child not ready this long after its start is killed and
+    # replaced
+    warm_up_timeout_s: float = 300
     sandbox: str = "bwrap"  # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
     compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
     # TORCHFARM_COMPILE_MEMORY_MB: address-space limit of a CPU compile child, 0 = none;
@@ -156,6 +164,25 @@ class WorkerSettings:
     insecure_unsigned: bool = False
 
     def __post_init__(self) -> None:
+        if self.concurrency < 0:
+            raise ValueError(
+                f"TORCHFARM_WORKER_CONCURRENCY must be at least 1 (0 = default), not "
+                f"{self.concurrency}"
+            )
+        if self.warm_children < -1:
+            raise ValueError(
+                f"TORCHFARM_WARM_CHILDREN must be at least 0 (-1 = as many as compiles at "
+                f"once), not {self.warm_children}"
+            )
+        if self.warm_up_timeout_s <= 0:
+            raise ValueError(
+                f"TORCHFARM_WARM_UP_TIMEOUT must be positive, not {self.warm_up_timeout_s:g}"
+            )
+        # Frozen: the defaults that depend on other fields are resolved once, here.
+        if not self.concurrency:
+            object.__setattr__(self, "concurrency", default_concurrency(self.device))
+        if self.warm_children == -1:
+            object.__setattr__(self, "warm_children", self.concurrency)
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
             raise ValueError(
                 f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
@@ -174,7 +201,9 @@ class WorkerSettings:
             broker_url=_env("TORCHFARM_BROKER_URL", ""),
             pool=_env("TORCHFARM_POOL", "auto"),
             device=_env("TORCHFARM_DEVICE", "cpu"),
-            concurrency=int(_env("TORCHFARM_WORKER_CONCURRENCY", "1")),
+            concurrency=_whole("TORCHFARM_WORKER_CONCURRENCY", "0"),
+            warm_children=_whole("TORCHFARM_WARM_CHILDREN", "-1"),
+            warm_up_timeout_s=float(_env("TORCHFARM_WARM_UP_TIMEOUT", "300")),
             sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
             memory_limit_mb=int(
@@ -199,6 +228,37 @@ class WorkerSettings:
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def _whole(name: str, default: str) -> int:
+    value = _env(name, default).strip() or default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def visible_gpus() -> tuple[str, ...]:
+    """The GPUs this worker may use, as CUDA_VISIBLE_DEVICES names them; without it, CUDA's
+    ordinals of the /dev/nvidiaN nodes (a container may see /dev/nvidia3 alone, as ordinal 0)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return tuple(g.strip() for g in listed.split(",") if g.strip())
+    try:
+        nodes = os.listdir("/dev")
+    except OSError:
+        return ()
+    count = sum(1 for n in nodes if n.startswith("nvidia") and n[6:].isdigit())
+    return tuple(str(i) for i in range(count))
+
+
+def default_concurrency(device: str) -> int:
+    """Compiles at once by default: two per visible GPU on CUDA (one autotunes while another
+    lowers), on CPU a quarter of the cores (each compile runs Inductor's parallel compile and
+    the C++ compiler on several), at least 2 and at most 8."""
+    if device == "cuda":
+        return max(1, 2 * len(visible_gpus()))
+    return max(2, min(8, (os.cpu_count() or 1) // 4))
 
 
 def default_compile_memory_mb() -> int:

@@ -111,7 +111,9 @@ def _send_then_cancel(settings: ClientSettings, request: pb.CompileRequest) -> N
 def test_compiles_nobody_waits_for_are_skipped_and_the_limit_counts_queued_work():
     tokens = dict(TOKENS, carol="carol-token-1111111111")
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in tokens.items())
-    with LocalFarm(tenants=tenants, extra_env={"TORCHFARM_TENANT_MAX_COMPILES": "2"}) as farm:
+    # One compile at once: bob's keeps the worker busy while alice's wait in the queue.
+    env = {"TORCHFARM_TENANT_MAX_COMPILES": "2", "TORCHFARM_WORKER_CONCURRENCY": "1"}
+    with LocalFarm(tenants=tenants, extra_env=env) as farm:
         store = farm.store()
         alice = ClientSettings(addr=farm.addr, token=tokens["alice"])
         bob = dataclasses.replace(alice, token=tokens["bob"])

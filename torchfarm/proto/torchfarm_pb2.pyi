@@ -1320,10 +1320,11 @@ Global___EntryMeta: _TypeAlias = EntryMeta  # noqa: Y015
 class CompileChildRequest(_message.Message):
     """==== The compile child (issues 16 and 17) ====================================================
     A worker's parent process and its sandboxed compile child talk through pipes only, never
-    through files the host can see. The parent writes one CompileChildRequest to the child's
-    stdin and closes it. The child writes CompileChildReport messages to its stdout, each
-    preceded by its length as an 8-byte big-endian unsigned integer: any number of stages, then
-    one artifact. The parent reads them with a cap on the size (TORCHFARM_MAX_ARTIFACT_BYTES);
+    through files the host can see. The child first warms up (imports, CUDA context) and
+    reports `ready`; then the parent writes one CompileChildRequest to the child's stdin and
+    closes it. The child writes CompileChildReport messages to its stdout, each preceded by its
+    length as an 8-byte big-endian unsigned integer: `ready`, any number of stages, then one
+    artifact. The parent reads them with a cap on the size (TORCHFARM_MAX_ARTIFACT_BYTES);
     everything the child sends is hostile and is only ever parsed as protobuf.
     """
 
@@ -1389,21 +1390,25 @@ class CompileChildReport(_message.Message):
 
     STAGE_FIELD_NUMBER: _builtins.int
     ARTIFACT_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
     stage: Global___Progress.Stage.ValueType
     """COMPILING or AUTOTUNING: the child's stage changed"""
     artifact: _builtins.bytes
     """the Artifact's protobuf bytes: the child's last report"""
+    ready: _builtins.bool
+    """warmed up, reading its one request: the child's first report"""
     def __init__(
         self,
         *,
         stage: Global___Progress.Stage.ValueType = ...,
         artifact: _builtins.bytes = ...,
+        ready: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact"]  # noqa: Y015
+    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact", "ready"]  # noqa: Y015
     _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
 

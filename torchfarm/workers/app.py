@@ -83,6 +83,7 @@ def _compile_and_store(
 ) -> tuple[str, int]:
     """The task's result (compiled, uncached, failed, cached, abandoned, expired) and the
     bytes stored."""
+    taken = time.time()
     if store.jobs.outcome(job.job_id) is not None:  # a redelivered task whose first run ended
         return "cached", 0
     if store.jobs.abandoned(job.job_id):  # every client that wanted it has gone
@@ -106,8 +107,9 @@ def _compile_and_store(
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
     extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key}
     log.info("compiling %s (%s) for tenant %s", job.key[:16], job.label, job.tenant, extra=extra)
+    handed = time.perf_counter()
     try:
-        data = sandbox.run_compile(
+        child = sandbox.run_compile(
             payload,
             job.target,
             job.options,
@@ -122,6 +124,7 @@ def _compile_and_store(
             job.job_id, e.outcome(), remember_s=settings.failure_memory_s if e.lasting else 0
         )
         return "failed", 0
+    data, read_back = child.data, time.perf_counter()
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
     store.counters.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)
@@ -130,23 +133,35 @@ def _compile_and_store(
     meta.public_key = _graph_key(job, payload)
     if settings.signing_key:  # else TORCHFARM_INSECURE_UNSIGNED, which run_worker warned of
         meta.signature = signing.sign_entry(_signer(settings.signing_key), meta.public_key, meta)
+    timings = pb.MissTimings(
+        queued_s=max(0.0, taken - job.queued_at) if job.queued_at else 0.0,
+        handoff_s=child.handoff_s,
+        child_s=read_back - handed - child.handoff_s,
+        compile_s=artifact.compile_seconds,
+    )
     try:
         entry = store.artifacts.put(job.key, data, meta)
     except CacheFull:
         log.warning("the cache's Redis is at its memory limit: %s served uncached", job.key[:16])
+        timings.store_s = time.perf_counter() - read_back
         store.jobs.finish(
             job.job_id,
-            pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest),
+            pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest, timings=timings),
             uncached=(meta, data),
         )
         log.info("answered (cache full) %s: %d bytes", job.key[:16], len(data), extra=extra)
         return "uncached", 0
-    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest))
+    timings.store_s = time.perf_counter() - read_back
+    store.jobs.finish(
+        job.job_id,
+        pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
+    )
     log.info(
-        "stored %s: %d bytes, %.1f s",
+        "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child",
         job.key[:16],
         len(data),
         artifact.compile_seconds,
+        child.handoff_s,
         extra=dict(extra, pool=pool),
     )
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
@@ -263,6 +278,7 @@ def run_worker(settings: WorkerSettings) -> None:
     sandbox.check_available(settings)
     load_signer(settings)
     toolchain.start_in_background(settings)
+    sandbox.pool(settings)  # compile children warm up while the worker starts
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = worker_celery(settings)
@@ -283,6 +299,10 @@ def run_worker(settings: WorkerSettings) -> None:
             "worker",
             "-Q",
             pool,
+            # Threads: a compile runs in its sandboxed child, the task only drives it, and
+            # the warm children of the one worker process serve every task.
+            "-P",
+            "threads",
             "-c",
             str(settings.concurrency),
             "-n",

@@ -61,7 +61,7 @@ def run(settings: WorkerSettings, target: pb.Target) -> Readiness:
     started = time.perf_counter()
     try:
         graph, hints = canary_request(settings.device)
-        data = sandbox.run_compile(graph, target, pb.Options(), hints, settings)
+        data = sandbox.run_compile(graph, target, pb.Options(), hints, settings).data
         artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
         if not artifact.inductor:
             raise ValueError("the compile child returned an empty artifact")

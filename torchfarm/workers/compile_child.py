@@ -3,16 +3,23 @@
 It speaks the contract's child protocol (CompileChildRequest / CompileChildReport in
 torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
 So nothing of a tenant's compile is ever a file the host can see, and a crashed worker leaves
-nothing behind. It imports the operator's TORCHFARM_OP_LIBRARIES first (they register custom
-operators), then compiles. Everything it reads is hostile; it runs with no network, no
-secrets, no capabilities and no access to the cache.
+nothing behind. Everything it reads is hostile; it runs with no network, no secrets, no
+capabilities and no access to the cache.
+
+A child is started ahead of need (workers/child_pool.py): it first warms up with nothing of a
+tenant's (torch, Inductor, Triton and the operator's TORCHFARM_OP_LIBRARIES imported, on CUDA
+the context made and Triton's driver stubs built), reports `ready`, and only then reads its
+one request. It compiles that one and exits, so no two tenants ever share a process.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import struct
 import sys
+import tempfile
 from typing import BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -35,14 +42,54 @@ def _on_stage(stage: pb.Progress.Stage.ValueType) -> None:
     report(pb.CompileChildReport(stage=stage))
 
 
-def main() -> int:
+def warm_up(device: str, op_libraries: list[str]) -> None:
+    """Everything a compile needs that no request decides, done before the request exists."""
+    import torch
+    import torch._inductor.codecache
+    import torch._inductor.compile_fx  # noqa: F401  (the standalone_compile path)
+
+    import torchfarm.compiler.inductor  # noqa: F401
+
+    for module in op_libraries:
+        importlib.import_module(module)
+    if device == "cuda":
+        torch.zeros(1, device="cuda")  # the CUDA context
+        try:
+            from triton.runtime import driver
+        except ImportError:  # a CUDA build without Triton: nothing more to build
+            return
+        driver.active.utils  # noqa: B018  (compiles Triton's C driver stubs into its cache dir)
+    else:
+        from torch._inductor import cpu_vec_isa
+
+        from torchfarm.torch_adapter import standalone
+
+        # The ISA probe (instant where the worker's probe vouched), remembered in-process; its
+        # test programs go to a directory removed at once, so the request finds an empty home.
+        with tempfile.TemporaryDirectory() as probe_dir, standalone.cache_dir_at(probe_dir):
+            cpu_vec_isa.pick_vec_isa()
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    """What to warm up for: the worker's device and TORCHFARM_OP_LIBRARIES (nothing secret)."""
+    parser = argparse.ArgumentParser(prog="torchfarm.workers.compile_child")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--op-libraries", default="", help="comma-separated modules")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
     global _reports
+    args = _arguments(sys.argv[1:] if argv is None else argv)
     # Whatever the compile prints goes to stderr (the error text), never into the reports.
     _reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    request = pb.CompileChildRequest.FromString(sys.stdin.buffer.read())
-
-    import importlib
+    warm_up(args.device, [m for m in args.op_libraries.split(",") if m])
+    report(pb.CompileChildReport(ready=True))
+    data = sys.stdin.buffer.read()
+    if not data:  # the worker closed the pipe without a request: it is going away
+        return 0
+    request = pb.CompileChildRequest.FromString(data)
 
     from torchfarm.compiler.inductor import compile_payload
 

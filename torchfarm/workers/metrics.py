@@ -1,9 +1,10 @@
-"""Prometheus metrics of a worker: compiles by pool, mode and result, their duration, and
-the artifact bytes stored.
+"""Prometheus metrics of a worker: compiles by pool, mode and result, their duration, the
+artifact bytes stored, and its compile children (compiles at once, children kept warm and
+ready now, children replaced, the wait for a child to take a request).
 
-Celery runs each task in a forked pool process, so the metrics use prometheus_client's
-multiprocess mode: every process writes its values to files in a directory private to this
-worker, and the worker's main process serves their sum on TORCHFARM_WORKER_METRICS_PORT.
+The metrics use prometheus_client's multiprocess mode (each process writes its values to
+files in a directory private to this worker, and the worker's main process serves their sum
+on TORCHFARM_WORKER_METRICS_PORT), so that they hold whichever Celery pool runs the tasks.
 prometheus_client picks that mode when it is first imported, so `enable` runs before
 anything imports it.
 """
@@ -62,3 +63,61 @@ def record(pool: str, mode: str, result: str, seconds: float, stored_bytes: int)
         durations.labels(pool, mode).observe(seconds)
     if stored_bytes:
         stored.labels(pool).inc(stored_bytes)
+
+
+@functools.cache
+def _child_metrics():
+    from prometheus_client import Counter, Gauge, Histogram
+
+    return (
+        Gauge(
+            "torchfarm_worker_settings",
+            "The worker's compile settings: concurrency (compiles at once, "
+            "TORCHFARM_WORKER_CONCURRENCY) and warm_children (TORCHFARM_WARM_CHILDREN)",
+            ["setting"],
+            multiprocess_mode="livemax",
+        ),
+        Gauge(
+            "torchfarm_worker_warm_children_ready",
+            "Compile children warmed up and waiting for a request",
+            multiprocess_mode="livesum",
+        ),
+        Counter(
+            "torchfarm_worker_children_replaced",
+            "Idle compile children killed and replaced, by reason (died, hung in warm-up)",
+            ["reason"],
+        ),
+        Counter(
+            "torchfarm_worker_children_taken",
+            "Compile children taken for a request, by their state then: ready (warmed up "
+            "ahead of need), warming or started (the pool had run dry)",
+            ["state"],
+        ),
+        Histogram(
+            "torchfarm_worker_child_handoff_seconds",
+            "Seconds from a compile's start until a ready child had its request",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 20, 60),
+        ),
+    )
+
+
+def configured(concurrency: int, warm_children: int) -> None:
+    settings = _child_metrics()[0]
+    settings.labels("concurrency").set(concurrency)
+    settings.labels("warm_children").set(warm_children)
+
+
+def warm_children_ready(count: int) -> None:
+    _child_metrics()[1].set(count)
+
+
+def replaced(reason: str) -> None:
+    _child_metrics()[2].labels(reason).inc()
+
+
+def taken(state: str) -> None:
+    _child_metrics()[3].labels(state).inc()
+
+
+def handoff(seconds: float) -> None:
+    _child_metrics()[4].observe(seconds)

@@ -8,12 +8,16 @@ alone, on a private path), and writes only to a size-capped private tmpfs that v
 it. It never sees the worker's working directory, the host's /tmp, $HOME or the farm's data.
 Request, stages and artifact travel through pipes (the contract's child protocol), read
 with caps; its error text is bounded. See docs/reliability.md, "Threat model".
+
+Children are started ahead of need by a pool of this worker's (workers/child_pool.py), each
+in exactly this sandbox, and each serves one request.
 """
 
 from __future__ import annotations
 
-import collections
+import atexit
 import dataclasses
+import functools
 import logging
 import os
 import resource
@@ -21,15 +25,17 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings
+from torchfarm.settings import WorkerSettings, visible_gpus
 from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.workers import child_pool, metrics
+from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
@@ -39,7 +45,6 @@ LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, o
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
 CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
 SHM_BYTES = 256 << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
-ERROR_TAIL_BYTES = 2048  # how much of the child's stderr a failure reports
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
 _MAX_STAGE_FRAME = 64
 # /etc is not bound, except the dynamic linker's cache: a CPU compile here ran without it (the
@@ -213,23 +218,42 @@ def child_environment(
     return env
 
 
-def _child_command(settings: WorkerSettings, private_dir: str) -> tuple[list[str], dict, str]:
-    """argv, environment and working directory of one compile child. `private_dir` is an
-    empty host directory of the parent's, used only without a sandbox."""
-    python = [sys.executable, "-m", "torchfarm.workers.compile_child"]
+_CHILD = ("-m", "torchfarm.workers.compile_child")
+
+
+def _child_command(
+    settings: WorkerSettings,
+    private_dir: str,
+    python_args: tuple[str, ...] = _CHILD,
+    number: int = 0,
+) -> tuple[list[str], dict, str]:
+    """argv, environment and working directory of compile child number `number` (a CUDA
+    child gets one of the visible GPUs, in turn). `private_dir` is an empty host directory
+    of the parent's, used only without a sandbox."""
+    python = [sys.executable, *python_args]
+    if python_args == _CHILD:
+        python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
-        return (
-            bwrap_args(settings, layout) + python,
-            child_environment(WORK_DIR, LIB_DIR, layout.python_path),
-            "/",
-        )
-    # Unconfined: still off the worker's working directory, with only the package importable.
-    lib_dir, work_dir = os.path.join(private_dir, "lib"), os.path.join(private_dir, "work")
-    os.makedirs(lib_dir)
-    os.makedirs(work_dir)
-    os.symlink(layout.package_dir, os.path.join(lib_dir, "torchfarm"))
-    return python, child_environment(work_dir, lib_dir, layout.python_path), work_dir
+        cmd = bwrap_args(settings, layout) + python
+        env, cwd = child_environment(WORK_DIR, LIB_DIR, layout.python_path), "/"
+    else:
+        # Unconfined: still off the worker's working directory, with only the package
+        # importable.
+        lib_dir, work_dir = os.path.join(private_dir, "lib"), os.path.join(private_dir, "work")
+        os.makedirs(lib_dir)
+        os.makedirs(work_dir)
+        os.symlink(layout.package_dir, os.path.join(lib_dir, "torchfarm"))
+        cmd, cwd = python, work_dir
+        env = child_environment(work_dir, lib_dir, layout.python_path)
+    gpus = visible_gpus()
+    if settings.device == "cuda" and gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[number % len(gpus)]
+    return cmd, env, cwd
+
+
+def _op_libraries(settings: WorkerSettings) -> list[str]:
+    return [m.strip() for m in settings.op_libraries.split(",") if m.strip()]
 
 
 def check_available(settings: WorkerSettings) -> None:
@@ -274,8 +298,7 @@ assert not os.access("/", os.W_OK)
 
 def _self_check(settings: WorkerSettings) -> str:
     """Run the compile child's full sandbox on a tiny check; what went wrong, or ""."""
-    cmd, env, cwd = _child_command(settings, "")
-    cmd = cmd[: -len(["-m", "torchfarm.workers.compile_child"])] + ["-c", _SELF_CHECK]
+    cmd, env, cwd = _child_command(settings, "", ("-c", _SELF_CHECK))
     try:
         proc = subprocess.run(
             cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False
@@ -314,16 +337,6 @@ def _how_it_ended(returncode: int, sandbox: str) -> str:
         )
     except ValueError:  # not a signal number after all
         return f"exit {returncode}"
-
-
-def _tail(stream: IO[bytes], keep: collections.deque) -> None:
-    """Drain `stream`, keeping only its last ERROR_TAIL_BYTES in `keep`."""
-    size = 0
-    for chunk in iter(lambda: stream.read(4096), b""):
-        keep.append(chunk)
-        size += len(chunk)
-        while size - len(keep[0]) >= ERROR_TAIL_BYTES:
-            size -= len(keep.popleft())
 
 
 def _feed(stream: IO[bytes], data: bytes) -> None:
@@ -370,6 +383,51 @@ def _read_reports(
             on_stage(message.stage)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChildResult:
+    """What a compile child handed back: the Artifact's protobuf bytes, and the seconds from
+    the request until a ready child had it (the hand-off; ~0 when a warm child waited)."""
+
+    data: bytes
+    handoff_s: float
+
+
+_pool_lock = threading.Lock()  # Celery's threads may ask for the pool at once
+
+
+def pool(settings: WorkerSettings) -> child_pool.ChildPool:
+    """This worker process's pool of warm compile children (one per settings), started on
+    first use and killed at exit."""
+    with _pool_lock:
+        return _pool(settings)
+
+
+@functools.cache
+def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
+    started = child_pool.ChildPool(
+        settings.warm_children,
+        functools.partial(_pool_command, settings),
+        settings.warm_up_timeout_s,
+        preexec_fn=_limits(settings),
+        events=child_pool.Events(
+            ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
+        ),
+    )
+    atexit.register(started.close)
+    log.info(
+        "compiles at once: %d (TORCHFARM_WORKER_CONCURRENCY); compile children kept warm: %d "
+        "(TORCHFARM_WARM_CHILDREN)",
+        settings.concurrency,
+        settings.warm_children,
+    )
+    metrics.configured(settings.concurrency, settings.warm_children)
+    return started
+
+
+def _pool_command(settings: WorkerSettings, number: int, private_dir: str):
+    return _child_command(settings, private_dir, number=number)
+
+
 def run_compile(
     payload: bytes,
     target: pb.Target,
@@ -377,67 +435,58 @@ def run_compile(
     size_hints: dict[str, int],
     settings: WorkerSettings,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
-) -> bytes:
-    """Compile `payload` for `target` in a sandboxed child; the Artifact's protobuf bytes.
-    `on_stage(stage)` hears the child's Progress.Stage (COMPILING / AUTOTUNING) as it
-    changes."""
+) -> ChildResult:
+    """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
+    protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
+    (COMPILING / AUTOTUNING) as it changes. The compile timeout runs from this call, a child
+    still warming up included."""
+    called = time.perf_counter()
     request = pb.CompileChildRequest(
         graph=payload,
         target=target,
         options=options,
         size_hints=size_hints,
-        op_libraries=[m.strip() for m in settings.op_libraries.split(",") if m.strip()],
+        op_libraries=_op_libraries(settings),
     )
-    with tempfile.TemporaryDirectory(prefix="torchfarm-compile-") as private_dir:
-        cmd, env, cwd = _child_command(settings, private_dir)
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=_limits(settings),
-        )
-        assert proc.stdin and proc.stdout and proc.stderr
-        stderr: collections.deque[bytes] = collections.deque()
-        timed_out = threading.Event()
+    child = pool(settings).take()
+    timed_out = threading.Event()
 
-        def expire() -> None:
-            timed_out.set()
-            proc.kill()
+    def expire() -> None:
+        timed_out.set()
+        child.kill()
 
-        threads = [
-            threading.Thread(target=_feed, args=(proc.stdin, request.SerializeToString())),
-            threading.Thread(target=_tail, args=(proc.stderr, stderr)),
-        ]
-        timer = threading.Timer(settings.compile_timeout_s, expire)
-        for thread in [*threads, timer]:
-            thread.daemon = True
-            thread.start()
-        try:
-            data = _read_reports(proc.stdout, settings, on_stage)
-        except CompileFailed:
-            proc.kill()
-            raise
-        finally:
-            returncode = proc.wait()  # the timer still ends a child that lingers
-            timer.cancel()
-            for thread in threads:
-                thread.join(timeout=5)
-            proc.stdout.close()
-            proc.stderr.close()
+    feeder = threading.Thread(
+        target=_feed, args=(child.stdin, request.SerializeToString()), daemon=True
+    )
+    timer = threading.Timer(settings.compile_timeout_s, expire)
+    for thread in (feeder, timer):
+        thread.daemon = True
+        thread.start()
+    handoff_s = 0.0
+    try:
+        ready = child.wait_ready()  # a warm child at once; else its warm-up, or its end
+        handoff_s = time.perf_counter() - called
+        data = _read_reports(child.stdout, settings, on_stage) if ready else None
+    except CompileFailed:
+        child.kill()
+        raise
+    finally:
+        returncode = child.proc.wait()  # the timer still ends a child that lingers
+        timer.cancel()
+        feeder.join(timeout=5)
+        child.close()
+    text = child.error_text()
     if timed_out.is_set():
         raise CompileFailed(
             f"compile exceeded {settings.compile_timeout_s:.0f} s "
             "(TORCHFARM_COMPILE_TIMEOUT_WORKER)",
             kind=pb.JobOutcome.TIMED_OUT,
         )
-    text = b"".join(stderr)[-ERROR_TAIL_BYTES:].decode(errors="replace")
     if returncode != 0 or data is None:
         how = _how_it_ended(returncode, settings.sandbox)
         raise CompileFailed(f"compile child failed ({how}):\n{text}", lasting=returncode == 1)
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
     if not artifact.inductor:
         raise CompileFailed("compile child returned an empty artifact")
-    return data
+    metrics.handoff(handoff_s)
+    return ChildResult(data, handoff_s)

@@ -10,7 +10,7 @@ import pytest
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings, default_compile_memory_mb
-from torchfarm.workers import sandbox
+from torchfarm.workers import child_pool, sandbox
 from torchfarm.workers.compile_child import FRAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -140,7 +140,7 @@ def test_a_truncated_or_malformed_report_stream():
 
 def test_the_error_text_keeps_only_its_end():
     kept: collections.deque[bytes] = collections.deque()
-    sandbox._tail(io.BytesIO(b"x" * 100_000 + b"the end"), kept)
+    child_pool._tail(io.BytesIO(b"x" * 100_000 + b"the end"), kept)
     text = b"".join(kept)
     assert text.endswith(b"the end") and len(text) < sandbox.ERROR_TAIL_BYTES + 4096
 

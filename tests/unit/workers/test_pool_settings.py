@@ -1,0 +1,66 @@
+"""How many compiles a worker runs at once and how many children it keeps warm: defaults,
+validation, and which GPU each CUDA child gets."""
+
+import os
+
+import pytest
+
+from torchfarm.settings import WorkerSettings, default_concurrency, visible_gpus
+from torchfarm.workers import sandbox
+
+
+def test_defaults_for_a_cpu_box_and_a_gpu_node(monkeypatch):
+    for name in ("TORCHFARM_WORKER_CONCURRENCY", "TORCHFARM_WARM_CHILDREN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cpu = WorkerSettings.from_env()
+    assert cpu.concurrency == 2 and cpu.warm_children == 2  # a 2-core box: two at once
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    gpu = WorkerSettings.from_env(device="cuda")
+    assert gpu.concurrency == 16 and gpu.warm_children == 16  # two per visible GPU
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    assert default_concurrency("cpu") == 8
+
+
+def test_explicit_sizes_and_a_pool_of_no_warm_children(monkeypatch):
+    monkeypatch.setenv("TORCHFARM_WORKER_CONCURRENCY", "3")
+    monkeypatch.setenv("TORCHFARM_WARM_CHILDREN", "0")
+    settings = WorkerSettings.from_env()
+    assert (settings.concurrency, settings.warm_children) == (3, 0)
+    # Resolved once: the copy a task rebuilds from the settings' dict is equal (one pool).
+    assert WorkerSettings(**{**settings.__dict__}) == settings
+
+
+@pytest.mark.parametrize(
+    "name,value,says",
+    [
+        ("TORCHFARM_WORKER_CONCURRENCY", "two", "TORCHFARM_WORKER_CONCURRENCY must be a whole"),
+        ("TORCHFARM_WORKER_CONCURRENCY", "-1", "TORCHFARM_WORKER_CONCURRENCY must be at least 1"),
+        ("TORCHFARM_WARM_CHILDREN", "-2", "TORCHFARM_WARM_CHILDREN must be at least 0"),
+        ("TORCHFARM_WARM_UP_TIMEOUT", "0", "TORCHFARM_WARM_UP_TIMEOUT must be positive"),
+    ],
+)
+def test_bad_sizes_are_refused_with_the_variable_named(monkeypatch, name, value, says):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=says):
+        WorkerSettings.from_env()
+
+
+def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert visible_gpus() == ("2", "5")
+    settings = WorkerSettings(device="cuda", sandbox="none")
+    gpus = []
+    for number in range(3):
+        cmd, env, _ = sandbox._child_command(settings, str(tmp_path / str(number)), number=number)
+        gpus.append(env["CUDA_VISIBLE_DEVICES"])
+        assert cmd[-4:] == ["--device", "cuda", "--op-libraries", ""]
+    assert gpus == ["2", "5", "2"]
+
+
+def test_without_cuda_visible_devices_the_gpus_are_cudas_ordinals(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # A container given the host's fourth GPU alone: CUDA calls it 0, not 3.
+    monkeypatch.setattr(os, "listdir", lambda path: ["nvidia3", "nvidiactl", "nvidia-uvm", "null"])
+    assert visible_gpus() == ("0",)
+    assert default_concurrency("cuda") == 2

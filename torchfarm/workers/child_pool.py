@@ -1,0 +1,284 @@
+"""Compile children started ahead of need, so that a compile does not wait for one to warm up.
+
+A child costs seconds before it can compile (torch imported, on CUDA a context made and
+Triton's stubs built); a compile request then costs only the hand-off. Each child still
+serves exactly one request and exits (compile_child.py): warming is done with nothing of a
+tenant's, so isolation is as strong as starting one per request.
+
+The pool keeps `size` children warm and starts a replacement as soon as one is taken. A child
+that dies while it waits, or takes longer than `warm_up_timeout_s` to get ready, is killed and
+replaced, after a growing pause while they keep failing (a broken toolchain must not spin).
+`take` never waits for the pool: with no child ready it takes one still warming, or starts
+one, and the caller's own timeout bounds the rest.
+
+This module knows processes and the `ready` report only; what a child runs and in which
+sandbox is the caller's `command` (workers/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.workers.compile_child import FRAME
+
+log = logging.getLogger("torchfarm.worker")
+
+ERROR_TAIL_BYTES = 2048  # how much of a child's stderr is kept for the error text
+_READY_FRAME = 16  # a `ready` report is 2 bytes; anything longer is not one
+_BACKOFF_S = (0.5, 60.0)  # pause before the next start after a failed warm-up: first, most
+_CHECK_EVERY_S = 0.5  # how often the keeper looks for children that died or hang
+
+# argv, environment and working directory of a child, given the number of the child (from 0)
+# and an empty private host directory of its own (removed when it ends).
+Command = Callable[[int, str], tuple[list[str], dict[str, str], str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Events:
+    """What the pool tells its owner (metrics): how many children are ready now, each child
+    it replaced, with why ("died" or "hung"), and each child taken for a request, in which
+    state ("ready"; "warming" or "started": the pool had run dry)."""
+
+    ready: Callable[[int], None] = lambda count: None
+    replaced: Callable[[str], None] = lambda reason: None
+    taken: Callable[[str], None] = lambda state: None
+
+
+class Child:
+    """One started compile child: its process, its stderr's tail, and whether it is ready."""
+
+    def __init__(
+        self, number: int, command: Command, preexec_fn: Callable[[], None] | None
+    ) -> None:
+        self.started = time.monotonic()
+        self.private_dir = tempfile.mkdtemp(prefix="torchfarm-compile-")
+        try:
+            argv, env, cwd = command(number, self.private_dir)
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=preexec_fn,
+            )
+        except BaseException:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            raise
+        self.stderr: collections.deque[bytes] = collections.deque()
+        self.is_ready = False
+        self.settled = threading.Event()  # set when it reported ready, or will never
+        self._threads = [
+            threading.Thread(target=self._await_ready, daemon=True, name="child-warm-up"),
+            threading.Thread(target=_tail, args=(self.proc.stderr, self.stderr), daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def stdin(self) -> IO[bytes]:
+        assert self.proc.stdin
+        return self.proc.stdin
+
+    @property
+    def stdout(self) -> IO[bytes]:
+        assert self.proc.stdout
+        return self.proc.stdout
+
+    def _await_ready(self) -> None:
+        """Read the child's first report, which must be `ready`; anything else ends it."""
+        try:
+            head = self.stdout.read(FRAME.size)
+            if len(head) == FRAME.size and FRAME.unpack(head)[0] <= _READY_FRAME:
+                data = self.stdout.read(FRAME.unpack(head)[0])
+                report = pb.CompileChildReport.FromString(data)  # protobuf parse: no code runs
+                self.is_ready = report.WhichOneof("report") == "ready" and report.ready
+        except Exception:  # a malformed first report: not ready
+            pass
+        finally:
+            if not self.is_ready:
+                self.kill()
+            self.settled.set()
+
+    def wait_ready(self) -> bool:
+        """Block until the child is ready (True) or has ended without (False)."""
+        self.settled.wait()
+        return self.is_ready
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+
+    def close(self) -> int:
+        """Wait for it to end (kill it first to not wait), release its pipes and directory;
+        its exit status."""
+        try:
+            self.stdin.close()  # a child still waiting for its request reads the end and exits
+        except OSError:
+            pass
+        returncode = self.proc.wait()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+        return returncode
+
+    def error_text(self) -> str:
+        return b"".join(self.stderr)[-ERROR_TAIL_BYTES:].decode(errors="replace")
+
+
+def _tail(stream: IO[bytes], keep: collections.deque) -> None:
+    """Drain `stream`, keeping only its last ERROR_TAIL_BYTES in `keep`."""
+    size = 0
+    for chunk in iter(lambda: stream.read(4096), b""):
+        keep.append(chunk)
+        size += len(chunk)
+        while size - len(keep[0]) >= ERROR_TAIL_BYTES:
+            size -= len(keep.popleft())
+
+
+class ChildPool:
+    """Up to `size` idle children, kept warm by a background keeper thread."""
+
+    def __init__(
+        self,
+        size: int,
+        command: Command,
+        warm_up_timeout_s: float,
+        preexec_fn: Callable[[], None] | None = None,
+        events: Events = Events(),
+    ) -> None:
+        self.size, self.warm_up_timeout_s = size, warm_up_timeout_s
+        self._command, self._preexec_fn, self._events = command, preexec_fn, events
+        self._idle: list[Child] = []  # oldest first
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._started = 0  # children started so far (numbers them)
+        self._failures = 0  # warm-ups failed in a row
+        self._next_start = 0.0  # monotonic time before which the keeper starts none
+        self._keeper = threading.Thread(target=self._keep, daemon=True, name="child-pool")
+        self._keeper.start()
+
+    def take(self) -> Child:
+        """A child for one request: a ready one if any, else the one warming longest, else a
+        new one. Never waits for the pool; the caller owns (and must close) the child."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the compile child pool is closed")
+            self._reap()
+            live = [c for c in self._idle if c.alive()]
+            chosen = next((c for c in live if c.is_ready), live[0] if live else None)
+            if chosen:
+                self._idle.remove(chosen)
+                self._report_ready()
+        self._wake.set()  # start its replacement now
+        self._events.taken("started" if not chosen else "ready" if chosen.is_ready else "warming")
+        return chosen or self._start()
+
+    def idle(self) -> list[Child]:
+        """The children waiting now (a copy)."""
+        with self._lock:
+            return list(self._idle)
+
+    def close(self) -> None:
+        """Stop warming and kill every idle child."""
+        with self._lock:
+            self._closed = True
+            children, self._idle = self._idle, []
+        self._wake.set()
+        for child in children:
+            child.kill()
+            child.close()
+        self._keeper.join(timeout=10)
+
+    def _start(self) -> Child:
+        with self._lock:
+            number, self._started = self._started, self._started + 1
+        return Child(number, self._command, self._preexec_fn)
+
+    def _keep(self) -> None:
+        while True:
+            self._wake.wait(timeout=_CHECK_EVERY_S)
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                self._reap()
+                wanted = len(self._idle) < self.size and time.monotonic() >= self._next_start
+            if wanted:
+                try:
+                    child = self._start()
+                except OSError as e:  # cannot even start one: count it as a failed warm-up
+                    log.warning("cannot start a compile child: %s", e)
+                    with self._lock:
+                        self._failed()
+                    continue
+                threading.Thread(target=self._on_settled, args=(child,), daemon=True).start()
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._idle.append(child)
+                if closed:
+                    child.kill()
+                    child.close()
+                    return
+                self._wake.set()  # more may be missing
+
+    def _on_settled(self, child: Child) -> None:
+        """Wake the keeper when a child gets ready or fails its warm-up."""
+        if child.wait_ready():
+            with self._lock:
+                self._failures, self._next_start = 0, 0.0
+                self._report_ready()
+        self._wake.set()
+
+    def _reap(self) -> None:
+        """Drop idle children that died or hang in their warm-up (lock held)."""
+        now = time.monotonic()
+        for child in list(self._idle):
+            if not child.alive() or (child.settled.is_set() and not child.is_ready):
+                reason = "died"
+            elif not child.settled.is_set() and now - child.started > self.warm_up_timeout_s:
+                reason = "hung"
+                child.kill()
+            else:
+                continue
+            self._idle.remove(child)
+            threading.Thread(target=child.close, daemon=True).start()
+            log.warning(
+                "compile child %s %s: replacing it; its error text:\n%s",
+                "hung in its warm-up" if reason == "hung" else "died while idle",
+                f"pid {child.proc.pid}",
+                child.error_text()[-1000:],
+            )
+            self._events.replaced(reason)
+            self._failed()
+        self._report_ready()
+
+    def _failed(self) -> None:
+        """One more failure in a row: pause before the next start, longer each time."""
+        self._failures += 1
+        pause = min(_BACKOFF_S[1], _BACKOFF_S[0] * 2 ** (self._failures - 1))
+        self._next_start = time.monotonic() + pause
+
+    def _report_ready(self) -> None:
+        self._events.ready(sum(1 for c in self._idle if c.is_ready and c.alive()))
