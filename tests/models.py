@@ -44,6 +44,21 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class BlockMLP(nn.Module):
+    """Blocks of one layer each: under DDP with a bucket smaller than a block, DDPOptimizer
+    splits the graph at every block (one graph per bucket)."""
+
+    def __init__(self, blocks: int = 6, dim: int = 512):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(blocks))
+        )
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
 MODELS = {
     "mlp": (MLP, lambda: torch.randn(8, 32)),
     "cnn": (SmallCNN, lambda: torch.randn(4, 3, 16, 16)),
@@ -51,6 +66,7 @@ MODELS = {
     # compiled only by fresh-process tests, so that their first run is a farm miss
     "transformer96": (lambda: TransformerBlock(dim=96), lambda: torch.randn(2, 16, 96)),
     "mlp12": (lambda: MLP(out=12), lambda: torch.randn(8, 32)),
+    "blocks": (BlockMLP, lambda: torch.randn(16, 512)),
 }
 
 
