@@ -45,15 +45,17 @@ class TransformerBlock(nn.Module):
 
 
 class BlockMLP(nn.Module):
-    """Blocks of one layer each: under DDP with a bucket smaller than a block, DDPOptimizer
-    splits the graph at every block (one graph per bucket)."""
+    """Blocks of one layer each, each of its own width (so each is a graph of its own): under
+    DDP with buckets no larger than a block (each block's weights are over 1 MiB),
+    DDPOptimizer splits the graph at every block."""
 
     def __init__(self, blocks: int = 6, dim: int = 512):
         super().__init__()
+        widths = [dim + 32 * i for i in range(blocks + 1)]
         self.blocks = nn.Sequential(
-            *(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(blocks))
+            *(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(widths, widths[1:]))
         )
-        self.head = nn.Linear(dim, 10)
+        self.head = nn.Linear(widths[-1], 10)
 
     def forward(self, x):
         return self.head(self.blocks(x))

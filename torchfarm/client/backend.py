@@ -103,6 +103,7 @@ def torchfarm_backend(
     try:
         request = _request(gm, settings, farm_options, label)
         if settings.parallel_graphs and is_static(gm):
+            remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
                 functools.partial(_fetch, request, settings, inputs)
             )

@@ -21,7 +21,7 @@ from tests.models import build  # noqa: E402
 from torchfarm.client.backend import history  # noqa: E402
 from torchfarm.local_farm import free_port  # noqa: E402
 
-BUCKET_CAP_MB = 1  # one block's weights are just over 1 MiB (DDP's first bucket may not be larger)
+BUCKET_CAP_MB = 1  # each block's weights are over 1 MiB (DDP's first bucket may not be larger)
 
 
 def step(model: torch.nn.Module, x: torch.Tensor, backend: str | None):
