@@ -188,7 +188,7 @@ def main() -> None:
         "torch": torch.__version__,
         "device": args.device,
         "ranks": args.ranks,
-        "graphs_per_rank": local["graphs"],
+        "graphs_per_rank": first["graphs"],
         "local_first_step_s": round(local["seconds"], 2),
         "farm_first_job_s": round(first["seconds"], 2),
         "farm_first_job_sources": [r["sources"] for r in first["ranks"]],
