@@ -9,7 +9,8 @@ farm's second job. Reported: each first step (slowest rank), the worker compiles
 
 Usage: python bench/ddp.py [--device cuda] [--addr HOST:PORT --redis-url URL] [--json PATH]
 (it runs torchrun itself; gloo on CPU, nccl on CUDA with one GPU per rank). Without --addr
-it starts an embedded farm (torchfarm.local_farm) for the device.
+it starts an embedded farm (torchfarm.local_farm) for the device, whose workers read the
+environment (e.g. TORCHFARM_WORKER_CONCURRENCY).
 """
 
 import argparse
@@ -144,6 +145,11 @@ def main() -> None:
     parser.add_argument("--addr", default="", help="a running farm (else an embedded one)")
     parser.add_argument("--redis-url", default="", help="that farm's Redis, for its counters")
     parser.add_argument("--workers", type=int, default=1, help="embedded farm's workers")
+    parser.add_argument(
+        "--sandbox",
+        default=os.environ.get("TORCHFARM_SANDBOX", "bwrap"),
+        help="embedded farm's sandbox (bwrap, or none where bwrap cannot run)",
+    )
     parser.add_argument("--json", default="", help="write the figures here")
     parser.add_argument("--rank-step", default="", help=argparse.SUPPRESS)  # set by torchrun
     parser.add_argument("--out-dir", default="", help=argparse.SUPPRESS)
@@ -153,7 +159,11 @@ def main() -> None:
         return
 
     local = job("inductor", args)
-    farm = None if args.addr else LocalFarm(device=args.device, workers=args.workers)
+    farm = (
+        None
+        if args.addr
+        else LocalFarm(device=args.device, workers=args.workers, sandbox=args.sandbox)
+    )
     try:
         if farm is not None:
             farm.start()
