@@ -33,7 +33,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter.free_symbols import is_static
+from torchfarm.torch_adapter.deferrable import deferrable
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
 
 log = logging.getLogger("torchfarm")
@@ -78,11 +78,11 @@ def torchfarm_backend(
 ) -> Callable:
     """Compile one Dynamo graph on the farm; `options` are Inductor config patches.
 
-    A static graph (no symbol in it: nothing to install into Dynamo's ShapeEnv before this
-    returns) is fetched in the background and the call returns at once, so that the graphs
-    Dynamo hands over before running any (DDPOptimizer's buckets) compile in parallel; its
-    first call waits for it. Any other graph blocks here, as its guards must be installed
-    before Dynamo builds the frame's guards."""
+    A static graph of torch's own operators (torch_adapter/deferrable.py: nothing to install
+    into Dynamo's ShapeEnv, no split to hand to Dynamo) is fetched in the background and the
+    call returns at once, so that the graphs Dynamo hands over before running any
+    (DDPOptimizer's buckets) compile in parallel; its first call waits for it. Any other
+    graph blocks here, as before."""
     settings = ClientSettings.from_env(addr=addr, token=token)
     farm_options = pb.Options(
         mode=mode or "default",
@@ -102,7 +102,7 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
-        if settings.parallel_graphs and is_static(gm):
+        if settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
                 functools.partial(_fetch, request, settings, inputs)
