@@ -44,6 +44,23 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class BlockMLP(nn.Module):
+    """Blocks of one layer each, each of its own width (so each is a graph of its own): under
+    DDP with buckets no larger than a block (each block's weights are over 1 MiB),
+    DDPOptimizer splits the graph at every block."""
+
+    def __init__(self, blocks: int = 6, dim: int = 512):
+        super().__init__()
+        widths = [dim + 32 * i for i in range(blocks + 1)]
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(widths, widths[1:]))
+        )
+        self.head = nn.Linear(widths[-1], 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
 MODELS = {
     "mlp": (MLP, lambda: torch.randn(8, 32)),
     "cnn": (SmallCNN, lambda: torch.randn(4, 3, 16, 16)),
@@ -51,6 +68,7 @@ MODELS = {
     # compiled only by fresh-process tests, so that their first run is a farm miss
     "transformer96": (lambda: TransformerBlock(dim=96), lambda: torch.randn(2, 16, 96)),
     "mlp12": (lambda: MLP(out=12), lambda: torch.randn(8, 32)),
+    "blocks": (BlockMLP, lambda: torch.randn(16, 512)),
 }
 
 

@@ -31,6 +31,9 @@ class ClientSettings:
     # TORCHFARM_VERIFY_KEYS: the farm's entry-verification keys (comma-separated base64) this
     # client pins; empty = the keys the gateway serves (Farm.Info), asked once per process
     verify_keys: str = ""
+    # TORCHFARM_PARALLEL_GRAPHS: static graphs fetched from the farm at once, in the background,
+    # while Dynamo goes on (each is one gRPC stream); 0 = every graph blocks the backend
+    parallel_graphs: int = 8
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -44,6 +47,7 @@ class ClientSettings:
             progress=_env("TORCHFARM_PROGRESS", "1") not in ("0", "false", "no"),
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
+            parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
