@@ -60,6 +60,9 @@ class GraphRecord:
     submitted: float = 0.0
     awaited: float = 0.0
     deferred: bool = False
+    # farm graphs: where the time went, seconds: the worker's MissTimings on a miss (queued_s,
+    # handoff_s, child_s, compile_s, store_s), then transfer_s and load_s here
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
@@ -109,14 +112,14 @@ def torchfarm_backend(
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header = _fetch(request, settings, inputs)
+        artifact, header, timings = _fetch(request, settings, inputs)
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
-        compiled = _load(artifact, farm_options)
+        compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
-    _record_farm(label, header, started, started)
+    _record_farm(label, header, started, started, timings)
     return compiled
 
 
@@ -129,12 +132,13 @@ class DeferredGraph:
     def __init__(
         self,
         gm: torch.fx.GraphModule,
-        job: Job[tuple[pb.Artifact, pb.ArtifactHeader]],
+        job: Job[tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]],
         options: pb.Options,
         label: str,
         submitted: float,
     ):
         self._gm: torch.fx.GraphModule | None = gm
+        self._device_index = serialize.local_device_index(gm)
         self._job = job
         self._options, self._label, self._submitted = options, label, submitted
         self._compiled: Callable | None = None
@@ -152,21 +156,26 @@ class DeferredGraph:
         gm, self._gm = self._gm, None  # nothing of the graph is kept once its code is ready
         assert gm is not None
         try:
-            artifact, header = self._job.result()
+            artifact, header, timings = self._job.result()
             if not guards.hold(artifact.guards, args):
                 raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
-            compiled = _load(artifact, self._options)
+            compiled = _load(artifact, self._options, self._device_index, timings)
         except Exception as e:  # the farm must never break training
             why = _farm_failed(e, self._label, self._submitted)
             return _compile_locally(
                 gm, args, self._options, self._label, self._submitted, why=why, awaited=awaited
             )
-        _record_farm(self._label, header, self._submitted, awaited, deferred=True)
+        _record_farm(self._label, header, self._submitted, awaited, timings, deferred=True)
         return compiled
 
 
 def _record_farm(
-    label: str, header: pb.ArtifactHeader, submitted: float, awaited: float, deferred=False
+    label: str,
+    header: pb.ArtifactHeader,
+    submitted: float,
+    awaited: float,
+    timings: dict[str, float],
+    deferred=False,
 ) -> None:
     record = GraphRecord(
         label,
@@ -177,6 +186,7 @@ def _record_farm(
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
+        timings=timings,
     )
     history.append(record)
     log.info(
@@ -224,9 +234,10 @@ def _request(gm, settings, options, label) -> pb.CompileRequest:
 
 def _fetch(
     request: pb.CompileRequest, settings: ClientSettings, inputs: list
-) -> tuple[pb.Artifact, pb.ArtifactHeader]:
+) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
     """Lookup, Compile and the signature checks: the farm's part, network and protobuf only
-    (safe on a pool thread). `inputs` choose among the key's entries by their guards."""
+    (safe on a pool thread). `inputs` choose among the key's entries by their guards. Also
+    where the time went (GraphRecord.timings)."""
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", request.label, request_id)
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
@@ -242,10 +253,21 @@ def _fetch(
         # the farm serves an unguarded entry to a request that names none: this one again
         raise remote.UntrustedEntry(f"an entry of key {graph_key[:16]} is not signed by the farm")
     progress = ProgressLine(request.label, settings.progress)
+    downloading = [0.0]
+
+    def on_progress(event: pb.Progress) -> None:
+        if event.stage == pb.Progress.DOWNLOADING:
+            downloading[0] = time.monotonic()
+        progress(event)
+
     try:
-        header, data = remote.fetch(request, settings, on_progress=progress, request_id=request_id)
+        header, data = remote.fetch(
+            request, settings, on_progress=on_progress, request_id=request_id
+        )
     finally:
         progress.close()
+    timings = {f.name: v for f, v in header.timings.ListFields()}
+    timings["transfer_s"] = time.monotonic() - downloading[0]
     artifact = pb.Artifact.FromString(data)  # protobuf only: nothing runs before the check
     served = pb.Candidate(
         digest=header.digest,
@@ -257,15 +279,21 @@ def _fetch(
         raise remote.UntrustedEntry(
             f"the artifact of key {graph_key[:16]} is not signed by the farm"
         )
-    return artifact, header
+    return artifact, header, timings
 
 
-def _load(artifact: pb.Artifact, options: pb.Options) -> Callable:
+def _load(
+    artifact: pb.Artifact, options: pb.Options, device_index: int | None, timings: dict
+) -> Callable:
+    """The artifact's code, on the caller's CUDA device `device_index` (the payload named
+    cuda:0, compiler/serialize.py); adds load_s to `timings`."""
+    started = time.monotonic()
     compiled = load_artifact(
         artifact,
         cudagraphs=bool(config_patches(options).get("triton.cudagraphs")),
-        device_index=serialize.local_device_index(gm),
+        device_index=device_index,
     )
+    timings["load_s"] = time.monotonic() - started
     return lambda *args: compiled(*args)
 
 
