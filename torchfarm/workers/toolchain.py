@@ -127,4 +127,4 @@ def build_headers(settings: WorkerSettings, directory: str) -> None:
     if proc.returncode:
         raise RuntimeError(f"header build exit {proc.returncode}: {proc.stderr[-1000:]}")
     precompiled_headers.record(directory, json.loads(proc.stdout.strip().splitlines()[-1]))
-    log.info("precompiled headers ready for compile children: %s", directory)
+    log.info("precompiled headers built in %s", directory)
