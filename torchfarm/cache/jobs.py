@@ -209,7 +209,10 @@ class JobBoard:
         keep it), remember a lasting failure for `remember_s`, drop the claim and payload, and
         notify the waiters, all in one transaction."""
         kept = pb.JobOutcome(
-            kind=outcome.kind, digest=outcome.digest, error=outcome.error[-ERROR_CHARS:]
+            kind=outcome.kind,
+            digest=outcome.digest,
+            error=outcome.error[-ERROR_CHARS:],
+            timings=outcome.timings,
         )
         pipe = self.redis.pipeline()
         if uncached is not None:

@@ -83,7 +83,11 @@ def _store_as_worker(store: Store, job: pb.Job, data: bytes = ARTIFACT, **meta) 
     entry = store.artifacts.put(
         job.key, data, pb.EntryMeta(tenant=job.tenant, private=job.private, **meta)
     )
-    store.jobs.finish(job.job_id, pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest))
+    timings = pb.MissTimings(handoff_s=0.25, compile_s=meta.get("compile_seconds", 0.0))
+    store.jobs.finish(
+        job.job_id,
+        pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
+    )
 
 
 def _in_background(events: list, coordinator: Coordinator, call: CompileCall) -> threading.Thread:
@@ -122,6 +126,10 @@ def test_a_miss_is_queued_once_then_served_and_the_repeat_is_a_hit(store):
     assert isinstance(first[0], Progress) and first[0].stage == pb.Progress.QUEUED
     assert [type(e) for e in first][-1] is Served and first[-1].source == "miss"
     assert merged[-1].source == "merged" and _bytes(merged[-1]) == ARTIFACT
+    # the worker's account of the miss reaches every waiter (bench/warm_start.py prints it)
+    assert job.queued_at > 0
+    assert first[-1].timings.handoff_s == merged[-1].timings.handoff_s == 0.25
+    assert first[-1].timings.compile_s == 3.0
     again = _run(coordinator, _call())
     assert len(again) == 1 and again[0].source == "hit" and _bytes(again[0]) == ARTIFACT
     assert store.counters.farm()["hits"] == 1 and store.counters.farm()["misses"] == 1
