@@ -146,7 +146,12 @@ def _pool(settings: ClientSettings, pool: str) -> Check:
         )
     workers = f"{found.ready_workers} of {found.workers} workers passed their canary compile"
     if found.state == pb.PoolHealth.READY:
-        return Check("pool", True, f"ready: {workers}")
+        return Check(
+            "pool",
+            True,
+            f"ready: {workers}; {found.compile_slots} compiles at once, "
+            f"{found.warm_children} compile children kept warm",
+        )
     if found.state == pb.PoolHealth.STARTING:
         return Check("pool", None, f"starting: {workers} so far (compiles queue meanwhile)")
     return Check(

@@ -19,6 +19,7 @@ from torchfarm.contract.pools import pool_name
 from torchfarm.gateway.server import POOL_HEALTH_PREFIX
 from torchfarm.local_farm import FarmNotReady, LocalFarm
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import default_concurrency
 
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,7 +79,11 @@ def test_a_farm_started_from_the_checkouts_parent_directory_compiles(tmp_path, h
         assert line.startswith("TORCHFARM_ADDR="), proc.stderr.read() if not line else line
         returncode, report = _doctor(line.split("=", 1)[1], cwd=str(tmp_path))
         assert returncode == 0, report
-        assert "ready: 1 of 1 workers passed their canary compile" in report
+        slots = default_concurrency("cpu")  # the worker's default: its pool's size shows
+        assert (
+            f"ready: 1 of 1 workers passed their canary compile; {slots} compiles at once, "
+            f"{slots} compile children kept warm" in report
+        )
         assert "miss in" in report  # compiled by the farm's worker, not a hit
         assert "output equals eager" in report and "FAIL" not in report
         proc.send_signal(signal.SIGTERM)

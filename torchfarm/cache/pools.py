@@ -42,6 +42,8 @@ class WorkerEntry:
     seen: float  # the broker's time of the heartbeat
     pid: int = 0
     host: str = ""
+    concurrency: int = 0  # compiles it runs at once
+    warm_children: int = 0  # compile children it keeps warm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,12 @@ class PoolRegistry:
             for worker, data in self._entries(key).items():
                 if not self._stale(data, now):
                     workers[worker] = WorkerEntry(
-                        Readiness(**data["readiness"]), data["seen"], data["pid"], data["host"]
+                        Readiness(**data["readiness"]),
+                        data["seen"],
+                        data["pid"],
+                        data["host"],
+                        data.get("concurrency", 0),
+                        data.get("warm_children", 0),
                     )
                     describe, target = data.get("describe", ""), data.get("target", {})
             if workers:

@@ -248,14 +248,17 @@ POOL_HEALTH_PREFIX = "torchfarm.pool/"  # the health service name of pool X is t
 
 
 def pool_health(pool: PoolState) -> pb.PoolHealth:
-    """A pool's readiness as Info reports it."""
+    """A pool's readiness and size as Info reports it."""
+    ready = [w for w in pool.workers.values() if w.readiness.state == "ready"]
     return pb.PoolHealth(
         name=pool.name,
         describe=pool.describe,
         state=_POOL_STATES[pool.state],
         error=pool.error,
         workers=len(pool.workers),
-        ready_workers=sum(w.readiness.state == "ready" for w in pool.workers.values()),
+        ready_workers=len(ready),
+        compile_slots=sum(w.concurrency for w in ready),
+        warm_children=sum(w.warm_children for w in ready),
     )
 
 

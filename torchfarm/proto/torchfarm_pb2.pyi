@@ -543,6 +543,8 @@ class PoolHealth(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     READY_WORKERS_FIELD_NUMBER: _builtins.int
+    COMPILE_SLOTS_FIELD_NUMBER: _builtins.int
+    WARM_CHILDREN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """the queue (contract/pools.py pool_name)"""
     describe: _builtins.str
@@ -553,6 +555,10 @@ class PoolHealth(_message.Message):
     workers: _builtins.int
     """workers heard from"""
     ready_workers: _builtins.int
+    compile_slots: _builtins.int
+    """compiles its ready workers run at once, together"""
+    warm_children: _builtins.int
+    """compile children its ready workers keep warm, together"""
     def __init__(
         self,
         *,
@@ -562,10 +568,12 @@ class PoolHealth(_message.Message):
         error: _builtins.str = ...,
         workers: _builtins.int = ...,
         ready_workers: _builtins.int = ...,
+        compile_slots: _builtins.int = ...,
+        warm_children: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["describe", b"describe", "error", b"error", "name", b"name", "ready_workers", b"ready_workers", "state", b"state", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_slots", b"compile_slots", "describe", b"describe", "error", b"error", "name", b"name", "ready_workers", b"ready_workers", "state", b"state", "warm_children", b"warm_children", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

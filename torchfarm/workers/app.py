@@ -284,7 +284,12 @@ def run_worker(settings: WorkerSettings) -> None:
     app = worker_celery(settings)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, settings.metrics_host)
-    info = {"target": json_format.MessageToDict(target), "describe": describe(target)}
+    info = {
+        "target": json_format.MessageToDict(target),
+        "describe": describe(target),
+        "concurrency": settings.concurrency,  # for Info and `torchfarm doctor`
+        "warm_children": settings.warm_children,
+    }
     heartbeat = _Heartbeat(Store.from_url(settings.redis_url, settings.broker_url), pool, info)
     heartbeat.start()  # "starting": the gateway queues this pool's jobs meanwhile
     log.info("worker for pool %s (%s): canary compile", pool, describe(target))

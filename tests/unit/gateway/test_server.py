@@ -122,7 +122,10 @@ def test_health_and_info_report_each_pool_and_why_it_cannot_compile(gateway, red
 
         assert info() == []
         store.pools.register("cpu-a", "w1", {"describe": "pool a"}, Readiness())
-        store.pools.register("cpu-b", "w2", {"describe": "pool b"}, Readiness("ready", "", 1.0))
+        sizes = {"concurrency": 2, "warm_children": 3}
+        store.pools.register(
+            "cpu-b", "w2", {"describe": "pool b", **sizes}, Readiness("ready", "", 1.0)
+        )
         assert status(POOL_HEALTH_PREFIX + "cpu-a") == serving.NOT_SERVING  # starting
         assert status(POOL_HEALTH_PREFIX + "cpu-b") == serving.SERVING
         store.pools.register("cpu-a", "w1", {}, Readiness("failed", "ImportError: no ops", 2.0))
@@ -142,6 +145,8 @@ def test_health_and_info_report_each_pool_and_why_it_cannot_compile(gateway, red
                 state=pb.PoolHealth.READY,
                 workers=1,
                 ready_workers=1,
+                compile_slots=2,  # the pool's size, for doctor and operators
+                warm_children=3,
             ),
         ]
         store.pools.redis.flushdb()  # every worker gone
