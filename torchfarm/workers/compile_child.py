@@ -58,7 +58,10 @@ def warm_up(device: str, op_libraries: list[str]) -> None:
             from triton.runtime import driver
         except ImportError:  # a CUDA build without Triton: nothing more to build
             return
+        from torchfarm.torch_adapter import compile_workers
+
         driver.active.utils  # noqa: B018  (compiles Triton's C driver stubs into its cache dir)
+        compile_workers.start_and_wait()  # Inductor's Triton compile workers, answering
     else:
         from torch._inductor import cpu_vec_isa
 
