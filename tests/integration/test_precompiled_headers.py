@@ -2,6 +2,7 @@
 compile children whose /tmp is far too small to build the ~150 MB header themselves: a child
 that did not get it, or got one of another key, would fail with "No space left on device"."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -54,8 +55,8 @@ def _cnn():
     return captured
 
 
-def _compile(graph: bytes) -> pb.Artifact:
-    data = sandbox.run_compile(graph, local_target(), pb.Options(), {}, SETTINGS)
+def _compile(graph: bytes, settings: WorkerSettings = SETTINGS) -> pb.Artifact:
+    data = sandbox.run_compile(graph, local_target(), pb.Options(), {}, settings).data
     return pb.Artifact.FromString(data)
 
 
@@ -96,8 +97,11 @@ def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch):
     monkeypatch.setattr(
         precompiled_headers, "child_environment", lambda: {precompiled_headers.FLAG_ENV: "1"}
     )
+    # A pool of its own that starts each child on demand, under this environment (the warm
+    # children of the test above were started with the headers bound).
+    on_demand = dataclasses.replace(SETTINGS, warm_children=0)
     with pytest.raises(sandbox.CompileFailed, match="No space left on device"):
-        _compile(_cnn()["graph"])
+        _compile(_cnn()["graph"], on_demand)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import default_compile_memory_mb
+from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.workers import sandbox
 from torchfarm.workers.sandbox import ERROR_TAIL_BYTES, HostLayout
 
 pytestmark = pytest.mark.integration
@@ -162,8 +164,11 @@ def test_a_child_reads_none_of_the_workers_data(sandbox_farm, parent_dir):
     assert os.listdir(redis_dir)  # the AOF the child is after
     # The Python environment is bound on purpose (read-only); in a checkout under the host's
     # /tmp (a CI clone) it shows up inside the child's own /tmp, so the walk passes over it.
+    # So are the worker's precompiled headers (built from torch's own header, never a
+    # tenant's data), at Inductor's header path inside the child's /tmp.
     layout = HostLayout.probe()
-    environment = [*layout.python_roots, *layout.python_path]
+    headers = precompiled_headers.header_dir(sandbox.WORK_DIR, sandbox.CHILD_USER)
+    environment = [*layout.python_roots, *layout.python_path, headers]
     code = f"""
 import json, os
 found = {{}}
