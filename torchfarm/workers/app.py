@@ -144,18 +144,15 @@ def _compile_and_store(
     except CacheFull:
         log.warning("the cache's Redis is at its memory limit: %s served uncached", job.key[:16])
         timings.store_s = time.perf_counter() - read_back
+        log.info("answered (cache full) %s: %d bytes", job.key[:16], len(data), extra=extra)
         store.jobs.finish(
             job.job_id,
             pb.JobOutcome(kind=pb.JobOutcome.UNCACHED, digest=meta.digest, timings=timings),
             uncached=(meta, data),
         )
-        log.info("answered (cache full) %s: %d bytes", job.key[:16], len(data), extra=extra)
         return "uncached", 0
     timings.store_s = time.perf_counter() - read_back
-    store.jobs.finish(
-        job.job_id,
-        pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
-    )
+    # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
         "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child",
         job.key[:16],
@@ -163,6 +160,10 @@ def _compile_and_store(
         artifact.compile_seconds,
         child.handoff_s,
         extra=dict(extra, pool=pool),
+    )
+    store.jobs.finish(
+        job.job_id,
+        pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
     )
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
