@@ -361,6 +361,8 @@ class ArtifactHeader(_message.Message):
     COMPILE_SECONDS_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
+    STORED_SIZE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the key the gateway computed"""
     digest: _builtins.str
@@ -371,6 +373,13 @@ class ArtifactHeader(_message.Message):
     compile_seconds: _builtins.float
     signature: _builtins.bytes
     """signing: the entry's signature; the client verifies it before loading"""
+    encoding: _builtins.str
+    """How the chunks that follow are encoded: "zstd" (the entry's stored bytes, sent as stored;
+    the client decompresses while receiving, then checks `digest` and `size` of the result)
+    or "" (the artifact bytes themselves).
+    """
+    stored_size: _builtins.int
+    """bytes on the wire: the encoded size of what follows"""
     @_builtins.property
     def timings(self) -> Global___MissTimings:
         """"miss" and "merged": where the farm's time went"""
@@ -385,10 +394,12 @@ class ArtifactHeader(_message.Message):
         compile_seconds: _builtins.float = ...,
         signature: _builtins.bytes = ...,
         timings: Global___MissTimings | None = ...,
+        encoding: _builtins.str = ...,
+        stored_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "encoding", b"encoding", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source", "stored_size", b"stored_size", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -439,27 +450,261 @@ class CompileEvent(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     @_builtins.property
     def header(self) -> Global___ArtifactHeader: ...
+    @_builtins.property
+    def missing(self) -> Global___Missing:
+        """Get: nothing under the asked key holds here; send the payload"""
+
+    @_builtins.property
+    def manifest(self) -> Global___Manifest:
+        """Get: on a hit of a program's head, what to prefetch (first)"""
+
     def __init__(
         self,
         *,
         progress: Global___Progress | None = ...,
         header: Global___ArtifactHeader | None = ...,
         chunk: _builtins.bytes = ...,
+        missing: Global___Missing | None = ...,
+        manifest: Global___Manifest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "header", b"header", "progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "header", b"header", "manifest", b"manifest", "missing", b"missing", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "header", b"header", "progress", b"progress"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "header", b"header", "manifest", b"manifest", "missing", b"missing", "progress", b"progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "header", "chunk", "missing", "manifest"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___CompileEvent: _TypeAlias = CompileEvent  # noqa: Y015
+
+@_typing.final
+class GetRequest(_message.Message):
+    """---- Get: one round trip on a hit (issue 19) ------------------------------------------
+    The client's first message is `ask`: the key it computed itself (contract/cache_key.py, the
+    gateway's own function) and the sizes the entries' guards are checked on; no payload. The
+    gateway answers with the newest entry this tenant may see whose guards hold on those sizes
+    (header, then the chunks), or with `missing`; after `missing` the client sends `compile`
+    (the payload) on the same stream and the call goes on as Compile does: the gateway computes
+    the key from the payload itself, so `ask.key` is never trusted for a write. The client still
+    verifies the entry's signature and evaluates its guards on its own inputs before loading.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ASK_FIELD_NUMBER: _builtins.int
+    COMPILE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ask(self) -> Global___Ask:
+        """first, and only once"""
+
+    @_builtins.property
+    def compile(self) -> Global___CompileRequest:
+        """only after `missing`"""
+
+    def __init__(
+        self,
+        *,
+        ask: Global___Ask | None = ...,
+        compile: Global___CompileRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "compile", b"compile", "message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ask", b"ask", "compile", b"compile", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["ask", "compile"]  # noqa: Y015
+    _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
+
+Global___GetRequest: _TypeAlias = GetRequest  # noqa: Y015
+
+@_typing.final
+class Ask(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class KeyPartsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PRIVATE_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    KEY_PARTS_FIELD_NUMBER: _builtins.int
+    PROGRAM_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """the public key, 64 lowercase hex digits"""
+    private: _builtins.bool
+    """the tenant's own entries (the gateway derives their key)"""
+    label: _builtins.str
+    """for logs ("graph 2"); not part of the key"""
+    digest: _builtins.str
+    """prefetch: that entry of the key (from a Manifest), else missing"""
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the graph's SymInt inputs t0, t1, ...: the ShapeGuards leaves"""
+
+    @_builtins.property
+    def key_parts(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Explaining a miss: sha256 of each part the key is made of (contract/cache_key.py names
+        them), compared with the nearest entry's parts; never part of the key.
+        """
+
+    @_builtins.property
+    def program(self) -> Global___Program:
+        """prefetch: where this graph sits in the client's process"""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        private: _builtins.bool = ...,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+        label: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        key_parts: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        program: Global___Program | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["program", b"program"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key", "key_parts", b"key_parts", "label", b"label", "private", b"private", "program", b"program", "sizes", b"sizes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ask: _TypeAlias = Ask  # noqa: Y015
+
+@_typing.final
+class Program(_message.Message):
+    """A process's graphs in the order it asked for them, for prefetch: `head` is the public key
+    of its first graph, `position` this graph's place (0: the head itself). Per tenant.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEAD_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    head: _builtins.str
+    position: _builtins.int
+    def __init__(
+        self,
+        *,
+        head: _builtins.str = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head", b"head", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Program: _TypeAlias = Program  # noqa: Y015
+
+@_typing.final
+class Missing(_message.Message):
+    """Why an Ask found nothing, against the nearest entry the tenant may see (issue 19)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPLANATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def explanation(self) -> Global___MissExplanation: ...
+    def __init__(
+        self,
+        *,
+        explanation: Global___MissExplanation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["explanation", b"explanation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Missing: _TypeAlias = Missing  # noqa: Y015
+
+@_typing.final
+class MissExplanation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MissExplanation: _TypeAlias = MissExplanation  # noqa: Y015
+
+@_typing.final
+class Manifest(_message.Message):
+    """The graphs (key and entry) that followed the head last time this tenant ran the program."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___ManifestEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___ManifestEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class ManifestEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    digest: _builtins.str
+    position: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManifestEntry: _TypeAlias = ManifestEntry  # noqa: Y015
 
 @_typing.final
 class InfoRequest(_message.Message):

@@ -49,6 +49,11 @@ class FarmStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
                 _registered_method=True)
+        self.Get = channel.stream_stream(
+                '/torchfarm.v1.Farm/Get',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
+                _registered_method=True)
 
 
 class FarmServicer:
@@ -75,6 +80,13 @@ class FarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Get(self, request_iterator, context):
+        """One round trip per graph on a hit (issue 19): see GetRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_FarmServicer_to_server(servicer, server):
             'Compile': grpc.unary_stream_rpc_method_handler(
                     servicer.Compile,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.SerializeToString,
+            ),
+            'Get': grpc.stream_stream_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.SerializeToString,
             ),
     }
@@ -174,6 +191,33 @@ class Farm:
             target,
             '/torchfarm.v1.Farm/Compile',
             torchfarm_dot_proto_dot_torchfarm__pb2.CompileRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchfarm.v1.Farm/Get',
+            torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
             options,
             channel_credentials,

@@ -40,6 +40,8 @@ class FarmStub:
     """The farm's public entry-verification keys (signing): clients that pin none ask once."""
     Compile: _grpc.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
+    Get: _grpc.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]
+    """One round trip per graph on a hit (issue 19): see GetRequest."""
 
 @_typing.type_check_only
 class FarmAsyncStub(FarmStub):
@@ -50,6 +52,8 @@ class FarmAsyncStub(FarmStub):
     """The farm's public entry-verification keys (signing): clients that pin none ask once."""
     Compile: _aio.UnaryStreamMultiCallable[_torchfarm_pb2.CompileRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
+    Get: _aio.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
+    """One round trip per graph on a hit (issue 19): see GetRequest."""
 
 class FarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -75,6 +79,14 @@ class FarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]:
         """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
+
+    @_abc_1.abstractmethod
+    def Get(
+        self,
+        request_iterator: _MaybeAsyncIterator[_torchfarm_pb2.GetRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]:
+        """One round trip per graph on a hit (issue 19): see GetRequest."""
 
 def add_FarmServicer_to_server(servicer: FarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
