@@ -1,7 +1,10 @@
 """One GPU measurement in a fresh process; prints one JSON line.
 
-    client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR) or local
+    client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR), local, or eager
 
+MODEL: a bench model (models.py) or `coverage:NAME`, an architecture of bench/coverage at its
+large scale, run as a training step. BACKEND eager is torch.compile(backend="eager"): Dynamo's
+tracing alone, the floor of any warm start that still traces.
 Runs the model eagerly (the reference), then compiled: time of the first compiled step
 (compile or fetch included), errors against eager, steady-state step times of both, and
 what the first step cost in Triton compiles (ptxas calls, logged by a wrapper that
@@ -20,24 +23,41 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "coverage"))
+from models import build as build_bench  # noqa: E402
+
+
+def build(name: str):
+    """(model, inputs, spec) of a bench model or of `coverage:NAME` (a training step)."""
+    if not name.startswith("coverage:"):
+        model, inputs, spec = build_bench(name)
+        return model, (inputs[0],), spec
+    from architectures import build as build_architecture
+
+    torch._dynamo.config.allow_rnn = True  # as the coverage suite runs them
+    model, inputs = build_architecture(name.split(":", 1)[1], "cuda", "large")
+    return model.train(), inputs, {"train": True, "bf16": False}
 
 
 def make_step(fn, model, spec):
-    def step(x):
+    def step(*xs):
+        x = xs[0]
         if spec["train"]:
             model.zero_grad(set_to_none=True)
         with (
             torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]),
             torch.set_grad_enabled(spec["train"]),
         ):
-            out = fn(x)
+            out = fn(*xs)
+            if isinstance(out, tuple):  # a coverage architecture's (loss, logits)
+                loss, out = out
+            elif spec["train"] and out.dim() == 3 and x.dtype == torch.long:  # GPT: next token
+                loss = F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
+            else:
+                loss = out.float().square().mean()
             if spec["train"]:
-                if out.dim() == 3 and x.dtype == torch.long:  # GPT logits: next-token loss
-                    loss = F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
-                else:
-                    loss = out.float().square().mean()
                 loss.backward()
         out = out.detach().float().clone()  # CUDA graphs reuse their output buffers
         grads = [p.grad.float().clone() for p in model.parameters()] if spec["train"] else []
@@ -52,12 +72,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def step_ms(step, x, iters: int = 20) -> float:
     for _ in range(3):
-        step(x)
+        step(*x)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step(x)
+        step(*x)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -107,20 +127,20 @@ def record_runtime_tuning() -> None:
 
 def main(name: str, mode: str, backend: str, outfile: str) -> None:
     record_runtime_tuning()
-    model, (x,), spec = build(name)
+    model, x, spec = build(name)
     eager = make_step(model, model, spec)
-    ref_out, ref_grads = eager(x)
+    ref_out, ref_grads = eager(*x)
     if "dynamic_dim" in spec:
-        torch._dynamo.mark_dynamic(x, spec["dynamic_dim"])
+        torch._dynamo.mark_dynamic(x[0], spec["dynamic_dim"])
     compiled_model = torch.compile(
         model,
-        backend="torchfarm" if backend == "farm" else "inductor",
-        mode=None if mode == "default" else mode,
+        backend={"farm": "torchfarm", "local": "inductor", "eager": "eager"}[backend],
+        mode=None if mode == "default" or backend == "eager" else mode,
     )
     compiled = make_step(compiled_model, model, spec)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    out, grads = compiled(x)
+    out, grads = compiled(*x)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - started
     ptxas_first = ptxas_calls()
@@ -149,10 +169,22 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                 "kernels_tuned_at_run": tuned_first,
                 "tuned_sample": TUNED_AT_RUN[:2],
                 "graphs": [r.source for r in history],
+                # the farm's account of each graph (client/backend.py GraphRecord.timings),
+                # summed over graphs: the hit profile
+                "timings": _summed([r.timings for r in history]),
                 "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             }
         )
     )
+
+
+def _summed(timings: list[dict]) -> dict:
+    total: dict = {}
+    for t in timings:
+        for k, v in t.items():
+            if isinstance(v, (int, float)):
+                total[k] = round(total.get(k, 0) + v, 4)
+    return total
 
 
 if __name__ == "__main__":

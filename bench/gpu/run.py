@@ -9,6 +9,11 @@ default:  correctness and warm start (local cold, local warm, farm miss, farm hi
           a dynamic sequence length; runtime parity.
 miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode default.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
+hit:      issue 19: the farm hit against what users pick instead, for GPT and ResNet-50 (or
+          MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage): local cold,
+          PyTorch's local warm cache, PyTorch's Redis remote caches (filled by one process,
+          read by a fresh one with an empty local dir), Dynamo's tracing alone
+          (backend="eager"), farm miss, farm hit; the hit's profile; the ratios and geomean.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
           (CUDA graphs on the client); the warm-start rows for max-autotune-no-cudagraphs
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +36,11 @@ import torch
 from torchfarm.local_farm import LocalFarm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from warm_start import PT_REMOTE, plain_redis  # noqa: E402
+
+# On the GPU the bundled autotune remote cache works too (it fails only on the CPU).
+PT_REMOTE_GPU = dict(PT_REMOTE, TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE="1")
 
 
 class Runner:
@@ -66,9 +77,17 @@ class Runner:
             text=True,
         )
 
-    def run(self, model: str, mode: str, backend: str, case: str, cache: str) -> dict:
+    def run(
+        self,
+        model: str,
+        mode: str,
+        backend: str,
+        case: str,
+        cache: str,
+        extra_env: dict | None = None,
+    ) -> dict:
         started = time.perf_counter()
-        proc = self.client(model, mode, backend, case, cache)
+        proc = self.client(model, mode, backend, case, cache, extra_env)
         try:
             out, err = proc.communicate(timeout=420)
         except subprocess.TimeoutExpired:
@@ -105,6 +124,44 @@ class Runner:
         self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp(prefix="miss-"))
         self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp(prefix="hit-"))
         self.compare(model, mode, "farm miss", "local cold")
+
+    def hit_vs_pytorch(self, model: str, mode: str, redis_port: int) -> dict:
+        """Issue 19's rows, each a fresh process: the farm hit next to PyTorch's warm starts
+        and Dynamo's tracing alone; returns the first-step seconds by stage."""
+        local = tempfile.mkdtemp(prefix="local-")
+        remote = dict(
+            PT_REMOTE_GPU,
+            TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
+            TORCHINDUCTOR_REDIS_PORT=str(redis_port),
+        )
+        subprocess.run(["redis-cli", "-p", str(redis_port), "flushall"], check=True)
+        stages = {
+            "local_cold": self.run(model, mode, "local", "local cold", local),
+            "pt_local_warm": self.run(model, mode, "local", "pt local warm", local),
+        }
+        self.run(model, mode, "local", "pt remote fill", tempfile.mkdtemp(), remote)
+        stages["pt_remote_warm"] = self.run(
+            model, mode, "local", "pt remote warm", tempfile.mkdtemp(), remote
+        )
+        stages["trace_only"] = self.run(model, mode, "eager", "trace only", tempfile.mkdtemp())
+        stages["farm_miss"] = self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp())
+        stages["farm_hit"] = self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp())
+        self.compare(model, mode, "farm hit", "local cold")
+        seconds = {k: r.get("first_step_s", float("nan")) for k, r in stages.items()}
+        row = {
+            "model": model,
+            "mode": mode,
+            "case": "hit vs pytorch",
+            **seconds,
+            "hit_over_pt_remote": round(seconds["farm_hit"] / seconds["pt_remote_warm"], 3),
+            "hit_over_pt_local": round(seconds["farm_hit"] / seconds["pt_local_warm"], 3),
+            "hit_graphs": stages["farm_hit"].get("graphs"),
+            "hit_profile": stages["farm_hit"].get("timings"),
+            "hit_ptxas_calls": stages["farm_hit"].get("ptxas_calls"),
+        }
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        return seconds
 
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""
@@ -186,7 +243,9 @@ class Runner:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("default", "autotune", "smoke", "miss"), required=True)
+    parser.add_argument(
+        "--part", choices=("default", "autotune", "smoke", "miss", "hit"), required=True
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -197,6 +256,17 @@ def main() -> None:
             for case in ("farm miss", "farm hit"):
                 runner.run("sdpa-dynamic", "default", "farm", case, tempfile.mkdtemp())
             runner.run("resnet50", "default", "farm", "farm miss", tempfile.mkdtemp())
+        elif args.part == "hit":
+            models = os.environ.get("MODELS", "gpt,resnet50").split(",")
+            with plain_redis() as redis_port:
+                for model in models:
+                    runner.hit_vs_pytorch(model, "default", redis_port)
+            ratios = [r["hit_over_pt_remote"] for r in runner.rows if "hit_over_pt_remote" in r]
+            ratios = [x for x in ratios if x == x]  # a model whose stage failed has no ratio
+            if ratios:
+                geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                runner.rows.append({"case": "geomean hit / pt_remote_warm", "value": geomean})
+                print(f"geomean farm_hit / pt_remote_warm over {len(ratios)}: {geomean:.3f}")
         elif args.part == "miss":
             runner.miss_vs_cold("gpt", "default")
             runner.miss_vs_cold("resnet50", "default")
