@@ -98,7 +98,7 @@ def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
     # Redelivery waits for the broker's visibility timeout: shortened here (it must exceed
     # the compile timeout), 1900 s by default.
     with LocalFarm(
-        extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "90", "TORCHFARM_REDELIVERY_TIMEOUT": "100"}
+        extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "50", "TORCHFARM_REDELIVERY_TIMEOUT": "55"}
     ) as farm:
         store = farm.store()
         client = _start_client(farm, "mlp", "train")
