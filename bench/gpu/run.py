@@ -14,6 +14,8 @@ hit:      issue 19: the farm hit against what users pick instead, for GPT and Re
           PyTorch's local warm cache, PyTorch's Redis remote caches (filled by one process,
           read by a fresh one with an empty local dir), Dynamo's tracing alone
           (backend="eager"), farm miss, farm hit; the hit's profile; the ratios and geomean.
+profile:  a GPT farm miss, then the hit under cProfile (hit.prof and the top functions by
+          cumulative time in OUTDIR/hit-profile.txt): where a hit's seconds go.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
           (CUDA graphs on the client); the warm-start rows for max-autotune-no-cudagraphs
@@ -163,6 +165,24 @@ class Runner:
         self.rows.append(row)
         return seconds
 
+    def profile_hit(self, model: str) -> None:
+        """A miss, then a hit under cProfile; the top of its profile goes to the out dir."""
+        import pstats
+
+        self.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
+        cache = tempfile.mkdtemp()
+        prof = os.path.join(self.outdir, "hit.prof")
+        subprocess.run(
+            [sys.executable, "-m", "cProfile", "-o", prof, os.path.join(HERE, "client.py")]
+            + [model, "default", "farm", os.path.join(self.tensors, "profiled.pt")],
+            env={**self.env(cache, self.farm.addr), "BENCH_STEADY": "0"},
+            check=False,
+        )
+        with open(os.path.join(self.outdir, "hit-profile.txt"), "w") as f:
+            stats = pstats.Stats(prof, stream=f)
+            stats.sort_stats("cumulative").print_stats(120)
+            stats.sort_stats("tottime").print_stats(40)
+
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""
 
@@ -244,7 +264,9 @@ class Runner:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--part", choices=("default", "autotune", "smoke", "miss", "hit"), required=True
+        "--part",
+        choices=("default", "autotune", "smoke", "miss", "hit", "profile"),
+        required=True,
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -267,6 +289,8 @@ def main() -> None:
                 geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 runner.rows.append({"case": "geomean hit / pt_remote_warm", "value": geomean})
                 print(f"geomean farm_hit / pt_remote_warm over {len(ratios)}: {geomean:.3f}")
+        elif args.part == "profile":
+            runner.profile_hit(os.environ.get("MODELS", "gpt"))
         elif args.part == "miss":
             runner.miss_vs_cold("gpt", "default")
             runner.miss_vs_cold("resnet50", "default")
