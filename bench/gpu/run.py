@@ -14,8 +14,8 @@ hit:      issue 19: the farm hit against what users pick instead, for GPT and Re
           PyTorch's local warm cache, PyTorch's Redis remote caches (filled by one process,
           read by a fresh one with an empty local dir), Dynamo's tracing alone
           (backend="eager"), farm miss, farm hit; the hit's profile; the ratios and geomean.
-profile:  a GPT farm miss, then the hit under cProfile (hit.prof and the top functions by
-          cumulative time in OUTDIR/hit-profile.txt): where a hit's seconds go.
+profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
+          the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
           (CUDA graphs on the client); the warm-start rows for max-autotune-no-cudagraphs
@@ -173,7 +173,7 @@ class Runner:
         cache = tempfile.mkdtemp()
         prof = os.path.join(self.outdir, "hit.prof")
         subprocess.run(
-            [sys.executable, "-m", "cProfile", "-o", prof, os.path.join(HERE, "client.py")]
+            [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
             + [model, "default", "farm", os.path.join(self.tensors, "profiled.pt")],
             env={**self.env(cache, self.farm.addr), "BENCH_STEADY": "0"},
             check=False,

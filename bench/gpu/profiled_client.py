@@ -1,0 +1,35 @@
+"""client.py with the farm artifact's load under cProfile: where a hit's load_s goes.
+
+profiled_client.py PROFILE_OUT MODEL MODE BACKEND OUTFILE   (the rest as client.py)
+"""
+
+from __future__ import annotations
+
+import cProfile
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import client  # noqa: E402
+
+from torchfarm.client import backend  # noqa: E402
+
+profiler = cProfile.Profile()
+original = backend._load
+
+
+@functools.wraps(original)
+def profiled(*args, **kwargs):
+    profiler.enable()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        profiler.disable()
+
+
+backend._load = profiled
+try:
+    client.main(*sys.argv[2:6])
+finally:
+    profiler.dump_stats(sys.argv[1])
