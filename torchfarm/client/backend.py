@@ -33,6 +33,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
+from torchfarm.torch_adapter import load_prewarm
 from torchfarm.torch_adapter.deferrable import deferrable
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
 
@@ -68,6 +69,9 @@ class GraphRecord:
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
 # and tests.
 history: list[GraphRecord] = []
+# Dynamo imports this module when torch.compile names the backend: the one-time work of the
+# first load starts now and overlaps the tracing of the first graph.
+load_prewarm.start()
 
 
 def torchfarm_backend(
@@ -288,6 +292,7 @@ def _load(
     """The artifact's code, on the caller's CUDA device `device_index` (the payload named
     cuda:0, compiler/serialize.py); adds load_s to `timings`."""
     started = time.monotonic()
+    load_prewarm.wait()
     compiled = load_artifact(
         artifact,
         cudagraphs=bool(config_patches(options).get("triton.cudagraphs")),
