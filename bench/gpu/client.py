@@ -6,9 +6,9 @@ MODEL: a bench model (models.py) or `coverage:NAME`, an architecture of bench/co
 large scale, run as a training step. BACKEND eager is torch.compile(backend="eager"): Dynamo's
 tracing alone, the floor of any warm start that still traces.
 Runs the model eagerly (the reference), then compiled: time from torch.compile to the first
-compiled step's result (compile or fetch included), errors against eager, steady-state step times of both, and
-what the first step cost in Triton compiles (ptxas calls, logged by a wrapper that
-TRITON_PTXAS_PATH points at) and in kernels autotuned at run time.
+compiled step's result (compile or fetch included), errors against eager, steady-state step
+times of both, and what the first step cost in Triton compiles (ptxas calls, logged by a
+wrapper that TRITON_PTXAS_PATH points at) and in kernels autotuned at run time.
 Outputs and gradients go to OUTFILE so that the runner can compare farm with local.
 """
 
