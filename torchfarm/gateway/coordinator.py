@@ -31,7 +31,7 @@ from torchfarm.cache.artifacts import Codec
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.pools import describe, pool_name
-from torchfarm.gateway import metrics
+from torchfarm.gateway import explain, metrics, prefetch
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.gateway")
@@ -125,6 +125,18 @@ class Coordinator:
             e for e in self.store.artifacts.entries(key) if not e.private or e.tenant == tenant
         ]
         return key, visible
+
+    def explain(self, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
+        """Why `ask` found nothing, against the nearest entry the tenant may see."""
+        return explain.explain(self.store, ask, tenant)
+
+    def manifest(self, ask: pb.Ask, tenant: str) -> pb.Manifest | None:
+        """On a hit of a program's head: the graphs to prefetch (None: nothing to send)."""
+        return prefetch.manifest(self.store.programs, self.lookup, ask, tenant)
+
+    def record_program(self, ask: pb.Ask, tenant: str, digest: str) -> None:
+        """`ask` was served entry `digest`: remember it in its program, for the next run."""
+        prefetch.record(self.store.programs, ask, tenant, digest)
 
     def compile(self, call: CompileCall, is_active: Callable[[], bool]) -> Iterator[Event]:
         """Serve the request's artifact, compiling it if need be; ends with Served or Failed."""
