@@ -34,6 +34,7 @@ from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter.deferrable import deferrable
+from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
 
 log = logging.getLogger("torchfarm")
@@ -60,8 +61,11 @@ class GraphRecord:
     submitted: float = 0.0
     awaited: float = 0.0
     deferred: bool = False
-    # farm graphs: where the time went, seconds: the worker's MissTimings on a miss (queued_s,
-    # handoff_s, child_s, compile_s, store_s), then transfer_s and load_s here
+    # farm graphs: where the time went (seconds, and wire_bytes): the worker's MissTimings on a
+    # miss (queued_s, handoff_s, child_s, compile_s, store_s); here payload_s (the graph
+    # serialized, target and options included), key_s, rpc_s (Get sent -> header; a miss's
+    # compile included), transfer_s (header -> last chunk, decompress_s included),
+    # wire_bytes (chunk bytes received), verify_s (the signature), load_s
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -105,14 +109,15 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
+        payload_s = time.monotonic() - started
         if settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
-                functools.partial(_fetch, request, settings, inputs)
+                functools.partial(_fetch, request, settings, inputs, payload_s)
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header, timings = _fetch(request, settings, inputs)
+        artifact, header, timings = _fetch(request, settings, inputs, payload_s)
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
@@ -233,42 +238,33 @@ def _request(gm, settings, options, label) -> pb.CompileRequest:
 
 
 def _fetch(
-    request: pb.CompileRequest, settings: ClientSettings, inputs: list
+    request: pb.CompileRequest, settings: ClientSettings, inputs: list, payload_s: float
 ) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
-    """Lookup, Compile and the signature checks: the farm's part, network and protobuf only
-    (safe on a pool thread). `inputs` choose among the key's entries by their guards. Also
-    where the time went (GraphRecord.timings)."""
+    """One Get and the signature check: the farm's part, network and protobuf only (safe on
+    a pool thread). The ask carries the key computed here and the sizes of `inputs`' SymInts,
+    on which the farm picks the entry whose guards hold; the payload goes only on a miss.
+    Also where the time went (GraphRecord.timings)."""
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", request.label, request_id)
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
     trusted = remote.verifier(settings, request_id)
+    started = time.monotonic()
     graph_key = public_key(request.graph, request.target, request.options)
-    signed: list[pb.Candidate] = []
-    unsigned: list[pb.Candidate] = []
-    for c in remote.lookup(graph_key, settings, request.private, request_id):
-        (signed if signing.entry_verifies(trusted, graph_key, c) else unsigned).append(c)
-    # Entries of this key differ by their guards: take one that holds here, else compile.
-    request.digest = next((c.digest for c in signed if guards.hold(c.guards, inputs)), "")
-    if not request.digest and any(not c.guards.all for c in unsigned):
-        # the farm serves an unguarded entry to a request that names none: this one again
-        raise remote.UntrustedEntry(f"an entry of key {graph_key[:16]} is not signed by the farm")
+    ask = pb.Ask(
+        key=graph_key,
+        private=request.private,
+        sizes=hints(symbol_inputs(inputs)),
+        label=request.label,
+    )
+    key_s = time.monotonic() - started
     progress = ProgressLine(request.label, settings.progress)
-    downloading = [0.0]
-
-    def on_progress(event: pb.Progress) -> None:
-        if event.stage == pb.Progress.DOWNLOADING:
-            downloading[0] = time.monotonic()
-        progress(event)
-
     try:
-        header, data = remote.fetch(
-            request, settings, on_progress=on_progress, request_id=request_id
-        )
+        received = remote.get(ask, request, settings, on_progress=progress, request_id=request_id)
     finally:
         progress.close()
-    timings = {f.name: v for f, v in header.timings.ListFields()}
-    timings["transfer_s"] = time.monotonic() - downloading[0]
-    artifact = pb.Artifact.FromString(data)  # protobuf only: nothing runs before the check
+    header = received.header
+    started = time.monotonic()
+    artifact = pb.Artifact.FromString(received.data)  # protobuf only: nothing runs before it
     served = pb.Candidate(
         digest=header.digest,
         size=header.size,
@@ -279,6 +275,9 @@ def _fetch(
         raise remote.UntrustedEntry(
             f"the artifact of key {graph_key[:16]} is not signed by the farm"
         )
+    timings = {f.name: v for f, v in header.timings.ListFields()}
+    timings.update(received.timings, payload_s=payload_s, key_s=key_s)
+    timings["verify_s"] = time.monotonic() - started
     return artifact, header, timings
 
 

@@ -51,7 +51,8 @@ def explain(store: Store, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
 
 
 def _visible(store: Store, key: str, tenant: str) -> list[pb.EntryMeta]:
-    return [e for e in store.artifacts.entries(key) if not e.private or e.tenant == tenant]
+    entries = store.artifacts.entries(key, usage=False)
+    return [e for e in entries if not e.private or e.tenant == tenant]
 
 
 def _failed_guards(store: Store, key: str, tenant: str, sizes) -> list[str]:
