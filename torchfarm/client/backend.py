@@ -20,17 +20,19 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from torchfarm import signing, torch_adapter
-from torchfarm.client import remote
+from torchfarm.client import explain, remote
 from torchfarm.client.pool import Job, pool
+from torchfarm.client.prefetch import program
 from torchfarm.client.progress import ProgressLine
-from torchfarm.compiler import guards, serialize, trace_state
+from torchfarm.compiler import guards, serialize, structure, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
-from torchfarm.contract.cache_key import public_key
+from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter.deferrable import deferrable
@@ -44,7 +46,8 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class GraphRecord:
-    """What happened to one graph: source is hit, miss, merged, local, eager, or split (handed
+    """What happened to one graph: source is hit, prefetched (a hit fetched ahead of need, on
+    the manifest of the program's first graph), miss, merged, local, eager, or split (handed
     back to Dynamo to split, whose smaller graphs get records of their own).
 
     `submitted` and `awaited` (time.monotonic()) are when the backend got the graph and when
@@ -67,6 +70,16 @@ class GraphRecord:
     # compile included), transfer_s (header -> last chunk, decompress_s included),
     # wire_bytes (chunk bytes received), verify_s (the signature), load_s
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    explanation: str = ""  # a farm miss: why, in words (client/explain.py)
+
+
+class Fetched(NamedTuple):
+    """A graph's artifact from the farm, verified, and what came with it."""
+
+    artifact: pb.Artifact
+    header: pb.ArtifactHeader
+    timings: dict[str, float]
+    explanation: str = ""  # a miss: why the farm had no entry for it
 
 
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
@@ -110,21 +123,23 @@ def torchfarm_backend(
     try:
         request = _request(gm, settings, farm_options, label)
         payload_s = time.monotonic() - started
+        ask = _ask(gm, request, inputs)
+        before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
         if settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
-                functools.partial(_fetch, request, settings, inputs, payload_s)
+                functools.partial(_fetch, request, ask, settings, inputs, before)
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header, timings = _fetch(request, settings, inputs, payload_s)
+        artifact, header, timings, explanation = _fetch(request, ask, settings, inputs, before)
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
-    _record_farm(label, header, started, started, timings)
+    _record_farm(label, header, started, started, timings, explanation=explanation)
     return compiled
 
 
@@ -137,7 +152,7 @@ class DeferredGraph:
     def __init__(
         self,
         gm: torch.fx.GraphModule,
-        job: Job[tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]],
+        job: Job[Fetched],
         options: pb.Options,
         label: str,
         submitted: float,
@@ -161,7 +176,7 @@ class DeferredGraph:
         gm, self._gm = self._gm, None  # nothing of the graph is kept once its code is ready
         assert gm is not None
         try:
-            artifact, header, timings = self._job.result()
+            artifact, header, timings, explanation = self._job.result()
             if not guards.hold(artifact.guards, args):
                 raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
             compiled = _load(artifact, self._options, self._device_index, timings)
@@ -170,7 +185,15 @@ class DeferredGraph:
             return _compile_locally(
                 gm, args, self._options, self._label, self._submitted, why=why, awaited=awaited
             )
-        _record_farm(self._label, header, self._submitted, awaited, timings, deferred=True)
+        _record_farm(
+            self._label,
+            header,
+            self._submitted,
+            awaited,
+            timings,
+            deferred=True,
+            explanation=explanation,
+        )
         return compiled
 
 
@@ -181,6 +204,7 @@ def _record_farm(
     awaited: float,
     timings: dict[str, float],
     deferred=False,
+    explanation: str = "",
 ) -> None:
     record = GraphRecord(
         label,
@@ -192,16 +216,18 @@ def _record_farm(
         awaited=awaited,
         deferred=deferred,
         timings=timings,
+        explanation=explanation,
     )
     history.append(record)
     log.info(
-        "%s: farm %s in %.2f s (waited %.2f s), %d bytes, key %s",
+        "%s: farm %s in %.2f s (waited %.2f s), %d bytes, key %s%s",
         label,
         record.source,
         record.seconds,
         time.monotonic() - awaited,
         record.bytes,
         header.key[:16],
+        f"; {explanation}" if explanation else "",
     )
 
 
@@ -237,31 +263,67 @@ def _request(gm, settings, options, label) -> pb.CompileRequest:
     )
 
 
-def _fetch(
-    request: pb.CompileRequest, settings: ClientSettings, inputs: list, payload_s: float
-) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
-    """One Get and the signature check: the farm's part, network and protobuf only (safe on
-    a pool thread). The ask carries the key computed here and the sizes of `inputs`' SymInts,
-    on which the farm picks the entry whose guards hold; the payload goes only on a miss.
-    Also where the time went (GraphRecord.timings)."""
-    request_id = uuid.uuid4().hex[:16]
-    log.debug("%s: request %s", request.label, request_id)
-    # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
-    trusted = remote.verifier(settings, request_id)
-    started = time.monotonic()
+def _ask(gm: torch.fx.GraphModule, request: pb.CompileRequest, inputs: list) -> pb.Ask:
+    """The graph's Get ask: its key (computed here, as the gateway computes it), the sizes of
+    `inputs`' SymInts (the farm picks the entry whose guards hold on them), the key's parts
+    (to explain a miss) and the graph's place in the program (prefetch). Built on Dynamo's
+    thread, so positions follow Dynamo's order."""
     graph_key = public_key(request.graph, request.target, request.options)
-    ask = pb.Ask(
+    return pb.Ask(
         key=graph_key,
         private=request.private,
         sizes=hints(symbol_inputs(inputs)),
         label=request.label,
+        key_parts=key_parts(request.graph, request.target, request.options, structure.digest(gm)),
+        program=program.place(graph_key),
     )
-    key_s = time.monotonic() - started
+
+
+def _fetch(
+    request: pb.CompileRequest,
+    ask: pb.Ask,
+    settings: ClientSettings,
+    inputs: list,
+    before: dict[str, float],
+) -> Fetched:
+    """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
+    the signature check. The farm's part, network and protobuf only (safe on a pool thread);
+    the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
+    payload_s and key_s)."""
+    prefetched = _prefetched(ask, inputs)
+    if prefetched is not None:
+        prefetched.timings.update(before)
+        return prefetched
+    request_id = uuid.uuid4().hex[:16]
+    log.debug("%s: request %s", request.label, request_id)
+    # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
+    trusted = remote.verifier(settings, request_id)
     progress = ProgressLine(request.label, settings.progress)
     try:
-        received = remote.get(ask, request, settings, on_progress=progress, request_id=request_id)
+        received = remote.get(
+            ask,
+            request,
+            settings,
+            on_progress=progress,
+            request_id=request_id,
+            on_manifest=functools.partial(_prefetch, settings),
+        )
     finally:
         progress.close()
+    explanation = ""
+    if received.missing is not None:
+        explanation = explain.describe(
+            received.missing.explanation, request.target, request.options
+        )
+        explain.remember(request.label, ask.key, explanation)
+        log.info("%s: %s", request.label, explanation)
+    fetched = _verified(received, ask.key, trusted)
+    fetched.timings.update(before)
+    return fetched._replace(explanation=explanation)
+
+
+def _verified(received: remote.Received, graph_key: str, trusted: signing.Verifier) -> Fetched:
+    """The artifact of `received` once a trusted key has signed it for `graph_key`."""
     header = received.header
     started = time.monotonic()
     artifact = pb.Artifact.FromString(received.data)  # protobuf only: nothing runs before it
@@ -276,9 +338,48 @@ def _fetch(
             f"the artifact of key {graph_key[:16]} is not signed by the farm"
         )
     timings = {f.name: v for f, v in header.timings.ListFields()}
-    timings.update(received.timings, payload_s=payload_s, key_s=key_s)
+    timings.update(received.timings)
     timings["verify_s"] = time.monotonic() - started
-    return artifact, header, timings
+    return Fetched(artifact, header, timings)
+
+
+def _prefetch(settings: ClientSettings, manifest: pb.Manifest) -> None:
+    """The program's head hit: fetch the graphs that followed it last time, in the background."""
+    log.info("prefetching %d graphs of this program", len(manifest.entries))
+    program.prefetch(manifest, functools.partial(_fetch_entry, settings), settings.parallel_graphs)
+
+
+def _fetch_entry(settings: ClientSettings, entry: pb.ManifestEntry) -> Fetched:
+    """One manifest entry, by key and digest (no payload: a miss ends the call), verified."""
+    request_id = uuid.uuid4().hex[:16]
+    ask = pb.Ask(
+        key=entry.key,
+        digest=entry.digest,
+        private=settings.private,
+        label=f"prefetch {entry.position}",
+    )
+    received = remote.get(ask, None, settings, request_id=request_id)
+    return _verified(received, entry.key, remote.verifier(settings, request_id))
+
+
+def _prefetched(ask: pb.Ask, inputs: list) -> Fetched | None:
+    """The prefetched artifact of `ask.key` if its guards hold on `inputs`; None (logged) if
+    there is none, its fetch failed or its guards fail: then the graph is asked for."""
+    job = program.take(ask.key)
+    if job is None:
+        return None
+    try:
+        fetched = job.result()
+    except Exception as e:
+        log.info("%s: prefetch failed (%s); asking the farm", ask.label, e)
+        return None
+    if not guards.hold(fetched.artifact.guards, inputs):
+        log.info("%s: the prefetched entry's guards fail here; asking the farm", ask.label)
+        return None
+    header = pb.ArtifactHeader()
+    header.CopyFrom(fetched.header)
+    header.source = "prefetched"
+    return fetched._replace(header=header)
 
 
 def _load(

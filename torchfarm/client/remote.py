@@ -119,13 +119,16 @@ class Received:
 
 def get(
     ask: pb.Ask,
-    request: pb.CompileRequest,
+    request: pb.CompileRequest | None,
     settings: ClientSettings,
     on_progress: Callable[[pb.Progress], None] | None = None,
     request_id: str = "",
+    on_manifest: Callable[[pb.Manifest], None] | None = None,
 ) -> Received:
     """One graph in one call: `ask` first; `request` (the payload) only if the farm answers
-    `missing`. `request_id` appears in the gateway's and the worker's log lines."""
+    `missing` (None: a miss ends the call, FarmError). `on_manifest` hears a prefetch
+    manifest, sent before the head's artifact. `request_id` appears in the gateway's and
+    the worker's log lines."""
     stub = _stub(settings)
     outbox: queue.SimpleQueue[pb.GetRequest | None] = queue.SimpleQueue()
     outbox.put(pb.GetRequest(ask=ask))
@@ -138,14 +141,15 @@ def get(
 
     def on_missing(event: pb.Missing) -> None:
         missing.append(event)
-        outbox.put(pb.GetRequest(compile=request))
+        if request is not None:
+            outbox.put(pb.GetRequest(compile=request))
         outbox.put(None)
 
     call = stub.Get(
         requests(), timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
     )
     try:
-        received = _receive(call, settings, on_progress, on_missing)
+        received = _receive(call, settings, on_progress, on_missing, on_manifest)
     finally:
         outbox.put(None)  # a hit: the request stream ends with the ask
     return dataclasses.replace(received, missing=missing[0] if missing else None)
@@ -170,6 +174,7 @@ def _receive(
     settings: ClientSettings,
     on_progress: Callable[[pb.Progress], None] | None,
     on_missing: Callable[[pb.Missing], None] | None = None,
+    on_manifest: Callable[[pb.Manifest], None] | None = None,
 ) -> Received:
     """Read a CompileEvent stream to its artifact, decoding chunks as they arrive."""
     started = time.monotonic()
@@ -185,6 +190,8 @@ def _receive(
                 on_progress(event.progress)
             elif kind == "missing" and on_missing:
                 on_missing(event.missing)
+            elif kind == "manifest" and on_manifest:
+                on_manifest(event.manifest)
             elif kind == "header":
                 header = event.header
                 timings["rpc_s"] = time.monotonic() - started

@@ -152,11 +152,16 @@ class FarmServicer(pb_grpc.FarmServicer):
         if first is None or first.WhichOneof("message") != "ask":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Get: the first message is an ask")
         self._validate_ask(first.ask, context)
-        served = self.coordinator.get(first.ask, tenant, _request_id(context))
+        ask = first.ask
+        served = self.coordinator.get(ask, tenant, _request_id(context))
         if served is not None:
+            manifest = self.coordinator.manifest(ask, tenant)  # prefetch: the head's hit
+            if manifest is not None:
+                yield pb.CompileEvent(manifest=manifest)
+            self.coordinator.record_program(ask, tenant, served.entry.digest)
             yield from self._send(served, STORED)
             return
-        yield pb.CompileEvent(missing=pb.Missing(explanation=pb.MissExplanation()))
+        yield pb.CompileEvent(missing=pb.Missing(explanation=self.coordinator.explain(ask, tenant)))
         then = next(requests, None)
         if then is None:  # the client went on without the farm
             return
@@ -166,10 +171,21 @@ class FarmServicer(pb_grpc.FarmServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "Get: after missing, the next message is a compile (the payload), sent once",
             )
-        yield from self._compile(then.compile, tenant, context, STORED)
+        yield from self._compile(
+            then.compile,
+            tenant,
+            context,
+            STORED,
+            lambda served: self.coordinator.record_program(ask, tenant, served.entry.digest),
+        )
 
     def _compile(
-        self, request: pb.CompileRequest, tenant: str, context, encoding: str
+        self,
+        request: pb.CompileRequest,
+        tenant: str,
+        context,
+        encoding: str,
+        on_served: Callable[[Served], None] | None = None,
     ) -> Iterator[pb.CompileEvent]:
         call = CompileCall(request, self._validate(request, context), tenant, _request_id(context))
         for event in self.coordinator.compile(call, context.is_active):
@@ -178,6 +194,8 @@ class FarmServicer(pb_grpc.FarmServicer):
                     progress=pb.Progress(stage=event.stage, elapsed_s=event.elapsed_s)
                 )
             elif isinstance(event, Served):
+                if on_served is not None:
+                    on_served(event)
                 yield from self._send(event, encoding)
             elif isinstance(event, Failed):
                 _abort(context, _STATUS[event.kind], event.message)
