@@ -32,21 +32,13 @@ def _target(node: torch.fx.Node) -> str:
 
 
 def digest(gm: torch.fx.GraphModule) -> str:
-    """sha256 of the graph's operators and data flow, without shapes, dtypes or constants."""
+    """sha256 of the graph's operators and data flow (each node's target, the nodes it reads,
+    its arity and keyword names), without shapes, dtypes or constants. On the client it runs
+    for every graph, hits included, so it only reads what FX keeps at hand."""
     numbers: dict[torch.fx.Node, int] = {}
-
-    def shape(value: object) -> object:
-        if isinstance(value, torch.fx.Node):
-            return numbers[value]
-        if isinstance(value, (tuple, list)):
-            return [shape(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): shape(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-        return "_"  # a constant, shape, dtype or device: not the program's structure
-
-    h = hashlib.sha256(_FORMAT)
+    lines = []
     for number, node in enumerate(gm.graph.nodes):
         numbers[node] = number
-        h.update(repr((_target(node), shape(node.args), shape(dict(node.kwargs)))).encode())
-        h.update(b"\n")
-    return h.hexdigest()
+        reads = ",".join(str(numbers[n]) for n in node.all_input_nodes)
+        lines.append(f"{_target(node)}|{reads}|{len(node.args)}|{','.join(node.kwargs)}")
+    return hashlib.sha256(_FORMAT + "\n".join(lines).encode()).hexdigest()
