@@ -16,14 +16,17 @@ def test_the_second_run_gets_graphs_two_and_three_from_prefetch(farm, tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     first = run_client(farm, "program_client.py", scale, "64", env=env)
     assert first["sources"] == ["miss", "miss", "miss"], first["whys"]
+    assert first["prefetched"] == [False, False, False]
     assert first["out_err"] < 1e-3
     second = run_client(farm, "program_client.py", scale, "64", env=env)
-    assert second["sources"] == ["hit", "prefetched", "prefetched"], second["whys"]
+    assert second["sources"] == ["hit", "hit", "hit"], second["whys"]
+    assert second["prefetched"] == [False, True, True]
     assert second["keys"] == first["keys"]
     assert second["out_err"] < 1e-3
     # bob hits alice's public entries, but gets no manifest of her program
     other = run_client(farm, "program_client.py", scale, "64", tenant="bob", env=env)
     assert other["sources"] == ["hit", "hit", "hit"], other["whys"]
+    assert other["prefetched"] == [False, False, False]
     assert other["out_err"] < 1e-3
 
 

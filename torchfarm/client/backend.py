@@ -46,8 +46,7 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class GraphRecord:
-    """What happened to one graph: source is hit, prefetched (a hit fetched ahead of need, on
-    the manifest of the program's first graph), miss, merged, local, eager, or split (handed
+    """What happened to one graph: source is hit, miss, merged, local, eager, or split (handed
     back to Dynamo to split, whose smaller graphs get records of their own).
 
     `submitted` and `awaited` (time.monotonic()) are when the backend got the graph and when
@@ -71,6 +70,8 @@ class GraphRecord:
     # wire_bytes (chunk bytes received), verify_s (the signature), load_s
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     explanation: str = ""  # a farm miss: why, in words (client/explain.py)
+    # a hit fetched ahead of need, on the manifest of the program's first graph (prefetch.py)
+    prefetched: bool = False
 
 
 class Fetched(NamedTuple):
@@ -80,6 +81,7 @@ class Fetched(NamedTuple):
     header: pb.ArtifactHeader
     timings: dict[str, float]
     explanation: str = ""  # a miss: why the farm had no entry for it
+    prefetched: bool = False  # fetched ahead of need (client/prefetch.py)
 
 
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
@@ -132,14 +134,15 @@ def torchfarm_backend(
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header, timings, explanation = _fetch(request, ask, settings, inputs, before)
+        fetched = _fetch(request, ask, settings, inputs, before)
+        artifact, timings = fetched.artifact, fetched.timings
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
-    _record_farm(label, header, started, started, timings, explanation=explanation)
+    _record_farm(label, fetched, started, started)
     return compiled
 
 
@@ -176,7 +179,8 @@ class DeferredGraph:
         gm, self._gm = self._gm, None  # nothing of the graph is kept once its code is ready
         assert gm is not None
         try:
-            artifact, header, timings, explanation = self._job.result()
+            fetched = self._job.result()
+            artifact, timings = fetched.artifact, fetched.timings
             if not guards.hold(artifact.guards, args):
                 raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
             compiled = _load(artifact, self._options, self._device_index, timings)
@@ -185,27 +189,14 @@ class DeferredGraph:
             return _compile_locally(
                 gm, args, self._options, self._label, self._submitted, why=why, awaited=awaited
             )
-        _record_farm(
-            self._label,
-            header,
-            self._submitted,
-            awaited,
-            timings,
-            deferred=True,
-            explanation=explanation,
-        )
+        _record_farm(self._label, fetched, self._submitted, awaited, deferred=True)
         return compiled
 
 
 def _record_farm(
-    label: str,
-    header: pb.ArtifactHeader,
-    submitted: float,
-    awaited: float,
-    timings: dict[str, float],
-    deferred=False,
-    explanation: str = "",
+    label: str, fetched: Fetched, submitted: float, awaited: float, deferred=False
 ) -> None:
+    header = fetched.header
     record = GraphRecord(
         label,
         header.source,
@@ -215,19 +206,21 @@ def _record_farm(
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
-        timings=timings,
-        explanation=explanation,
+        timings=fetched.timings,
+        explanation=fetched.explanation,
+        prefetched=fetched.prefetched,
     )
     history.append(record)
     log.info(
-        "%s: farm %s in %.2f s (waited %.2f s), %d bytes, key %s%s",
+        "%s: farm %s%s in %.2f s (waited %.2f s), %d bytes, key %s%s",
         label,
         record.source,
+        " (prefetched)" if record.prefetched else "",
         record.seconds,
         time.monotonic() - awaited,
         record.bytes,
         header.key[:16],
-        f"; {explanation}" if explanation else "",
+        f"; {record.explanation}" if record.explanation else "",
     )
 
 
@@ -376,10 +369,7 @@ def _prefetched(ask: pb.Ask, inputs: list) -> Fetched | None:
     if not guards.hold(fetched.artifact.guards, inputs):
         log.info("%s: the prefetched entry's guards fail here; asking the farm", ask.label)
         return None
-    header = pb.ArtifactHeader()
-    header.CopyFrom(fetched.header)
-    header.source = "prefetched"
-    return fetched._replace(header=header)
+    return fetched._replace(prefetched=True)
 
 
 def _load(

@@ -30,6 +30,7 @@ def main(scale: float, size: int) -> None:
         json.dumps(
             {
                 "sources": [r.source for r in history],
+                "prefetched": [r.prefetched for r in history],
                 "keys": [r.key for r in history],
                 "explanations": [r.explanation for r in history],
                 "whys": [r.why for r in history],
