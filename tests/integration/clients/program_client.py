@@ -19,7 +19,7 @@ def step(x: torch.Tensor, scale: float) -> torch.Tensor:
     torch._dynamo.graph_break()
     z = torch.cos(y) + scale
     torch._dynamo.graph_break()
-    return torch.relu(z * y).sum()
+    return torch.relu(z * y - scale).sum()
 
 
 def main(scale: float, size: int) -> None:
