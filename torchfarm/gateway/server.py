@@ -141,7 +141,7 @@ class FarmServicer(pb_grpc.FarmServicer):
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
-        yield from self._compile(request, tenant, context, encoding="")
+        yield from self._compile(request, tenant, _request_id(context), context, encoding="")
 
     def Get(self, requests: Iterator[pb.GetRequest], context) -> Iterator[pb.CompileEvent]:
         """An ask by key first: a hit is answered from it alone (no payload on the wire);
@@ -152,10 +152,12 @@ class FarmServicer(pb_grpc.FarmServicer):
         if first is None or first.WhichOneof("message") != "ask":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Get: the first message is an ask")
         self._validate_ask(first.ask, context)
-        served = self.coordinator.get(first.ask, tenant, _request_id(context))
+        request_id = _request_id(context)
+        served = self.coordinator.get(first.ask, tenant, request_id)
         if served is not None:
             yield from self._send(served, STORED)
             return
+        # the explanation (issue 19 item 5) comes from the coordinator once it can give one
         yield pb.CompileEvent(missing=pb.Missing(explanation=pb.MissExplanation()))
         then = next(requests, None)
         if then is None:  # the client went on without the farm
@@ -166,12 +168,12 @@ class FarmServicer(pb_grpc.FarmServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "Get: after missing, the next message is a compile (the payload), sent once",
             )
-        yield from self._compile(then.compile, tenant, context, STORED)
+        yield from self._compile(then.compile, tenant, request_id, context, STORED)
 
     def _compile(
-        self, request: pb.CompileRequest, tenant: str, context, encoding: str
+        self, request: pb.CompileRequest, tenant: str, request_id: str, context, encoding: str
     ) -> Iterator[pb.CompileEvent]:
-        call = CompileCall(request, self._validate(request, context), tenant, _request_id(context))
+        call = CompileCall(request, self._validate(request, context), tenant, request_id)
         for event in self.coordinator.compile(call, context.is_active):
             if isinstance(event, Progress):
                 yield pb.CompileEvent(
