@@ -248,7 +248,10 @@ class Coordinator:
                 yield Failed(Failure.UNAVAILABLE, str(e))
                 return
             source = "miss" if claimed else "merged"
-            self.store.counters.count(pool, **{"misses" if source == "miss" else "merges": 1})
+            if claimed:
+                self.store.counters.count(pool, misses=1)
+            else:
+                self.store.counters.count(pool, merges=1)
             metrics.RESULTS.labels(source).inc()
             log.info(
                 "%s %s for %s: %s",
