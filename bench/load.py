@@ -9,7 +9,9 @@ with the defaults) is compiled once first, the miss, so every timed request is a
     .venv/bin/python bench/load.py [--clients 8] [--seconds 30] [--layers 12] [--width 256]
 
 Prints one JSON object: requests, errors, throughput, p50/p90/p99 latency, the artifact's
-size and stored size, bytes on the wire per hit, the machine's load average before the run.
+size and stored size, bytes on the wire per hit, the machine's load average before the run,
+and the CPU time per hit of the gateway, the cache's redis-server and the clients: on a
+shared machine the throughput is what the others left, the CPU time per hit is not.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _client(
     ask = _ask(request)
     latencies, errors, wire = [], [], []
     time.sleep(max(0.0, start_at - time.time()))
+    cpu = time.process_time()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         started = time.perf_counter()
@@ -86,7 +89,15 @@ def _client(
             continue
         latencies.append(time.perf_counter() - started)
         wire.append(received.timings["wire_bytes"])
-    results.put({"latencies": latencies, "errors": errors, "wire": wire})
+    cpu = time.process_time() - cpu
+    results.put({"latencies": latencies, "errors": errors, "wire": wire, "cpu_s": cpu})
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -123,13 +134,21 @@ def main() -> None:
         ]
         for proc in procs:
             proc.start()
+        farm_pids = {name: farm.procs[name].pid for name in ("gateway", "redis")}
+        time.sleep(max(0.0, start_at - time.time()))
+        farm_cpu = {name: _cpu_s(pid) for name, pid in farm_pids.items()}
         runs = [results.get(timeout=args.seconds + 120) for _ in procs]
+        farm_cpu = {name: _cpu_s(pid) - farm_cpu[name] for name, pid in farm_pids.items()}
         for proc in procs:
             proc.join()
     latencies = sorted(x for r in runs for x in r["latencies"])
     wire = [w for r in runs for w in r["wire"]]
     errors = [e for r in runs for e in r["errors"]]
     cuts = statistics.quantiles(latencies, n=100)
+    cpu_ms = {
+        **{name: 1000 * used / len(latencies) for name, used in farm_cpu.items()},
+        "clients": 1000 * sum(r["cpu_s"] for r in runs) / len(latencies),
+    }
     print(
         json.dumps(
             {
@@ -149,6 +168,17 @@ def main() -> None:
                 "stored_bytes": entry.stored_bytes,
                 "wire_bytes_per_hit": round(statistics.mean(wire)) if wire else 0,
                 "payload_bytes": len(graph),
+                "cpu_ms_per_hit": {name: round(ms, 3) for name, ms in cpu_ms.items()},
+                # estimates from the CPU time per hit, for two idle cores: the gateway serves
+                # from one core at most (the GIL); with the clients elsewhere, or here too
+                "estimated_hits_per_s": {
+                    "gateway_and_redis": round(
+                        min(1000 / cpu_ms["gateway"], 2000 / (cpu_ms["gateway"] + cpu_ms["redis"]))
+                    ),
+                    "clients_here_too": round(
+                        min(1000 / cpu_ms["gateway"], 2000 / sum(cpu_ms.values()))
+                    ),
+                },
             }
         )
     )
