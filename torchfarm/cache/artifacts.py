@@ -257,13 +257,17 @@ class ArtifactCache:
             self.put(key, data, meta)
         return digest
 
-    def record_hit(self, key: str, digest: str) -> None:
-        """An entry was served: count it, and the key becomes the most recently used."""
+    def record_hit(self, key: str, digest: str, pipe: redis.client.Pipeline | None = None) -> None:
+        """An entry was served: count it, and the key becomes the most recently used; into
+        `pipe` (which the caller executes, with other bookkeeping: one round trip) if given."""
+        own = pipe is None
         now = time.time()
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline() if pipe is None else pipe
         pipe.hincrby(keys.usage(key), f"{digest}:hits", 1)
         pipe.hset(keys.usage(key), f"{digest}:last_hit", now)
         pipe.zadd(keys.RECENT, {key: now}, xx=True)
+        if not own:
+            return
         try:
             pipe.execute()
         except OutOfMemoryError:

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from torchfarm.cache.artifacts import Codec
+from torchfarm.cache.artifacts import Codec, OutOfMemoryError
 from torchfarm.cache.store import Store
 from torchfarm.contract import shape_guards
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
@@ -170,13 +170,21 @@ class Coordinator:
         return None
 
     def _count_hit(self, key: str, entry: pb.EntryMeta) -> None:
-        self.store.artifacts.record_hit(key, entry.digest)
+        """The entry's usage and the counters, in one round trip (both live in the cache's
+        Redis); bookkeeping only: a full Redis skips it with a warning."""
+        pipe = self.store.artifacts.redis.pipeline(transaction=False)
+        self.store.artifacts.record_hit(key, entry.digest, pipe)
         self.store.counters.count(
             entry.pool,
+            pipe=pipe,
             hits=1,
             bytes_served=entry.size,
             compile_seconds_saved=entry.compile_seconds,
         )
+        try:
+            pipe.execute()
+        except OutOfMemoryError:
+            log.warning("the cache's Redis is at its memory limit: hit of %s not counted", key)
         metrics.RESULTS.labels("hit").inc()
         metrics.BYTES_SERVED.inc(entry.size)
 
@@ -254,7 +262,10 @@ class Coordinator:
                 yield Failed(Failure.UNAVAILABLE, str(e))
                 return
             source = "miss" if claimed else "merged"
-            self.store.counters.count(pool, **{"misses" if source == "miss" else "merges": 1})
+            if claimed:
+                self.store.counters.count(pool, misses=1)
+            else:
+                self.store.counters.count(pool, merges=1)
             metrics.RESULTS.labels(source).inc()
             log.info(
                 "%s %s for %s: %s",

@@ -141,7 +141,7 @@ class FarmServicer(pb_grpc.FarmServicer):
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
-        yield from self._compile(request, tenant, context, encoding="")
+        yield from self._compile(request, tenant, _request_id(context), context, encoding="")
 
     def Get(self, requests: Iterator[pb.GetRequest], context) -> Iterator[pb.CompileEvent]:
         """An ask by key first: a hit is answered from it alone (no payload on the wire);
@@ -153,7 +153,8 @@ class FarmServicer(pb_grpc.FarmServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Get: the first message is an ask")
         self._validate_ask(first.ask, context)
         ask = first.ask
-        served = self.coordinator.get(ask, tenant, _request_id(context))
+        request_id = _request_id(context)
+        served = self.coordinator.get(ask, tenant, request_id)
         if served is not None:
             manifest = self.coordinator.manifest(ask, tenant)  # prefetch: the head's hit
             if manifest is not None:
@@ -174,6 +175,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         yield from self._compile(
             then.compile,
             tenant,
+            request_id,
             context,
             STORED,
             lambda served: self.coordinator.record_program(ask, tenant, served.entry.digest),
@@ -183,11 +185,12 @@ class FarmServicer(pb_grpc.FarmServicer):
         self,
         request: pb.CompileRequest,
         tenant: str,
+        request_id: str,
         context,
         encoding: str,
         on_served: Callable[[Served], None] | None = None,
     ) -> Iterator[pb.CompileEvent]:
-        call = CompileCall(request, self._validate(request, context), tenant, _request_id(context))
+        call = CompileCall(request, self._validate(request, context), tenant, request_id)
         for event in self.coordinator.compile(call, context.is_active):
             if isinstance(event, Progress):
                 yield pb.CompileEvent(
