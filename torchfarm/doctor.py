@@ -3,7 +3,8 @@
 address set → gateway reachable and healthy → transport (TLS or plaintext) → token accepted →
 this machine's target → its pool's workers passed their canary compile → a round-trip
 compile of a tiny graph through the farm, compared with eager. Each failed check says what
-to do; later checks that depend on it are skipped.
+to do; later checks that depend on it are skipped. Then why this machine's last graphs missed
+(the farm's explanations, client/explain.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from torchfarm.cache.pools import summary
-from torchfarm.client import backend, remote
+from torchfarm.client import backend, explain, remote
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -36,7 +37,25 @@ class Check:
 
 
 def run_checks(settings: ClientSettings, device: str = "cpu") -> list[Check]:
-    """Every check, in order; stops at the first failure that later checks depend on."""
+    """Every check, in order (stopping at the first failure that later checks depend on),
+    then why this machine's last graphs missed, if the farm said."""
+    return [*_farm_checks(settings, device), *_misses()]
+
+
+def _misses() -> list[Check]:
+    """The last misses' explanations (client/explain.py), newest last: information only."""
+    return [
+        Check(
+            "last misses" if i == 0 else "",
+            None,
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(m.get('time', 0)))} "
+            f"{m.get('label', '')} key {str(m.get('key', ''))[:16]}: {m.get('explanation', '')}",
+        )
+        for i, m in enumerate(explain.recent())
+    ]
+
+
+def _farm_checks(settings: ClientSettings, device: str) -> list[Check]:
     checks = [
         Check(
             "address",

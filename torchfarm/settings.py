@@ -75,6 +75,7 @@ class GatewaySettings:
     compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
     threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
+    verified_mb: int = 256  # TORCHFARM_GATEWAY_VERIFIED_MB: verified blobs kept (0 = none)
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
     # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once; then
@@ -105,6 +106,7 @@ class GatewaySettings:
             compile_timeout_s=float(_env("TORCHFARM_GATEWAY_COMPILE_TIMEOUT", "1800")),
             threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
+            verified_mb=int(_env("TORCHFARM_GATEWAY_VERIFIED_MB", str(cls.verified_mb))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
             metrics_host=_env("TORCHFARM_METRICS_HOST", ""),
             auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),

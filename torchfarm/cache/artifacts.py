@@ -4,14 +4,19 @@ remote_cache.py keeps its backends and serdes: a blob store other than Redis (an
 S3-compatible one for a large fleet) is a new BlobBackend, not a rewrite.
 
 Blobs are verified (size and sha256) on every read; a bad or missing blob is dropped with
-the index entries that point to it and reads as a miss. The index lives in the cache's Redis:
-per key a hash digest -> EntryMeta, a usage hash (hits, last hit) and the LRU order.
+the index entries that point to it and reads as a miss. A process that serves the same blobs
+again and again (the gateway) keeps the ones it verified (`VerifiedBlobs`): a blob read back
+byte-equal to one verified before is good without decoding it again. The index lives in the
+cache's Redis: per key a hash digest -> EntryMeta, a usage hash (hits, last hit) and the LRU
+order.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -76,6 +81,46 @@ class Codec:
         return b"".join(self.chunks(stored, size))
 
 
+class VerifiedBlobs:
+    """Stored blobs that passed Codec.verify, by digest, least recently used dropped past
+    `max_bytes` (0: remember none). Blobs are content-addressed, so a blob read back equal to
+    the one remembered is the verified artifact: a byte comparison instead of decompressing
+    and hashing it on every hit, while a blob corrupted in storage still differs and is
+    verified (and dropped) as before. Thread-safe: the gateway serves from many threads."""
+
+    def __init__(self, max_bytes: int = 0):
+        self.max_bytes = max_bytes
+        self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def holds(self, digest: str, stored: bytes) -> bool:
+        """Whether `stored` is the blob verified as `digest` before."""
+        with self._lock:
+            known = self._blobs.get(digest)
+            if known is None:
+                return False
+            self._blobs.move_to_end(digest)
+        return known == stored
+
+    def remember(self, digest: str, stored: bytes) -> None:
+        if len(stored) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._blobs.pop(digest, None)
+            self._bytes += len(stored) - (len(old) if old is not None else 0)
+            self._blobs[digest] = stored
+            while self._bytes > self.max_bytes:
+                _, dropped = self._blobs.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def forget(self, digest: str) -> None:
+        with self._lock:
+            old = self._blobs.pop(digest, None)
+            if old is not None:
+                self._bytes -= len(old)
+
+
 class BlobBackend(Protocol):
     """Where encoded artifact bytes live, by digest."""
 
@@ -121,27 +166,36 @@ def _parse(key: str, digest: bytes, value: bytes) -> pb.EntryMeta | None:
 class ArtifactCache:
     """Entries per key (index, usage, LRU order, totals) over a blob backend."""
 
-    def __init__(self, client: redis.Redis, blobs: BlobBackend | None = None, codec=None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        blobs: BlobBackend | None = None,
+        codec=None,
+        verified: VerifiedBlobs | None = None,
+    ):
         self.redis = client
         self.blobs: BlobBackend = blobs if blobs is not None else RedisBlobs(client)
         self.codec: Codec = codec or Codec()
+        self.verified = verified if verified is not None else VerifiedBlobs()
 
     # ---- reads -------------------------------------------------------------------------
     def keys(self) -> list[tuple[str, float]]:
         """Every key with entries, least recently used first, with its last use time."""
         return [(k.decode(), t) for k, t in self.redis.zrange(keys.RECENT, 0, -1, withscores=True)]
 
-    def entries(self, key: str) -> list[pb.EntryMeta]:
-        """Entries for a key, newest first, with their usage filled in."""
+    def entries(self, key: str, usage: bool = True) -> list[pb.EntryMeta]:
+        """Entries for a key, newest first, with their usage filled in (unless `usage` is
+        False: one Redis round trip less, for a hit that only serves one)."""
         raw = self.redis.hgetall(keys.index(key))
-        usage = {k.decode(): float(v) for k, v in self.redis.hgetall(keys.usage(key)).items()}
+        used = self.redis.hgetall(keys.usage(key)) if usage else {}
+        counts = {k.decode(): float(v) for k, v in used.items()}
         found = []
         for digest, value in raw.items():
             meta = _parse(key, digest, value)
             if meta is None:
                 continue
-            meta.hits = int(usage.get(f"{meta.digest}:hits", 0))
-            meta.last_hit = usage.get(f"{meta.digest}:last_hit", 0.0)
+            meta.hits = int(counts.get(f"{meta.digest}:hits", 0))
+            meta.last_hit = counts.get(f"{meta.digest}:last_hit", 0.0)
             found.append(meta)
         return sorted(found, key=lambda e: e.created, reverse=True)
 
@@ -154,11 +208,16 @@ class ArtifactCache:
 
     def stored(self, key: str, entry: pb.EntryMeta) -> bytes | None:
         """The entry's stored (encoded) bytes, verified; None (and the entry dropped) if bad.
-        The gateway streams them through Codec.chunks without ever holding the artifact."""
+        The gateway streams them as stored, or through Codec.chunks, never holding the
+        artifact decoded."""
         stored = self.blobs.get(entry.digest)
+        if stored is not None and self.verified.holds(entry.digest, stored):
+            return stored
         if stored is None or not self.codec.verify(stored, entry.digest, entry.size):
+            self.verified.forget(entry.digest)
             self.drop(key, [entry.digest])
             return None
+        self.verified.remember(entry.digest, stored)
         return stored
 
     def read(self, key: str, entry: pb.EntryMeta) -> bytes | None:
@@ -198,13 +257,17 @@ class ArtifactCache:
             self.put(key, data, meta)
         return digest
 
-    def record_hit(self, key: str, digest: str) -> None:
-        """An entry was served: count it, and the key becomes the most recently used."""
+    def record_hit(self, key: str, digest: str, pipe: redis.client.Pipeline | None = None) -> None:
+        """An entry was served: count it, and the key becomes the most recently used; into
+        `pipe` (which the caller executes, with other bookkeeping: one round trip) if given."""
+        own = pipe is None
         now = time.time()
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline() if pipe is None else pipe
         pipe.hincrby(keys.usage(key), f"{digest}:hits", 1)
         pipe.hset(keys.usage(key), f"{digest}:last_hit", now)
         pipe.zadd(keys.RECENT, {key: now}, xx=True)
+        if not own:
+            return
         try:
             pipe.execute()
         except OutOfMemoryError:

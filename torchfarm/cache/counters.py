@@ -18,13 +18,19 @@ class Counters:
     def __init__(self, client: redis.Redis):
         self.redis = client
 
-    def count(self, pool: str = "", **increments: float) -> None:
-        """Add to the farm-wide counters, and to `pool`'s when given."""
-        pipe = self.redis.pipeline()
+    def count(
+        self, pool: str = "", *, pipe: redis.client.Pipeline | None = None, **increments: float
+    ) -> None:
+        """Add to the farm-wide counters, and to `pool`'s when given; into `pipe` (which the
+        caller executes, with other bookkeeping: one round trip) if given."""
+        own = pipe is None
+        pipe = self.redis.pipeline() if pipe is None else pipe
         for name, amount in increments.items():
             pipe.hincrbyfloat(keys.STATS, name, amount)
             if pool:
                 pipe.hincrbyfloat(keys.pool_stats(pool), name, amount)
+        if not own:
+            return
         try:
             pipe.execute()
         except OutOfMemoryError:

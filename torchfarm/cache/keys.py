@@ -21,6 +21,14 @@ def usage(key: str) -> str:  # hash: "{digest}:hits" / "{digest}:last_hit" per e
     return f"{FORMAT}:usage:{key}"
 
 
+def structure(digest: str) -> str:  # sorted set: key -> stored time, the keys whose entries
+    return f"{FORMAT}:structure:{digest}"  # have this graph structure (explaining misses)
+
+
+def program(tenant: str, head: str) -> str:  # hash: position -> ManifestEntry, what a tenant's
+    return f"{FORMAT}:program:{tenant}:{head}"  # program (first graph's key `head`) was served
+
+
 # A job is one compile: a key plus the size hints of one trace (see contract.cache_key.job_id).
 def claim(job: str) -> str:  # single-flight: who compiles this job now
     return f"{FORMAT}:claim:{job}"

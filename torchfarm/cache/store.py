@@ -19,6 +19,8 @@ from torchfarm.cache.artifacts import ArtifactCache
 from torchfarm.cache.counters import Counters
 from torchfarm.cache.jobs import JobBoard
 from torchfarm.cache.pools import PoolRegistry
+from torchfarm.cache.programs import Programs
+from torchfarm.cache.structures import Structures
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import broker_url
 
@@ -39,6 +41,8 @@ class Store:
     counters: Counters
     jobs: JobBoard
     pools: PoolRegistry
+    structures: Structures  # explaining misses: the keys of each program (workers write)
+    programs: Programs  # prefetch: what each tenant's program was served (the gateway writes)
 
     @classmethod
     def from_url(cls, redis_url: str, broker: str = "") -> Store:
@@ -49,7 +53,14 @@ class Store:
     def from_clients(cls, cache: redis.Redis, jobs: redis.Redis | None = None) -> Store:
         """One client for both servers unless `jobs` is given (tests with one database)."""
         jobs = cache if jobs is None else jobs
-        return cls(ArtifactCache(cache), Counters(cache), JobBoard(jobs), PoolRegistry(jobs))
+        return cls(
+            ArtifactCache(cache),
+            Counters(cache),
+            JobBoard(jobs),
+            PoolRegistry(jobs),
+            Structures(cache),
+            Programs(cache),
+        )
 
     def rows(self) -> list[dict]:
         """Every entry of every key, with its key and last use (the cache CLI's rows)."""

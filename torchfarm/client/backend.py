@@ -20,21 +20,24 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from torchfarm import signing, torch_adapter
-from torchfarm.client import remote
+from torchfarm.client import explain, remote
 from torchfarm.client.pool import Job, pool
+from torchfarm.client.prefetch import program
 from torchfarm.client.progress import ProgressLine
-from torchfarm.compiler import guards, serialize, trace_state
+from torchfarm.compiler import guards, serialize, structure, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
-from torchfarm.contract.cache_key import public_key
+from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter import load_prewarm
 from torchfarm.torch_adapter.deferrable import deferrable
+from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
 
 log = logging.getLogger("torchfarm")
@@ -61,9 +64,25 @@ class GraphRecord:
     submitted: float = 0.0
     awaited: float = 0.0
     deferred: bool = False
-    # farm graphs: where the time went, seconds: the worker's MissTimings on a miss (queued_s,
-    # handoff_s, child_s, compile_s, store_s), then transfer_s and load_s here
+    # farm graphs: where the time went (seconds, and wire_bytes): the worker's MissTimings on a
+    # miss (queued_s, handoff_s, child_s, compile_s, store_s); here payload_s (the graph
+    # serialized, target and options included), key_s, rpc_s (Get sent -> header; a miss's
+    # compile included), transfer_s (header -> last chunk, decompress_s included),
+    # wire_bytes (chunk bytes received), verify_s (the signature), load_s
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    explanation: str = ""  # a farm miss: why, in words (client/explain.py)
+    # a hit fetched ahead of need, on the manifest of the program's first graph (prefetch.py)
+    prefetched: bool = False
+
+
+class Fetched(NamedTuple):
+    """A graph's artifact from the farm, verified, and what came with it."""
+
+    artifact: pb.Artifact
+    header: pb.ArtifactHeader
+    timings: dict[str, float]
+    explanation: str = ""  # a miss: why the farm had no entry for it
+    prefetched: bool = False  # fetched ahead of need (client/prefetch.py)
 
 
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
@@ -109,21 +128,25 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
+        payload_s = time.monotonic() - started
+        ask = _ask(gm, request, inputs)
+        before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
         if settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
-                functools.partial(_fetch, request, settings, inputs)
+                functools.partial(_fetch, request, ask, settings, inputs, before)
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header, timings = _fetch(request, settings, inputs)
+        fetched = _fetch(request, ask, settings, inputs, before)
+        artifact, timings = fetched.artifact, fetched.timings
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
-    _record_farm(label, header, started, started, timings)
+    _record_farm(label, fetched, started, started)
     return compiled
 
 
@@ -136,7 +159,7 @@ class DeferredGraph:
     def __init__(
         self,
         gm: torch.fx.GraphModule,
-        job: Job[tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]],
+        job: Job[Fetched],
         options: pb.Options,
         label: str,
         submitted: float,
@@ -160,7 +183,8 @@ class DeferredGraph:
         gm, self._gm = self._gm, None  # nothing of the graph is kept once its code is ready
         assert gm is not None
         try:
-            artifact, header, timings = self._job.result()
+            fetched = self._job.result()
+            artifact, timings = fetched.artifact, fetched.timings
             if not guards.hold(artifact.guards, args):
                 raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
             compiled = _load(artifact, self._options, self._device_index, timings)
@@ -169,18 +193,14 @@ class DeferredGraph:
             return _compile_locally(
                 gm, args, self._options, self._label, self._submitted, why=why, awaited=awaited
             )
-        _record_farm(self._label, header, self._submitted, awaited, timings, deferred=True)
+        _record_farm(self._label, fetched, self._submitted, awaited, deferred=True)
         return compiled
 
 
 def _record_farm(
-    label: str,
-    header: pb.ArtifactHeader,
-    submitted: float,
-    awaited: float,
-    timings: dict[str, float],
-    deferred=False,
+    label: str, fetched: Fetched, submitted: float, awaited: float, deferred=False
 ) -> None:
+    header = fetched.header
     record = GraphRecord(
         label,
         header.source,
@@ -190,17 +210,21 @@ def _record_farm(
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
-        timings=timings,
+        timings=fetched.timings,
+        explanation=fetched.explanation,
+        prefetched=fetched.prefetched,
     )
     history.append(record)
     log.info(
-        "%s: farm %s in %.2f s (waited %.2f s), %d bytes, key %s",
+        "%s: farm %s%s in %.2f s (waited %.2f s), %d bytes, key %s%s",
         label,
         record.source,
+        " (prefetched)" if record.prefetched else "",
         record.seconds,
         time.monotonic() - awaited,
         record.bytes,
         header.key[:16],
+        f"; {record.explanation}" if record.explanation else "",
     )
 
 
@@ -236,43 +260,70 @@ def _request(gm, settings, options, label) -> pb.CompileRequest:
     )
 
 
+def _ask(gm: torch.fx.GraphModule, request: pb.CompileRequest, inputs: list) -> pb.Ask:
+    """The graph's Get ask: its key (computed here, as the gateway computes it), the sizes of
+    `inputs`' SymInts (the farm picks the entry whose guards hold on them), the key's parts
+    (to explain a miss) and the graph's place in the program (prefetch). Built on Dynamo's
+    thread, so positions follow Dynamo's order."""
+    graph_key = public_key(request.graph, request.target, request.options)
+    return pb.Ask(
+        key=graph_key,
+        private=request.private,
+        sizes=hints(symbol_inputs(inputs)),
+        label=request.label,
+        key_parts=key_parts(request.graph, request.target, request.options, structure.digest(gm)),
+        program=program.place(graph_key),
+    )
+
+
 def _fetch(
-    request: pb.CompileRequest, settings: ClientSettings, inputs: list
-) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
-    """Lookup, Compile and the signature checks: the farm's part, network and protobuf only
-    (safe on a pool thread). `inputs` choose among the key's entries by their guards. Also
-    where the time went (GraphRecord.timings)."""
+    request: pb.CompileRequest,
+    ask: pb.Ask,
+    settings: ClientSettings,
+    inputs: list,
+    before: dict[str, float],
+) -> Fetched:
+    """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
+    the signature check. The farm's part, network and protobuf only (safe on a pool thread);
+    the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
+    payload_s and key_s)."""
+    prefetched = _prefetched(ask, inputs)
+    if prefetched is not None:
+        prefetched.timings.update(before)
+        return prefetched
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", request.label, request_id)
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
     trusted = remote.verifier(settings, request_id)
-    graph_key = public_key(request.graph, request.target, request.options)
-    signed: list[pb.Candidate] = []
-    unsigned: list[pb.Candidate] = []
-    for c in remote.lookup(graph_key, settings, request.private, request_id):
-        (signed if signing.entry_verifies(trusted, graph_key, c) else unsigned).append(c)
-    # Entries of this key differ by their guards: take one that holds here, else compile.
-    request.digest = next((c.digest for c in signed if guards.hold(c.guards, inputs)), "")
-    if not request.digest and any(not c.guards.all for c in unsigned):
-        # the farm serves an unguarded entry to a request that names none: this one again
-        raise remote.UntrustedEntry(f"an entry of key {graph_key[:16]} is not signed by the farm")
     progress = ProgressLine(request.label, settings.progress)
-    downloading = [0.0]
-
-    def on_progress(event: pb.Progress) -> None:
-        if event.stage == pb.Progress.DOWNLOADING:
-            downloading[0] = time.monotonic()
-        progress(event)
-
     try:
-        header, data = remote.fetch(
-            request, settings, on_progress=on_progress, request_id=request_id
+        received = remote.get(
+            ask,
+            request,
+            settings,
+            on_progress=progress,
+            request_id=request_id,
+            on_manifest=functools.partial(_prefetch, settings),
         )
     finally:
         progress.close()
-    timings = {f.name: v for f, v in header.timings.ListFields()}
-    timings["transfer_s"] = time.monotonic() - downloading[0]
-    artifact = pb.Artifact.FromString(data)  # protobuf only: nothing runs before the check
+    explanation = ""
+    if received.missing is not None:
+        explanation = explain.describe(
+            received.missing.explanation, request.target, request.options
+        )
+        explain.remember(request.label, ask.key, explanation)
+        log.info("%s: %s", request.label, explanation)
+    fetched = _verified(received, ask.key, trusted)
+    fetched.timings.update(before)
+    return fetched._replace(explanation=explanation)
+
+
+def _verified(received: remote.Received, graph_key: str, trusted: signing.Verifier) -> Fetched:
+    """The artifact of `received` once a trusted key has signed it for `graph_key`."""
+    header = received.header
+    started = time.monotonic()
+    artifact = pb.Artifact.FromString(received.data)  # protobuf only: nothing runs before it
     served = pb.Candidate(
         digest=header.digest,
         size=header.size,
@@ -283,7 +334,46 @@ def _fetch(
         raise remote.UntrustedEntry(
             f"the artifact of key {graph_key[:16]} is not signed by the farm"
         )
-    return artifact, header, timings
+    timings = {f.name: v for f, v in header.timings.ListFields()}
+    timings.update(received.timings)
+    timings["verify_s"] = time.monotonic() - started
+    return Fetched(artifact, header, timings)
+
+
+def _prefetch(settings: ClientSettings, manifest: pb.Manifest) -> None:
+    """The program's head hit: fetch the graphs that followed it last time, in the background."""
+    log.info("prefetching %d graphs of this program", len(manifest.entries))
+    program.prefetch(manifest, functools.partial(_fetch_entry, settings), settings.parallel_graphs)
+
+
+def _fetch_entry(settings: ClientSettings, entry: pb.ManifestEntry) -> Fetched:
+    """One manifest entry, by key and digest (no payload: a miss ends the call), verified."""
+    request_id = uuid.uuid4().hex[:16]
+    ask = pb.Ask(
+        key=entry.key,
+        digest=entry.digest,
+        private=settings.private,
+        label=f"prefetch {entry.position}",
+    )
+    received = remote.get(ask, None, settings, request_id=request_id)
+    return _verified(received, entry.key, remote.verifier(settings, request_id))
+
+
+def _prefetched(ask: pb.Ask, inputs: list) -> Fetched | None:
+    """The prefetched artifact of `ask.key` if its guards hold on `inputs`; None (logged) if
+    there is none, its fetch failed or its guards fail: then the graph is asked for."""
+    job = program.take(ask.key)
+    if job is None:
+        return None
+    try:
+        fetched = job.result()
+    except Exception as e:
+        log.info("%s: prefetch failed (%s); asking the farm", ask.label, e)
+        return None
+    if not guards.hold(fetched.artifact.guards, inputs):
+        log.info("%s: the prefetched entry's guards fail here; asking the farm", ask.label)
+        return None
+    return fetched._replace(prefetched=True)
 
 
 def _load(

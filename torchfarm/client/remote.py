@@ -1,5 +1,8 @@
-"""The gRPC side of the client: Lookup by key (entries and their guards), then one Compile
-call, which alone carries the payload, with streamed progress and verified artifact bytes.
+"""The gRPC side of the client: one Get call per graph. It asks by the key the client
+computed (and the sizes the entries' guards are checked on); a hit answers with the artifact
+as stored (zstd), decompressed while it arrives; a miss answers `missing`, and the payload then
+follows on the same stream, with streamed progress until the artifact. Compile (the payload
+alone, artifact decoded) stays for tools and tests; Lookup for `torchfarm doctor`.
 
 A farm may hang without closing anything (a stopped gateway, a dead network path): the
 channel sends keepalive pings, and a Compile that hears nothing (no progress, no chunk) for
@@ -9,12 +12,17 @@ seconds, not after the whole compile timeout. The gateway sends progress every s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import queue
 import threading
-from collections.abc import Callable
+import time
+import typing
+from collections.abc import Callable, Iterator
 
 import grpc
+import zstandard
 
 from torchfarm import signing
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -59,17 +67,30 @@ def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
     )
 
 
-def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
-    farm_channel = channel(settings.addr, settings.tls_ca)
-    try:
-        grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        raise FarmError(
-            f"farm at {settings.addr} unreachable within "
-            f"{settings.connect_timeout_s:g} s"
-            + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)" if settings.tls_ca else "")
-        ) from None
+@functools.cache
+def _farm_stub(farm_channel: grpc.Channel) -> pb_grpc.FarmStub:
     return pb_grpc.FarmStub(farm_channel)
+
+
+_connected: set[grpc.Channel] = set()
+
+
+def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
+    """The channel's stub, once the channel has connected. Waiting for that is checked once
+    per channel (it cost ~0.7 ms and a thread per call): a gateway lost later fails the
+    call at once (UNAVAILABLE), and the channel reconnects by itself."""
+    farm_channel = channel(settings.addr, settings.tls_ca)
+    if farm_channel not in _connected:
+        try:
+            grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise FarmError(
+                f"farm at {settings.addr} unreachable within "
+                f"{settings.connect_timeout_s:g} s"
+                + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)" if settings.tls_ca else "")
+            ) from None
+        _connected.add(farm_channel)
+    return _farm_stub(farm_channel)
 
 
 def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]]:
@@ -97,19 +118,82 @@ def lookup(
     return list(reply.candidates)
 
 
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """An artifact as it arrived: header, bytes (size and digest verified), where the time
+    went (rpc_s: request sent -> header; transfer_s: header -> last chunk, decompress_s
+    included; wire_bytes: chunk bytes received) and the Missing the farm said first, if any."""
+
+    header: pb.ArtifactHeader
+    data: bytes
+    timings: dict[str, float]
+    missing: pb.Missing | None = None
+
+
+def get(
+    ask: pb.Ask,
+    request: pb.CompileRequest | None,
+    settings: ClientSettings,
+    on_progress: Callable[[pb.Progress], None] | None = None,
+    request_id: str = "",
+    on_manifest: Callable[[pb.Manifest], None] | None = None,
+) -> Received:
+    """One graph in one call: `ask` first; `request` (the payload) only if the farm answers
+    `missing` (None: a miss ends the call, FarmError). `on_manifest` hears a prefetch
+    manifest, sent before the head's artifact. `request_id` appears in the gateway's and
+    the worker's log lines."""
+    stub = _stub(settings)
+    outbox: queue.SimpleQueue[pb.GetRequest | None] = queue.SimpleQueue()
+    outbox.put(pb.GetRequest(ask=ask))
+
+    def requests() -> Iterator[pb.GetRequest]:
+        while (message := outbox.get()) is not None:
+            yield message
+
+    missing: list[pb.Missing] = []
+
+    def on_missing(event: pb.Missing) -> None:
+        missing.append(event)
+        if request is not None:
+            outbox.put(pb.GetRequest(compile=request))
+        outbox.put(None)
+
+    call = stub.Get(
+        requests(), timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+    )
+    try:
+        received = _receive(call, settings, on_progress, on_missing, on_manifest)
+    finally:
+        outbox.put(None)  # a hit: the request stream ends with the ask
+    return dataclasses.replace(received, missing=missing[0] if missing else None)
+
+
 def fetch(
     request: pb.CompileRequest,
     settings: ClientSettings,
     on_progress: Callable[[pb.Progress], None] | None = None,
     request_id: str = "",
 ) -> tuple[pb.ArtifactHeader, bytes]:
-    """Send one graph; returns the header and the artifact bytes (digest verified).
-    `request_id` appears in the gateway's and the worker's log lines for this compile."""
-    stub = _stub(settings)
-    header, chunks = None, []
-    call = stub.Compile(
+    """Compile: send one graph's payload; the header and the artifact bytes (verified)."""
+    call = _stub(settings).Compile(
         request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
     )
+    received = _receive(call, settings, on_progress)
+    return received.header, received.data
+
+
+def _receive(
+    call,
+    settings: ClientSettings,
+    on_progress: Callable[[pb.Progress], None] | None,
+    on_missing: Callable[[pb.Missing], None] | None = None,
+    on_manifest: Callable[[pb.Manifest], None] | None = None,
+) -> Received:
+    """Read a CompileEvent stream to its artifact, decoding chunks as they arrive."""
+    started = time.monotonic()
+    header: pb.ArtifactHeader | None = None
+    decoder: _Decoder | None = None
+    timings: dict[str, float] = {}
     silence = _SilenceGuard(call, settings.inactivity_timeout_s)
     try:
         for event in call:
@@ -117,12 +201,20 @@ def fetch(
             kind = event.WhichOneof("event")
             if kind == "progress" and on_progress:
                 on_progress(event.progress)
+            elif kind == "missing" and on_missing:
+                on_missing(event.missing)
+            elif kind == "manifest" and on_manifest:
+                on_manifest(event.manifest)
             elif kind == "header":
                 header = event.header
+                timings["rpc_s"] = time.monotonic() - started
+                decoder = _Decoder(header)
                 if on_progress:
                     on_progress(pb.Progress(stage=pb.Progress.DOWNLOADING))
             elif kind == "chunk":
-                chunks.append(event.chunk)
+                if decoder is None:
+                    raise FarmError("the farm sent artifact bytes before their header")
+                decoder.feed(event.chunk)
     except grpc.RpcError as e:
         if silence.fired:
             raise FarmError(
@@ -132,12 +224,60 @@ def fetch(
         raise FarmError(f"{e.code().name}: {e.details()}") from None
     finally:
         silence.close()
-    if header is None:
+    if header is None or decoder is None:
         raise FarmError("the farm ended the stream without an artifact")
-    data = b"".join(chunks)
-    if len(data) != header.size or hashlib.sha256(data).hexdigest() != header.digest:
-        raise FarmError("artifact failed its digest check; not loading it")
-    return header, data
+    data = decoder.result()
+    timings["transfer_s"] = time.monotonic() - started - timings["rpc_s"]
+    timings["decompress_s"] = decoder.seconds
+    timings["wire_bytes"] = decoder.wire_bytes
+    return Received(header, data, timings)
+
+
+class _Decoder:
+    """The artifact from its chunks: decompressed as they arrive (encoding "zstd"), never
+    past the header's size (a small chunk that would inflate to gigabytes stops at one block
+    past it), then checked against its size and sha256."""
+
+    def __init__(self, header: pb.ArtifactHeader):
+        if header.encoding not in ("", "zstd"):
+            raise FarmError(f"unknown artifact encoding {header.encoding!r}")
+        self.header = header
+        self.parts: list[bytes] = []
+        self.size = self.wire_bytes = 0
+        self.seconds = 0.0
+        # the writer only calls write(): this object is its sink
+        sink = typing.cast(typing.IO[bytes], self)
+        self.zstd = (
+            zstandard.ZstdDecompressor().stream_writer(sink, write_return_read=True)
+            if header.encoding
+            else None
+        )
+
+    def feed(self, chunk: bytes) -> None:
+        self.wire_bytes += len(chunk)
+        if self.zstd is None:
+            self.write(chunk)
+            return
+        started = time.monotonic()
+        try:
+            self.zstd.write(chunk)
+        except zstandard.ZstdError as e:
+            raise FarmError(f"the artifact does not decompress: {e}") from None
+        self.seconds += time.monotonic() - started
+
+    def write(self, part: bytes) -> int:
+        """The decompressor's output (or an unencoded chunk)."""
+        self.size += len(part)
+        if self.size > self.header.size:
+            raise FarmError("the artifact exceeds the size its header gave; not loading it")
+        self.parts.append(bytes(part))
+        return len(part)
+
+    def result(self) -> bytes:
+        data = b"".join(self.parts)
+        if len(data) != self.header.size or hashlib.sha256(data).hexdigest() != self.header.digest:
+            raise FarmError("artifact failed its digest check; not loading it")
+        return data
 
 
 class _SilenceGuard:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from torchfarm.compiler import files, guards, native, serialize, trace_state
+from torchfarm.compiler import files, guards, native, serialize, structure, trace_state
 from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import (
@@ -74,6 +74,7 @@ def compile_payload(
     if threads > 0:
         torch.set_num_threads(threads)
     gm = serialize.loads(payload, size_hints)
+    graph_structure = structure.digest(gm)  # before compiling, which may rewrite the graph
     inputs = serialize.example_inputs(gm)
     # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
     fake_mode = fake_tensors.detect_fake_mode(inputs) or fake_tensors.FakeTensorMode(
@@ -107,6 +108,7 @@ def compile_payload(
         graph_code=gm.code,
         kernels=_kernels(inductor_bytes),
         tuned_configs=_tuned_configs(),
+        structure=graph_structure,
     )
 
 

@@ -10,6 +10,9 @@ The payload holds the graph, its input metadata and the ShapeEnv without size hi
 same model traced anywhere, at any batch size that keeps its symbols, on any one CUDA device
 (payloads name it cuda:0; the target names the device kind only), gives the same key; the
 entries under a key differ by their guards. See docs/cache.md for what goes in and why.
+
+`key_parts` names what a key is made of, one sha256 per part, so a miss can say which parts
+differ from the nearest entry of the same program (docs/cache.md, "Why did it miss?").
 """
 
 from __future__ import annotations
@@ -57,6 +60,55 @@ def cache_key(
     """The key of a request; `private_to` (a tenant) makes it that tenant's alone."""
     key = public_key(payload, target, options)
     return key if private_to is None else private_key(key, private_to)
+
+
+STRUCTURE = "structure"  # the graph's structure digest (compiler/structure.py): not in the key
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _field_values(prefix: str, message: Message) -> dict[str, str]:
+    values = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        values[f"{prefix}.{field.name}"] = (
+            ",".join(_text(v) for v in value) if field.is_repeated else _text(value)
+        )
+    return values
+
+
+def key_values(target: pb.Target, options: pb.Options) -> dict[str, str]:
+    """The readable parts of a key and their values, shown beside a client's own when they
+    differ: every target field, the mode and every trace-state field (canonical options;
+    ValueError on malformed ones). The other parts (graph, structure, config patches) are
+    only ever named."""
+    canonical = canonical_options(options)
+    return {
+        **_field_values("target", target),
+        "options.mode": canonical.mode,
+        **_field_values("trace_state", canonical.state),
+    }
+
+
+def key_parts(
+    payload: bytes, target: pb.Target, options: pb.Options, structure: str = ""
+) -> dict[str, str]:
+    """What the public key is made of, part -> sha256: the graph payload, each target field,
+    the mode, the config patches and each trace-state field; plus the graph's `structure`
+    digest when given (it identifies the program, it is not part of the key)."""
+    parts = {"graph": hashlib.sha256(payload).hexdigest()}
+    if structure:
+        parts[STRUCTURE] = structure
+    parts["options.config_patches"] = hashlib.sha256(
+        canonical_options(options).config_patches_json.encode()
+    ).hexdigest()
+    for part, value in key_values(target, options).items():
+        parts[part] = hashlib.sha256(value.encode()).hexdigest()
+    return parts
 
 
 def job_id(key: str, size_hints: Mapping[str, int]) -> str:

@@ -1,6 +1,10 @@
 """The gateway's work, without gRPC: look entries up, serve a hit or single-flight a miss
 (claim, post, enqueue), and wait for the outcome, as a stream of typed events.
 
+`get` answers Get's ask (a key the client computed, and its SymInt sizes) from the cache
+alone: the newest entry the tenant may see whose shape guards hold on those sizes. It only
+ever reads; a miss goes on through `compile`, which computes the key from the payload.
+
 It owns the typed Job it hands to workers. Transport concerns (authentication, request
 validation, status codes, chunking) stay in gateway/server.py; the queue is injected
 (`enqueue`), so the coordinator runs against a bare redis-server in unit tests.
@@ -27,11 +31,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from torchfarm.cache.artifacts import Codec
+from torchfarm.cache.artifacts import Codec, OutOfMemoryError
 from torchfarm.cache.store import Store
+from torchfarm.contract import shape_guards
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.pools import describe, pool_name
-from torchfarm.gateway import metrics
+from torchfarm.gateway import explain, metrics, prefetch
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.gateway")
@@ -67,8 +72,9 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class Served:
     """The artifact: from the cache ("hit"), this request's compile ("miss"), or another
-    request's compile it waited on ("merged"). It holds the stored (encoded, verified) bytes,
-    decoded chunk by chunk as they are sent: a hit never holds the whole artifact."""
+    request's compile it waited on ("merged"). It holds the stored (encoded, verified) bytes:
+    Get sends them as they are, Compile decodes them chunk by chunk as they are sent (a hit
+    never holds the whole artifact)."""
 
     key: str
     entry: pb.EntryMeta
@@ -116,15 +122,71 @@ class Coordinator:
         self.compile_timeout_s = compile_timeout_s
         self.tenant_max_compiles = tenant_max_compiles
 
-    def lookup(self, key: str, private: bool, tenant: str) -> tuple[str, list[pb.EntryMeta]]:
+    def lookup(
+        self, key: str, private: bool, tenant: str, usage: bool = True
+    ) -> tuple[str, list[pb.EntryMeta]]:
         """The key the tenant meant (its own, derived, for a private lookup) and the entries
-        under it that the tenant may see."""
+        under it that the tenant may see, newest first (`usage`: with hits filled in)."""
         if private:
             key = private_key(key, tenant)
         visible = [
-            e for e in self.store.artifacts.entries(key) if not e.private or e.tenant == tenant
+            e
+            for e in self.store.artifacts.entries(key, usage)
+            if not e.private or e.tenant == tenant
         ]
         return key, visible
+
+    def explain(self, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
+        """Why `ask` found nothing, against the nearest entry the tenant may see."""
+        return explain.explain(self.store, ask, tenant)
+
+    def manifest(self, ask: pb.Ask, tenant: str) -> pb.Manifest | None:
+        """On a hit of a program's head: the graphs to prefetch (None: nothing to send)."""
+        return prefetch.manifest(
+            self.store.programs, lambda k, p, t: self.lookup(k, p, t, usage=False), ask, tenant
+        )
+
+    def record_program(self, ask: pb.Ask, tenant: str, digest: str) -> None:
+        """`ask` was served entry `digest`: remember it in its program, for the next run."""
+        prefetch.record(self.store.programs, ask, tenant, digest)
+
+    def get(self, ask: pb.Ask, tenant: str, request_id: str) -> Served | None:
+        """Get's hit: the newest entry the tenant may see whose guards hold on `ask.sizes`
+        (with `ask.digest`: that entry, whatever the sizes, for a prefetch), verified; None is
+        a miss. The client still checks the signature and the guards on its own inputs."""
+        key, entries = self.lookup(ask.key, ask.private, tenant, usage=False)
+        for entry in entries:
+            asked = entry.digest == ask.digest if ask.digest else _holds(entry.guards, ask.sizes)
+            if not asked:
+                continue
+            stored = self.store.artifacts.stored(key, entry)
+            if stored is None:
+                log.warning("dropped corrupt or missing blob %s of %s", entry.digest[:16], key[:16])
+                continue
+            extra = {"request_id": request_id, "tenant": tenant, "key": key}
+            log.info("hit %s for %s: %s", key[:16], tenant, ask.label, extra=extra)
+            self._count_hit(key, entry)
+            return Served(key, entry, stored, "hit")
+        return None
+
+    def _count_hit(self, key: str, entry: pb.EntryMeta) -> None:
+        """The entry's usage and the counters, in one round trip (both live in the cache's
+        Redis); bookkeeping only: a full Redis skips it with a warning."""
+        pipe = self.store.artifacts.redis.pipeline(transaction=False)
+        self.store.artifacts.record_hit(key, entry.digest, pipe)
+        self.store.counters.count(
+            entry.pool,
+            pipe=pipe,
+            hits=1,
+            bytes_served=entry.size,
+            compile_seconds_saved=entry.compile_seconds,
+        )
+        try:
+            pipe.execute()
+        except OutOfMemoryError:
+            log.warning("the cache's Redis is at its memory limit: hit of %s not counted", key)
+        metrics.RESULTS.labels("hit").inc()
+        metrics.BYTES_SERVED.inc(entry.size)
 
     def compile(self, call: CompileCall, is_active: Callable[[], bool]) -> Iterator[Event]:
         """Serve the request's artifact, compiling it if need be; ends with Served or Failed."""
@@ -150,15 +212,7 @@ class Coordinator:
         if hit is not None:
             entry, stored = hit
             log.info("hit %s for %s: %s", key[:16], tenant, request.label, extra=extra)
-            self.store.artifacts.record_hit(key, entry.digest)
-            self.store.counters.count(
-                entry.pool,
-                hits=1,
-                bytes_served=entry.size,
-                compile_seconds_saved=entry.compile_seconds,
-            )
-            metrics.RESULTS.labels("hit").inc()
-            metrics.BYTES_SERVED.inc(entry.size)
+            self._count_hit(key, entry)
             yield Served(key, entry, stored, "hit")
             return
 
@@ -208,7 +262,10 @@ class Coordinator:
                 yield Failed(Failure.UNAVAILABLE, str(e))
                 return
             source = "miss" if claimed else "merged"
-            self.store.counters.count(pool, **{"misses" if source == "miss" else "merges": 1})
+            if claimed:
+                self.store.counters.count(pool, misses=1)
+            else:
+                self.store.counters.count(pool, merges=1)
             metrics.RESULTS.labels(source).inc()
             log.info(
                 "%s %s for %s: %s",
@@ -355,3 +412,12 @@ class Coordinator:
         if source == "miss":
             metrics.COMPILE_SECONDS.labels(pool, job.options.mode).observe(entry.compile_seconds)
         return Served(job.key, entry, stored, source, outcome.timings)
+
+
+def _holds(guards: pb.ShapeGuards, sizes) -> bool:
+    """Whether an entry's guards hold on the sizes a client sent; a malformed tree, or one
+    over more inputs than sizes, holds nowhere (the gateway evaluates data, never code)."""
+    try:
+        return shape_guards.evaluate(guards, list(sizes))
+    except ValueError:
+        return False

@@ -46,9 +46,16 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 return response
 
             return handler._replace(unary_unary=unary)
-        if handler.unary_stream:
+        field = (
+            "unary_stream"
+            if handler.unary_stream
+            else "stream_stream"
+            if handler.stream_stream
+            else ""
+        )
+        if field:
 
-            def stream(request, context, behavior=handler.unary_stream):
+            def stream(request, context, behavior=getattr(handler, field)):
                 try:
                     yield from behavior(request, context)
                 except BaseException:
@@ -56,7 +63,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                     raise
                 _count(rpc, context)
 
-            return handler._replace(unary_stream=stream)
+            return handler._replace(**{field: stream})
         return handler
 
 

@@ -1,7 +1,8 @@
 """The gRPC gateway: authenticate, validate and size requests, map outcomes to statuses.
 
 The work itself (lookup, serve or single-flight a miss, wait) is the coordinator's
-(gateway/coordinator.py). Nothing here imports torch or the worker: the gateway hashes
+(gateway/coordinator.py). Get sends an entry's bytes as stored (zstd), Compile decoded: one
+sending path, two encodings. Nothing here imports torch or the worker: the gateway hashes
 payloads, reads Redis and queues Celery tasks by name (torchfarm.queue). It never unpickles
 or evaluates anything a client sends.
 """
@@ -23,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from torchfarm import queue, signing
+from torchfarm.cache.artifacts import VerifiedBlobs
 from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
@@ -41,6 +43,11 @@ from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
 
 log = logging.getLogger("torchfarm.gateway")
 MAX_SIZE_HINTS = 4096
+MAX_ASK_SIZES = 4096  # a graph's SymInt inputs
+MAX_KEY_PARTS = 64
+MAX_KEY_PART_CHARS = 64  # names and values (sha256 hex digests) of Ask.key_parts
+MAX_LABEL_CHARS = 200
+STORED = "zstd"  # Get's encoding: the entry's bytes as the cache stores them
 _SYMBOL = re.compile(r"[a-z]{1,3}\d{1,9}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -96,6 +103,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "from this farm (give the gateway the workers' public signing key)"
             )
         self.limiter = limiter
+        store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,
@@ -133,16 +141,72 @@ class FarmServicer(pb_grpc.FarmServicer):
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
-        call = CompileCall(request, self._validate(request, context), tenant, _request_id(context))
+        yield from self._compile(request, tenant, _request_id(context), context, encoding="")
+
+    def Get(self, requests: Iterator[pb.GetRequest], context) -> Iterator[pb.CompileEvent]:
+        """An ask by key first: a hit is answered from it alone (no payload on the wire);
+        a miss says `missing`, and the payload then follows on the same stream as a compile
+        that goes on exactly as Compile (its key computed here, from the payload)."""
+        tenant = self._authenticate(context)
+        first = next(requests, None)
+        if first is None or first.WhichOneof("message") != "ask":
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Get: the first message is an ask")
+        self._validate_ask(first.ask, context)
+        ask = first.ask
+        request_id = _request_id(context)
+        served = self.coordinator.get(ask, tenant, request_id)
+        if served is not None:
+            manifest = self.coordinator.manifest(ask, tenant)  # prefetch: the head's hit
+            if manifest is not None:
+                yield pb.CompileEvent(manifest=manifest)
+            self.coordinator.record_program(ask, tenant, served.entry.digest)
+            yield from self._send(served, STORED)
+            return
+        yield pb.CompileEvent(missing=pb.Missing(explanation=self.coordinator.explain(ask, tenant)))
+        then = next(requests, None)
+        if then is None:  # the client went on without the farm
+            return
+        if then.WhichOneof("message") != "compile":
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Get: after missing, the next message is a compile (the payload), sent once",
+            )
+        yield from self._compile(
+            then.compile,
+            tenant,
+            request_id,
+            context,
+            STORED,
+            lambda served: self.coordinator.record_program(ask, tenant, served.entry.digest),
+        )
+
+    def _compile(
+        self,
+        request: pb.CompileRequest,
+        tenant: str,
+        request_id: str,
+        context,
+        encoding: str,
+        on_served: Callable[[Served], None] | None = None,
+    ) -> Iterator[pb.CompileEvent]:
+        call = CompileCall(request, self._validate(request, context), tenant, request_id)
         for event in self.coordinator.compile(call, context.is_active):
             if isinstance(event, Progress):
                 yield pb.CompileEvent(
                     progress=pb.Progress(stage=event.stage, elapsed_s=event.elapsed_s)
                 )
             elif isinstance(event, Served):
-                yield from self._send(event)
+                if on_served is not None:
+                    on_served(event)
+                yield from self._send(event, encoding)
             elif isinstance(event, Failed):
                 _abort(context, _STATUS[event.kind], event.message)
+
+    def _validate_ask(self, ask: pb.Ask, context) -> None:
+        problem = _ask_problem(ask)
+        if problem:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ask: {problem}")
 
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
@@ -175,9 +239,11 @@ class FarmServicer(pb_grpc.FarmServicer):
         except ValueError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad options: {e}")
 
-    def _send(self, served: Served) -> Iterator[pb.CompileEvent]:
-        """The header, then the artifact decoded one chunk at a time (verified in the same
-        bounded way before): a hit costs a chunk of memory, whatever it inflates to."""
+    def _send(self, served: Served, encoding: str) -> Iterator[pb.CompileEvent]:
+        """The header, then the artifact's chunks: as stored (`encoding` STORED), or decoded
+        one chunk at a time (verified in the same bounded way before), so a hit costs a chunk
+        of memory whatever it inflates to."""
+        stored = served.stored
         yield pb.CompileEvent(
             header=pb.ArtifactHeader(
                 key=served.key,
@@ -187,10 +253,41 @@ class FarmServicer(pb_grpc.FarmServicer):
                 compile_seconds=served.entry.compile_seconds,
                 signature=served.entry.signature,
                 timings=served.timings,
+                encoding=encoding,
+                stored_size=len(stored) if encoding else served.entry.size,
             )
         )
-        for chunk in served.chunks(self.settings.chunk_bytes):
+        step = self.settings.chunk_bytes
+        chunks = (
+            (stored[i : i + step] for i in range(0, len(stored), step))
+            if encoding
+            else served.chunks(step)
+        )
+        for chunk in chunks:
             yield pb.CompileEvent(chunk=chunk)
+
+
+def _ask_problem(ask: pb.Ask) -> str:
+    """What is wrong with an ask ('' if nothing): it only names things, so bounds suffice."""
+    if not _DIGEST.fullmatch(ask.key):
+        return "key: 64 lowercase hex digits"
+    if ask.digest and not _DIGEST.fullmatch(ask.digest):
+        return "digest: empty or 64 lowercase hex digits"
+    if len(ask.sizes) > MAX_ASK_SIZES or any(size < 0 for size in ask.sizes):
+        return f"sizes: at most {MAX_ASK_SIZES}, each >= 0"
+    if len(ask.key_parts) > MAX_KEY_PARTS or any(
+        len(name) > MAX_KEY_PART_CHARS or len(value) > MAX_KEY_PART_CHARS
+        for name, value in ask.key_parts.items()
+    ):
+        return (
+            f"key_parts: at most {MAX_KEY_PARTS}, names and values of at most "
+            f"{MAX_KEY_PART_CHARS} characters"
+        )
+    if ask.program.head and not _DIGEST.fullmatch(ask.program.head):
+        return "program.head: empty or 64 lowercase hex digits"
+    if len(ask.label) > MAX_LABEL_CHARS:
+        return f"label: at most {MAX_LABEL_CHARS} characters"
+    return ""
 
 
 class _Undecodable:
@@ -209,26 +306,54 @@ class UndecodableRequests(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
+        if handler.request_streaming:
+            return handler._replace(
+                request_deserializer=tolerant_parse_of(parse),
+                stream_stream=_checked_stream(handler.stream_stream, handler_call_details.method),
+            )
         behavior_field = "unary_unary" if handler.unary_unary else "unary_stream"
         behavior = getattr(handler, behavior_field)
 
-        def tolerant_parse(data: bytes):
-            try:
-                return parse(data)
-            except Exception as e:  # DecodeError, and whatever else a parser raises
-                return _Undecodable(e)
-
         def checked(request, context):
-            if isinstance(request, _Undecodable):
-                _abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the request is not a valid {handler_call_details.method} "
-                    f"message: {request.error}",
-                )
+            _refuse_undecodable(request, context, handler_call_details.method)
             return behavior(request, context)
 
-        return handler._replace(request_deserializer=tolerant_parse, **{behavior_field: checked})
+        return handler._replace(
+            request_deserializer=tolerant_parse_of(parse), **{behavior_field: checked}
+        )
+
+
+def tolerant_parse_of(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def tolerant_parse(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # DecodeError, and whatever else a parser raises
+            return _Undecodable(e)
+
+    return tolerant_parse
+
+
+def _refuse_undecodable(request, context, method: str) -> None:
+    if isinstance(request, _Undecodable):
+        _abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {method} message: {request.error}",
+        )
+
+
+def _checked_stream(behavior, method: str):
+    """A bidirectional handler whose request messages are each checked as they are read."""
+
+    def checked(requests, context):
+        def decoded():
+            for request in requests:
+                _refuse_undecodable(request, context, method)
+                yield request
+
+        return behavior(decoded(), context)
+
+    return checked
 
 
 def _request_id(context) -> str:

@@ -646,18 +646,71 @@ Global___Missing: _TypeAlias = Missing  # noqa: Y015
 
 @_typing.final
 class MissExplanation(_message.Message):
+    """What the client's key_parts are compared with: among the entries this tenant may see, those
+    of the same program (the same graph structure: ops without shapes, dtypes or constants), and
+    the nearest of them (most parts equal). Private entries of other tenants are never looked at.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
+
+    NEAREST_FOUND_FIELD_NUMBER: _builtins.int
+    DIFFERS_FIELD_NUMBER: _builtins.int
+    FAILED_GUARDS_FIELD_NUMBER: _builtins.int
+    SAME_PROGRAM_FIELD_NUMBER: _builtins.int
+    nearest_found: _builtins.bool
+    """an entry of the same program was found"""
+    same_program: _builtins.int
+    """entries of the same program this tenant may see"""
+    @_builtins.property
+    def differs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartDifference]:
+        """the nearest entry's parts that differ from the Ask's"""
+
+    @_builtins.property
+    def failed_guards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The asked key has entries this tenant may see, but none holds for Ask.sizes: the guards
+        that failed, in contract/shape_guards' text form (e.g. "t0 <= 64"), at most a few.
+        """
 
     def __init__(
         self,
+        *,
+        nearest_found: _builtins.bool = ...,
+        differs: _abc.Iterable[Global___PartDifference] | None = ...,
+        failed_guards: _abc.Iterable[_builtins.str] | None = ...,
+        same_program: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["differs", b"differs", "failed_guards", b"failed_guards", "nearest_found", b"nearest_found", "same_program", b"same_program"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MissExplanation: _TypeAlias = MissExplanation  # noqa: Y015
+
+@_typing.final
+class PartDifference(_message.Message):
+    """One key part (contract/cache_key.py names them, e.g. "target.torch_version", "options.mode")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PART_FIELD_NUMBER: _builtins.int
+    ENTRY_VALUE_FIELD_NUMBER: _builtins.int
+    part: _builtins.str
+    entry_value: _builtins.str
+    """the nearest entry's value for a readable part, else empty"""
+    def __init__(
+        self,
+        *,
+        part: _builtins.str = ...,
+        entry_value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry_value", b"entry_value", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartDifference: _TypeAlias = PartDifference  # noqa: Y015
 
 @_typing.final
 class Manifest(_message.Message):
@@ -1137,12 +1190,17 @@ class Artifact(_message.Message):
     KERNELS_FIELD_NUMBER: _builtins.int
     TUNED_CONFIGS_FIELD_NUMBER: _builtins.int
     GUARDS_FIELD_NUMBER: _builtins.int
+    STRUCTURE_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
     compile_seconds: _builtins.float
     graph_code: _builtins.str
     """the graph's readable Python code, for operators"""
+    structure: _builtins.str
+    """The graph's structure digest (compiler/structure.py), computed by the child from the graph
+    it compiled: groups the entries of one program for explaining misses, nothing more.
+    """
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
     @_builtins.property
@@ -1175,10 +1233,11 @@ class Artifact(_message.Message):
         kernels: _abc.Iterable[Global___Kernel] | None = ...,
         tuned_configs: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
         guards: Global___ShapeGuards | None = ...,
+        structure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1470,6 +1529,46 @@ class EntryMeta(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class KeyPartsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class KeyValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     DIGEST_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     STORED_BYTES_FIELD_NUMBER: _builtins.int
@@ -1493,6 +1592,8 @@ class EntryMeta(_message.Message):
     GUARDS_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
     PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    KEY_PARTS_FIELD_NUMBER: _builtins.int
+    KEY_VALUES_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     """sha256 of the artifact bytes"""
     size: _builtins.int
@@ -1534,6 +1635,16 @@ class EntryMeta(_message.Message):
     def guards(self) -> Global___ShapeGuards:
         """opaque to the gateway: evaluated by clients only"""
 
+    @_builtins.property
+    def key_parts(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """entry's key derives from it); lets `cache import` verify
+        Explaining misses (issue 19): sha256 of each part of the key (contract/cache_key.py
+        key_parts), computed by the worker, never taken from a client; and the readable parts'
+        values (target fields, mode, trace state) to show against a client's own.
+        """
+
+    @_builtins.property
+    def key_values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
         self,
         *,
@@ -1560,10 +1671,12 @@ class EntryMeta(_message.Message):
         guards: Global___ShapeGuards | None = ...,
         signature: _builtins.bytes = ...,
         public_key: _builtins.str = ...,
+        key_parts: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        key_values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "key_parts", b"key_parts", "key_values", b"key_values", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from torchfarm.cache import pools
 from torchfarm.cache.artifacts import CacheFull, digest_of
 from torchfarm.cache.store import Store
 from torchfarm.compiler.target import local_target
-from torchfarm.contract.cache_key import private_key, public_key
+from torchfarm.contract.cache_key import STRUCTURE, key_parts, key_values, private_key, public_key
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
@@ -31,6 +32,7 @@ from torchfarm.settings import WorkerSettings
 from torchfarm.workers import canary, metrics, sandbox, toolchain
 
 log = logging.getLogger("torchfarm.worker")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 _GRAPH_CODE_CHARS = 20_000  # the readable graph kept with an entry, for `torchfarm cache show`
 
 
@@ -131,6 +133,7 @@ def _compile_and_store(
     meta = _entry_meta(job, artifact, pool)
     meta.digest, meta.size = digest_of(data), len(data)
     meta.public_key = _graph_key(job, payload)
+    _record_key_parts(meta, job, payload, artifact.structure)
     if settings.signing_key:  # else TORCHFARM_INSECURE_UNSIGNED, which run_worker warned of
         meta.signature = signing.sign_entry(_signer(settings.signing_key), meta.public_key, meta)
     timings = pb.MissTimings(
@@ -151,6 +154,8 @@ def _compile_and_store(
             uncached=(meta, data),
         )
         return "uncached", 0
+    if STRUCTURE in meta.key_parts:
+        store.structures.add(meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
@@ -207,6 +212,16 @@ def _graph_key(job: pb.Job, payload: bytes) -> str:
     if job.key != expected:
         raise ValueError(f"the job's key {job.key[:16]} is not its payload's ({expected[:16]})")
     return graph_key
+
+
+def _record_key_parts(meta: pb.EntryMeta, job: pb.Job, payload: bytes, structure: str) -> None:
+    """What the entry's key is made of, computed here from what was compiled (a client's parts
+    are never stored), to explain the misses of the same program. The structure comes from the
+    child: it only groups entries, so a malformed one is left out."""
+    if not _DIGEST.fullmatch(structure):
+        structure = ""
+    meta.key_parts.update(key_parts(payload, job.target, job.options, structure))
+    meta.key_values.update(key_values(job.target, job.options))
 
 
 def _entry_meta(job: pb.Job, artifact: pb.Artifact, pool: str) -> pb.EntryMeta:

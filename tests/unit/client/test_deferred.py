@@ -43,7 +43,9 @@ def _farm_down():
 
 
 def _artifact_whose_guards_fail():
-    return pb.Artifact(guards=guards.parse("1 == 2", 0)), pb.ArtifactHeader(source="hit"), {}
+    return backend.Fetched(
+        pb.Artifact(guards=guards.parse("1 == 2", 0)), pb.ArtifactHeader(source="hit"), {}
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """A process that exits while graphs are still being fetched exits at once: the pool's
-threads do not hold it (the farm here is a gRPC server whose Compile never finishes)."""
+threads do not hold it (the farm here is a gRPC server whose Get misses, then never
+finishes the compile)."""
 
 import subprocess
 import sys
@@ -27,7 +28,7 @@ CLIENT = textwrap.dedent(
 
     torch.compile(lambda x: x.sin() + 1, backend=capture)(torch.randn(4))
     print("submitted", flush=True)
-    sys.stdin.readline()  # the farm has the Compile call: exit with it in flight
+    sys.stdin.readline()  # the farm has the payload: exit with its compile in flight
     """
 )
 
@@ -40,10 +41,10 @@ class EndlessFarm(pb_grpc.FarmServicer):
     def Info(self, request, context):
         return pb.InfoReply(verify_keys=[self.verify_key])
 
-    def Lookup(self, request, context):
-        return pb.LookupReply()
-
-    def Compile(self, request, context):
+    def Get(self, requests, context):
+        next(requests)  # the ask
+        yield pb.CompileEvent(missing=pb.Missing())
+        next(requests)  # the payload
         self.compiling.set()
         while context.is_active():
             yield pb.CompileEvent(progress=pb.Progress(stage=pb.Progress.COMPILING))
