@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from torchfarm import signing, torch_adapter
-from torchfarm.client import remote
+from torchfarm.client import remote, switching
 from torchfarm.client.pool import Job, pool
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import guards, serialize, trace_state
@@ -60,6 +60,11 @@ class GraphRecord:
     submitted: float = 0.0
     awaited: float = 0.0
     deferred: bool = False
+    # no-wait mode (client/switching.py): source "eager-while-compiling" when the graph starts
+    # running eagerly; then the record of the code it switched to (`switched`, monotonic; 0:
+    # none) or of the eager graph it stays (a failing farm), with the calls that ran eagerly
+    eager_calls: int = 0
+    switched: float = 0.0
     # farm graphs: where the time went, seconds: the worker's MissTimings on a miss (queued_s,
     # handoff_s, child_s, compile_s, store_s), then transfer_s and load_s here
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -78,6 +83,7 @@ def torchfarm_backend(
     *,
     addr: str | None = None,
     token: str | None = None,
+    wait: bool | None = None,
 ) -> Callable:
     """Compile one Dynamo graph on the farm; `options` are Inductor config patches.
 
@@ -85,8 +91,9 @@ def torchfarm_backend(
     into Dynamo's ShapeEnv, no split to hand to Dynamo) is fetched in the background and the
     call returns at once, so that the graphs Dynamo hands over before running any
     (DDPOptimizer's buckets) compile in parallel; its first call waits for it. Any other
-    graph blocks here, as before."""
-    settings = ClientSettings.from_env(addr=addr, token=token)
+    graph blocks here, as before. With `wait` False (TORCHFARM_WAIT=0) a graph that the farm
+    does not serve at once runs eagerly until its code arrives (client/switching.py)."""
+    settings = ClientSettings.from_env(addr=addr, token=token, wait=wait)
     farm_options = pb.Options(
         mode=mode or "default",
         config_patches_json=json.dumps(options, sort_keys=True) if options else "",
@@ -105,22 +112,164 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
-        if settings.parallel_graphs and deferrable(gm):
+        if not settings.wait:
+            request.label = f"{label} (eager while compiling)"  # what the progress line shows
+            answer = switching.FarmAnswer()
+            remote.channel(settings.addr, settings.tls_ca)
+            job = pool(max(settings.parallel_graphs, 1)).submit(
+                functools.partial(_fetch, request, settings, inputs, answer.heard)
+            )
+            if not answer.serves(job):
+                return _eager_while_compiling(
+                    gm, example_inputs, job, farm_options, label, started, settings
+                )
+            artifact, header, timings = job.result()  # a hit: served as in wait mode
+        elif settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
                 functools.partial(_fetch, request, settings, inputs)
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        artifact, header, timings = _fetch(request, settings, inputs)
+        else:
+            artifact, header, timings = _fetch(request, settings, inputs)
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
+        if not settings.wait:  # nor make it wait: handled at the first call, as a later failure
+            failed: Job = Job(lambda: None)
+            failed.future.set_exception(e)
+            return _eager_while_compiling(
+                gm, example_inputs, failed, farm_options, label, started, settings
+            )
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
     _record_farm(label, header, started, started, timings)
     return compiled
+
+
+def _eager_while_compiling(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    job: Job,
+    options: pb.Options,
+    label: str,
+    submitted: float,
+    settings: ClientSettings,
+) -> switching.SwitchingGraph:
+    """No-wait mode: the graph runs eagerly until `job` (the farm's fetch) brings its code.
+    On a farm failure it stays eager, or (TORCHFARM_NOWAIT_FALLBACK=local, static graphs: a
+    local compile off Dynamo's thread cannot put guards into its ShapeEnv) compiles here in
+    the background."""
+    history.append(
+        GraphRecord(label, "eager-while-compiling", 0.0, submitted=submitted, awaited=submitted)
+    )
+    log.info("%s: running eagerly while the farm compiles it", label)
+    compile_here = None
+    if settings.nowait_fallback == "local" and deferrable(gm):
+        compile_here = functools.partial(_compile_off_thread, gm, example_inputs, options)
+    resolve = functools.partial(
+        _farm_code,
+        options,
+        serialize.local_device_index(gm),
+        label,
+        submitted,
+        settings.progress,
+        compile_here,
+    )
+    inputs = serialize.example_inputs(gm)
+    return switching.SwitchingGraph(gm, inputs, switching.Pending(job, resolve), label)
+
+
+def _farm_code(
+    options: pb.Options,
+    device_index: int | None,
+    label: str,
+    submitted: float,
+    progress: bool,
+    compile_here: Callable[[], Callable] | None,
+    job: Job,
+    graph: switching.SwitchingGraph,
+) -> switching.Next:
+    """A no-wait graph's fetch is done: its loaded artifact to switch to; or, on a failure,
+    the eager graph for good (one warning), or a local compile in the background."""
+    try:
+        artifact, header, timings = job.result()
+        with switching.global_state_or_none() as free:
+            if not free:  # a local compile in the background patches it: try at the next call
+                return graph.pending
+            compiled = _load(artifact, options, device_index, timings)
+    except Exception as e:  # the farm must never break training, nor make it wait
+        if compile_here is None:
+            why = _farm_failed(e, label, submitted, instead="running eagerly")
+            _stays_eager(label, submitted, graph, why)
+            return None
+        why = _farm_failed(e, label, submitted, instead="compiling locally, eager meanwhile")
+        local = pool(1).submit(compile_here)
+        resolve = functools.partial(_local_code, label, submitted, progress, why)
+        return switching.Pending(local, resolve)
+    _record_farm(label, header, submitted, submitted, timings, eager_calls=graph.eager_calls)
+    switching.announce(
+        f"{label}: switched to the farm's code after {graph.eager_calls} eager calls", progress
+    )
+    return compiled, artifact.guards
+
+
+def _compile_off_thread(gm, example_inputs, options: pb.Options) -> Callable:
+    """Inductor on a pool thread, in the trace state captured on Dynamo's (grad mode and
+    autocast are per thread), while no load may patch torch's global state."""
+    with switching.holding_global_state(), trace_state.applied(options.state):
+        return compile_locally(gm, example_inputs, config_patches(options))
+
+
+def _local_code(
+    label: str,
+    submitted: float,
+    progress: bool,
+    why: str,
+    job: Job,
+    graph: switching.SwitchingGraph,
+) -> switching.Next:
+    """A no-wait graph's local compile (the farm failed) is done: its code, or eager for good."""
+    try:
+        compiled = job.result()
+    except Exception as e:
+        _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
+        _stays_eager(label, submitted, graph, f"{why}; local: {type(e).__name__}: {e}")
+        return None
+    history.append(
+        GraphRecord(
+            label,
+            "local",
+            time.monotonic() - submitted,
+            why=why[-2000:],
+            submitted=submitted,
+            awaited=submitted,
+            eager_calls=graph.eager_calls,
+            switched=time.monotonic(),
+        )
+    )
+    log.info("%s: local in %.2f s (%s)", label, time.monotonic() - submitted, why)
+    switching.announce(
+        f"{label}: switched to local code after {graph.eager_calls} eager calls", progress
+    )
+    return compiled, pb.ShapeGuards()
+
+
+def _stays_eager(label: str, submitted: float, graph: switching.SwitchingGraph, why: str) -> None:
+    history.append(
+        GraphRecord(
+            label,
+            "eager",
+            time.monotonic() - submitted,
+            why=why[-2000:],
+            submitted=submitted,
+            awaited=submitted,
+            eager_calls=graph.eager_calls,
+        )
+    )
+    log.info("%s: eager (%s)", label, why)
 
 
 class DeferredGraph:
@@ -176,6 +325,7 @@ def _record_farm(
     awaited: float,
     timings: dict[str, float],
     deferred=False,
+    eager_calls: int = 0,
 ) -> None:
     record = GraphRecord(
         label,
@@ -186,6 +336,8 @@ def _record_farm(
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
+        eager_calls=eager_calls,
+        switched=time.monotonic() if eager_calls else 0.0,
         timings=timings,
     )
     history.append(record)
@@ -200,13 +352,16 @@ def _record_farm(
     )
 
 
-def _farm_failed(e: Exception, label: str, started: float) -> str:
-    """Warns (once) that a graph compiles locally because of `e`; returns why, for the record."""
+def _farm_failed(
+    e: Exception, label: str, started: float, instead: str = "compiling locally"
+) -> str:
+    """Warns (once) that a graph is compiled locally (or what `instead` says) because of `e`;
+    returns why, for the record."""
     if isinstance(e, remote.UntrustedEntry):  # a miss: those bytes are never loaded
-        _warn_once(f"{e}; compiling locally")
+        _warn_once(f"{e}; {instead}")
         return f"untrusted: {e}"
     log.info("%s: farm failed after %.2f s (%s)", label, time.monotonic() - started, e)
-    _warn_once(f"farm unavailable ({e}); compiling locally")
+    _warn_once(f"farm unavailable ({e}); {instead}")
     return f"farm: {type(e).__name__}: {e}"
 
 
@@ -233,11 +388,15 @@ def _request(gm, settings, options, label) -> pb.CompileRequest:
 
 
 def _fetch(
-    request: pb.CompileRequest, settings: ClientSettings, inputs: list
+    request: pb.CompileRequest,
+    settings: ClientSettings,
+    inputs: list,
+    heard: Callable[[pb.Progress], None] | None = None,
 ) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
     """Lookup, Compile and the signature checks: the farm's part, network and protobuf only
     (safe on a pool thread). `inputs` choose among the key's entries by their guards. Also
-    where the time went (GraphRecord.timings)."""
+    where the time went (GraphRecord.timings). `heard` sees every progress event (no-wait mode
+    tells a hit, DOWNLOADING, from a compile by the first)."""
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", request.label, request_id)
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
@@ -258,6 +417,8 @@ def _fetch(
     def on_progress(event: pb.Progress) -> None:
         if event.stage == pb.Progress.DOWNLOADING:
             downloading[0] = time.monotonic()
+        if heard:
+            heard(event)
         progress(event)
 
     try:
