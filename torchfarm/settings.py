@@ -37,15 +37,6 @@ class ClientSettings:
     # TORCHFARM_WAIT=0: on a miss, run the graph eagerly while the farm compiles it, then switch
     # to its compiled code between two calls (client/switching.py); a hit is served as with 1
     wait: bool = True
-    # TORCHFARM_NOWAIT_FALLBACK: what a no-wait graph does when the farm fails: "eager" (stay
-    # eager, one warning) or "local" (compile locally in the background, then switch)
-    nowait_fallback: str = "eager"
-
-    def __post_init__(self) -> None:
-        if self.nowait_fallback not in ("eager", "local"):
-            raise ValueError(
-                f"TORCHFARM_NOWAIT_FALLBACK={self.nowait_fallback!r}: expected eager or local"
-            )
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -61,7 +52,6 @@ class ClientSettings:
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
             wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
-            nowait_fallback=_env("TORCHFARM_NOWAIT_FALLBACK", "eager"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

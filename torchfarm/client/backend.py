@@ -158,28 +158,17 @@ def _eager_while_compiling(
     submitted: float,
     settings: ClientSettings,
 ) -> switching.SwitchingGraph:
-    """No-wait mode: the graph runs eagerly until `job` (the farm's fetch) brings its code.
-    On a farm failure it stays eager, or (TORCHFARM_NOWAIT_FALLBACK=local, static graphs: a
-    local compile off Dynamo's thread cannot put guards into its ShapeEnv) compiles here in
-    the background."""
+    """No-wait mode: the graph runs eagerly until `job` (the farm's fetch) brings its code;
+    on a farm failure it stays eager (no local compile: docs/architecture.md, "Never wait")."""
     history.append(
         GraphRecord(label, "eager-while-compiling", 0.0, submitted=submitted, awaited=submitted)
     )
     log.info("%s: running eagerly while the farm compiles it", label)
-    compile_here = None
-    if settings.nowait_fallback == "local" and deferrable(gm):
-        compile_here = functools.partial(_compile_off_thread, gm, example_inputs, options)
     resolve = functools.partial(
-        _farm_code,
-        options,
-        serialize.local_device_index(gm),
-        label,
-        submitted,
-        settings.progress,
-        compile_here,
+        _farm_code, options, serialize.local_device_index(gm), label, submitted, settings.progress
     )
     inputs = serialize.example_inputs(gm)
-    return switching.SwitchingGraph(gm, inputs, switching.Pending(job, resolve), label)
+    return switching.SwitchingGraph(gm, inputs, job, resolve, label)
 
 
 def _farm_code(
@@ -188,73 +177,23 @@ def _farm_code(
     label: str,
     submitted: float,
     progress: bool,
-    compile_here: Callable[[], Callable] | None,
     job: Job,
     graph: switching.SwitchingGraph,
-) -> switching.Next:
+) -> switching.Switch | None:
     """A no-wait graph's fetch is done: its loaded artifact to switch to; or, on a failure,
-    the eager graph for good (one warning), or a local compile in the background."""
+    None: the graph stays eager (one warning)."""
     try:
         artifact, header, timings = job.result()
-        with switching.global_state_or_none() as free:
-            if not free:  # a local compile in the background patches it: try at the next call
-                return graph.pending
-            compiled = _load(artifact, options, device_index, timings)
+        compiled = _load(artifact, options, device_index, timings)
     except Exception as e:  # the farm must never break training, nor make it wait
-        if compile_here is None:
-            why = _farm_failed(e, label, submitted, instead="running eagerly")
-            _stays_eager(label, submitted, graph, why)
-            return None
-        why = _farm_failed(e, label, submitted, instead="compiling locally, eager meanwhile")
-        local = pool(1).submit(compile_here)
-        resolve = functools.partial(_local_code, label, submitted, progress, why)
-        return switching.Pending(local, resolve)
+        why = _farm_failed(e, label, submitted, instead="running eagerly")
+        _stays_eager(label, submitted, graph, why)
+        return None
     _record_farm(label, header, submitted, submitted, timings, eager_calls=graph.eager_calls)
     switching.announce(
         f"{label}: switched to the farm's code after {graph.eager_calls} eager calls", progress
     )
     return compiled, artifact.guards
-
-
-def _compile_off_thread(gm, example_inputs, options: pb.Options) -> Callable:
-    """Inductor on a pool thread, in the trace state captured on Dynamo's (grad mode and
-    autocast are per thread), while no load may patch torch's global state."""
-    with switching.holding_global_state(), trace_state.applied(options.state):
-        return compile_locally(gm, example_inputs, config_patches(options))
-
-
-def _local_code(
-    label: str,
-    submitted: float,
-    progress: bool,
-    why: str,
-    job: Job,
-    graph: switching.SwitchingGraph,
-) -> switching.Next:
-    """A no-wait graph's local compile (the farm failed) is done: its code, or eager for good."""
-    try:
-        compiled = job.result()
-    except Exception as e:
-        _warn_once(f"local compile failed too ({type(e).__name__}: {e}); running eagerly")
-        _stays_eager(label, submitted, graph, f"{why}; local: {type(e).__name__}: {e}")
-        return None
-    history.append(
-        GraphRecord(
-            label,
-            "local",
-            time.monotonic() - submitted,
-            why=why[-2000:],
-            submitted=submitted,
-            awaited=submitted,
-            eager_calls=graph.eager_calls,
-            switched=time.monotonic(),
-        )
-    )
-    log.info("%s: local in %.2f s (%s)", label, time.monotonic() - submitted, why)
-    switching.announce(
-        f"{label}: switched to local code after {graph.eager_calls} eager calls", progress
-    )
-    return compiled, pb.ShapeGuards()
 
 
 def _stays_eager(label: str, submitted: float, graph: switching.SwitchingGraph, why: str) -> None:

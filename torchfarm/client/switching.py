@@ -17,12 +17,10 @@ runs on a load: the farm ships the objects).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,45 +37,8 @@ log = logging.getLogger("torchfarm")
 # its download; a farm that says nothing in this time (unreachable, slow) costs no more.
 FIRST_WORD_S = 1.0
 
-# Held by a local compile in the background (TORCHFARM_NOWAIT_FALLBACK=local) while it
-# patches torch's process-global state off the training thread; a load on the training thread
-# never waits for it: the graph stays eager one more call instead.
-_global_state = threading.Lock()
-
 # What a graph switches to: its code and the shape guards under which that code is valid.
 Switch = tuple[Callable, pb.ShapeGuards]
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """A job in the background, and what turns its outcome into the graph's next step (called
-    on the calling thread, between two calls, once the job is done)."""
-
-    job: Job
-    resolve: Callable[[Job, SwitchingGraph], Next]
-
-
-# The code to switch to; a job still to wait for (the same: try again at the next call); or
-# None: eager for good.
-Next = Switch | Pending | None
-
-
-@contextlib.contextmanager
-def holding_global_state() -> Iterator[None]:
-    """Around a compile off the training thread: no load runs meanwhile."""
-    with _global_state:
-        yield
-
-
-@contextlib.contextmanager
-def global_state_or_none() -> Iterator[bool]:
-    """Holds torch's global state for a load if it is free; yields whether it is."""
-    free = _global_state.acquire(blocking=False)
-    try:
-        yield free
-    finally:
-        if free:
-            _global_state.release()
 
 
 class FarmAnswer:
@@ -106,49 +67,45 @@ class FarmAnswer:
 
 
 class SwitchingGraph:
-    """A graph's code in no-wait mode: the eager graph until `pending` resolves to code, then
-    that code for every call whose sizes its shape guards cover (other sizes keep running
-    eagerly). `eager_calls` counts the calls that ran eagerly."""
+    """A graph's code in no-wait mode: the eager graph until `job` is done and `resolve`
+    (called then, on the calling thread, between two calls) gives code to switch to; then that
+    code for every call whose sizes its shape guards cover, other sizes running eagerly. If
+    `resolve` gives None (the farm failed) the graph stays eager. `eager_calls` counts the
+    calls that ran eagerly."""
 
     def __init__(
         self,
         gm: torch.fx.GraphModule,
         example_inputs: Sequence[object],
-        pending: Pending,
+        job: Job,
+        resolve: Callable[[Job, SwitchingGraph], Switch | None],
         label: str,
     ):
         self._eager = gm.forward
         self.label = label
         symbols = {id(s) for s in symbol_inputs(example_inputs)}
         self._symbols = [i for i, x in enumerate(example_inputs) if id(x) in symbols]
-        self.pending: Pending | None = pending
+        self._job: Job | None = job
+        self._resolve = resolve
         self._compiled: Callable | None = None
         self._guards = pb.ShapeGuards()
         self._covered: dict[tuple[int, ...], bool] = {}
         self._lock = threading.Lock()
         self.eager_calls = 0
 
-    @property
-    def switched(self) -> bool:
-        return self._compiled is not None
-
     def __call__(self, *args: Any) -> Any:
-        pending = self.pending
-        if pending is not None and pending.job.future.done():
-            self._advance(pending)
+        job = self._job
+        if job is not None and job.future.done():
+            with self._lock:
+                if self._job is job:  # not taken by another thread meanwhile
+                    self._job = None
+                    switch = self._resolve(job, self)
+                    if switch is not None:
+                        self._compiled, self._guards = switch
         if self._compiled is not None and self._covers(args):
             return self._compiled(*args)
         self.eager_calls += 1
         return self._eager(*args)
-
-    def _advance(self, pending: Pending) -> None:
-        with self._lock:
-            if self.pending is not pending:  # another thread got there first
-                return
-            outcome = pending.resolve(pending.job, self)
-            self.pending = outcome if isinstance(outcome, Pending) else None
-            if isinstance(outcome, tuple):
-                self._compiled, self._guards = outcome
 
     def _covers(self, args: Sequence[Any]) -> bool:
         """Whether the switched-to code's shape guards hold for these sizes (memoized)."""
