@@ -36,6 +36,8 @@ log = logging.getLogger("torchfarm")
 # a miss says so within a round trip or two (the gateway's first progress event), a hit starts
 # its download; a farm that says nothing in this time (unreachable, slow) costs no more.
 FIRST_WORD_S = 1.0
+# A fetch that no pool thread has taken after this long waits behind other graphs' compiles.
+QUEUED_S = 0.25
 
 # What a graph switches to: its code and the shape guards under which that code is valid.
 Switch = tuple[Callable, pb.ShapeGuards]
@@ -59,6 +61,8 @@ class FarmAnswer:
         """Whether `job` brought (or is bringing: then this waits for it) an artifact: a hit,
         served as in wait mode. False: the farm compiles, failed, or said nothing in time."""
         job.future.add_done_callback(lambda _: self._heard.set())
+        if not self._heard.wait(min(QUEUED_S, first_word_s)) and not job.future.running():
+            return False  # every pool thread is busy with other graphs: no word will come soon
         if not self._heard.wait(first_word_s):
             return False
         if self.downloading:

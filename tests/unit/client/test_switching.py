@@ -57,6 +57,16 @@ def test_any_other_first_word_means_the_farm_compiles_and_is_not_waited_for():
     release.set()
 
 
+def test_a_fetch_waiting_for_a_pool_thread_is_not_waited_for():
+    release = threading.Event()
+    busy = Pool(1)
+    busy.submit(release.wait)  # the one thread compiles another graph
+    answer, queued = FarmAnswer(), busy.submit(lambda: "artifact")
+    assert not answer.serves(queued, first_word_s=30)
+    release.set()
+    assert queued.future.result() == "artifact"
+
+
 def test_silence_and_failure_are_not_hits():
     release = threading.Event()
     answer, job = _answer_to([], then=release.wait)
