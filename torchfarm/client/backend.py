@@ -189,7 +189,9 @@ def _farm_code(
         why = _farm_failed(e, label, submitted, instead="running eagerly")
         _stays_eager(label, submitted, graph, why)
         return None
-    _record_farm(label, header, submitted, submitted, timings, eager_calls=graph.eager_calls)
+    _record_farm(
+        label, header, submitted, submitted, timings, eager_calls=graph.eager_calls, switched=True
+    )
     switching.announce(
         f"{label}: switched to the farm's code after {graph.eager_calls} eager calls", progress
     )
@@ -265,6 +267,7 @@ def _record_farm(
     timings: dict[str, float],
     deferred=False,
     eager_calls: int = 0,
+    switched: bool = False,
 ) -> None:
     record = GraphRecord(
         label,
@@ -276,7 +279,7 @@ def _record_farm(
         awaited=awaited,
         deferred=deferred,
         eager_calls=eager_calls,
-        switched=time.monotonic() if eager_calls else 0.0,
+        switched=time.monotonic() if switched else 0.0,
         timings=timings,
     )
     history.append(record)
