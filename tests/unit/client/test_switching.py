@@ -151,3 +151,14 @@ def test_sizes_outside_the_codes_shape_guards_run_eagerly():
         args = [batch if isinstance(a, torch.SymInt) else tensors.pop(0) for a in inputs]
         torch.testing.assert_close(graph(*args)[0], f(x, w))
     assert len(compiled_calls) == 2 and graph.eager_calls == 2
+
+
+def test_wait_is_on_unless_turned_off_by_the_environment_or_the_call(monkeypatch):
+    from torchfarm.settings import ClientSettings
+
+    monkeypatch.delenv("TORCHFARM_WAIT", raising=False)
+    assert ClientSettings.from_env().wait
+    assert not ClientSettings.from_env(wait=False).wait
+    monkeypatch.setenv("TORCHFARM_WAIT", "0")
+    assert not ClientSettings.from_env().wait
+    assert ClientSettings.from_env(wait=True).wait  # torchfarm.compile(wait=True) wins
