@@ -61,9 +61,10 @@ class FarmAnswer:
         """Whether `job` brought (or is bringing: then this waits for it) an artifact: a hit,
         served as in wait mode. False: the farm compiles, failed, or said nothing in time."""
         job.future.add_done_callback(lambda _: self._heard.set())
-        if not self._heard.wait(min(QUEUED_S, first_word_s)) and not job.future.running():
+        queued_s = min(QUEUED_S, first_word_s)
+        if not self._heard.wait(queued_s) and not job.future.running():
             return False  # every pool thread is busy with other graphs: no word will come soon
-        if not self._heard.wait(first_word_s):
+        if not self._heard.wait(first_word_s - queued_s):
             return False
         if self.downloading:
             concurrent.futures.wait([job.future])
