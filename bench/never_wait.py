@@ -13,8 +13,8 @@ Targets printed: nowait_first_s <= 1.2 x (trace_first_s + round_trip_s); nowait_
 1.05 x min(eager, local, farm wait); nowait_step_ms within 2% of farm_step_ms.
 
     .venv/bin/python bench/never_wait.py [--models cpu] [--steps 200] [--json PATH]
-    python3 bench/never_wait.py --device cuda --models gpt \
-        --modes default,max-autotune-no-cudagraphs
+    python3 bench/never_wait.py --device cuda --models gpt --modes default \
+        [--farm-gpu 1 --client-gpu 0]   (2 GPUs: the farm on other hardware than the client)
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def run_case(case: str, args, model: str, mode: str, addr: str) -> dict:
         TORCHFARM_PROGRESS="0",
         TORCHFARM_WAIT="0" if case == "nowait" else "1",
     )
+    if args.client_gpu:  # the farm compiles (and autotunes) on another GPU than the client's
+        env["CUDA_VISIBLE_DEVICES"] = args.client_gpu
     command = [sys.executable, os.path.abspath(__file__), "--child", case, "--models", model]
     command += ["--device", args.device, "--modes", mode, "--steps", str(args.steps)]
     out = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -195,6 +197,8 @@ def main() -> None:
     parser.add_argument("--modes", default="default", help="comma-separated torch.compile modes")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--farm-gpu", help="CUDA_VISIBLE_DEVICES of the farm (e.g. 1)")
+    parser.add_argument("--client-gpu", help="CUDA_VISIBLE_DEVICES of the measured processes")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -204,7 +208,8 @@ def main() -> None:
 
     results = []
     sandbox = os.environ.get("TORCHFARM_SANDBOX", "bwrap")
-    with LocalFarm(device=args.device, sandbox=sandbox) as farm:
+    farm_env = {"CUDA_VISIBLE_DEVICES": args.farm_gpu} if args.farm_gpu else None
+    with LocalFarm(device=args.device, sandbox=sandbox, extra_env=farm_env) as farm:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
                 results.append(measure(args, farm, model, mode))

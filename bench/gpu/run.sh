@@ -47,9 +47,10 @@ for PART in "$@"; do  # each part starts a farm of its own
             --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), 16 cores"
     elif [ "$PART" = ddp ]; then  # needs 2 GPUs (nvidia-h200-x2): one rank per GPU
         PYTHONUNBUFFERED=1 python3 bench/ddp.py --device cuda --json "$OUT/results-ddp.json" || echo "ddp failed ($?)"
-    elif [ "$PART" = never_wait ]; then  # issue 20: MODELS (default gpt), MODES, STEPS
+    elif [ "$PART" = never_wait ]; then  # issue 20: MODELS (default gpt), MODES, STEPS, FARM_GPU/CLIENT_GPU
         PYTHONUNBUFFERED=1 python3 bench/never_wait.py --device cuda --models "${MODELS:-gpt}" \
-            --modes "${MODES:-default}" --steps "${STEPS:-200}" --json "$OUT/never_wait.json" || echo "never_wait failed ($?)"
+            --modes "${MODES:-default}" --steps "${STEPS:-200}" --json "$OUT/never_wait.json" \
+            ${FARM_GPU:+--farm-gpu "$FARM_GPU" --client-gpu "$CLIENT_GPU"} || echo "never_wait failed ($?)"
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else

@@ -60,6 +60,21 @@ def test_inference_runs_eagerly_until_the_farms_code_arrives_then_runs_it(farm):
     assert 1 <= switch.eager_calls <= calls, (switch, calls)
     assert switch.switched >= switch.submitted
 
+    # A hit in this mode is served as in wait mode: at once, no eager call (on a farm slower
+    # than FIRST_WORD_S to answer, a late hit: then it switches at the next call).
+    torch._dynamo.reset()
+    backend.history.clear()
+    again = _nowait(f, farm)
+    calls = 0
+    with torch.no_grad():
+        while calls < 2 or all(r.source == "eager-while-compiling" for r in backend.history):
+            x = torch.randn(5, 24)
+            torch.testing.assert_close(again(x), f(x), atol=ATOL, rtol=1e-4)
+            calls += 1
+            assert calls < CALLS_LIMIT
+    sources = [r.source for r in backend.history]
+    assert sources in (["hit"], ["eager-while-compiling", "hit"]), backend.history
+
 
 def test_a_training_loop_matches_eager_before_and_after_the_switch(farm):
     torch.manual_seed(0)
