@@ -50,7 +50,7 @@ for PART in "$@"; do  # each part starts a farm of its own
     elif [ "$PART" = never_wait ]; then  # issue 20: MODELS (default gpt), MODES, STEPS, FARM_GPU/CLIENT_GPU
         PYTHONUNBUFFERED=1 python3 bench/never_wait.py --device cuda --models "${MODELS:-gpt}" \
             --modes "${MODES:-default}" --steps "${STEPS:-200}" --json "$OUT/never_wait.json" \
-            ${FARM_GPU:+--farm-gpu "$FARM_GPU" --client-gpu "$CLIENT_GPU"} || echo "never_wait failed ($?)"
+            ${FARM_GPU:+--farm-gpu "$FARM_GPU" --client-gpu "${CLIENT_GPU:-0}"} || echo "never_wait failed ($?)"
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else
