@@ -34,6 +34,9 @@ class ClientSettings:
     # TORCHFARM_PARALLEL_GRAPHS: static graphs fetched from the farm at once, in the background,
     # while Dynamo goes on (each is one gRPC stream); 0 = every graph blocks the backend
     parallel_graphs: int = 8
+    # TORCHFARM_WAIT=0: on a miss, run the graph eagerly while the farm compiles it, then switch
+    # to its compiled code between two calls (client/switching.py); a hit is served as with 1
+    wait: bool = True
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -48,6 +51,7 @@ class ClientSettings:
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
+            wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

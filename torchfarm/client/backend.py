@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from torchfarm import signing, torch_adapter
-from torchfarm.client import explain, remote
+from torchfarm.client import explain, remote, switching
 from torchfarm.client.pool import Job, pool
 from torchfarm.client.prefetch import program
 from torchfarm.client.progress import ProgressLine
@@ -64,6 +64,11 @@ class GraphRecord:
     submitted: float = 0.0
     awaited: float = 0.0
     deferred: bool = False
+    # no-wait mode (client/switching.py): source "eager-while-compiling" when the graph starts
+    # running eagerly; then the record of the code it switched to (`switched`, monotonic; 0:
+    # none) or of the eager graph it stays (a failing farm), with the calls that ran eagerly
+    eager_calls: int = 0
+    switched: float = 0.0
     # farm graphs: where the time went (seconds, and wire_bytes): the worker's MissTimings on a
     # miss (queued_s, handoff_s, child_s, compile_s, store_s); here payload_s (the graph
     # serialized, target and options included), key_s, rpc_s (Get sent -> header; a miss's
@@ -101,6 +106,7 @@ def torchfarm_backend(
     *,
     addr: str | None = None,
     token: str | None = None,
+    wait: bool | None = None,
 ) -> Callable:
     """Compile one Dynamo graph on the farm; `options` are Inductor config patches.
 
@@ -108,8 +114,9 @@ def torchfarm_backend(
     into Dynamo's ShapeEnv, no split to hand to Dynamo) is fetched in the background and the
     call returns at once, so that the graphs Dynamo hands over before running any
     (DDPOptimizer's buckets) compile in parallel; its first call waits for it. Any other
-    graph blocks here, as before."""
-    settings = ClientSettings.from_env(addr=addr, token=token)
+    graph blocks here, as before. With `wait` False (TORCHFARM_WAIT=0) a graph that the farm
+    does not serve at once runs eagerly until its code arrives (client/switching.py)."""
+    settings = ClientSettings.from_env(addr=addr, token=token, wait=wait)
     farm_options = pb.Options(
         mode=mode or "default",
         config_patches_json=json.dumps(options, sort_keys=True) if options else "",
@@ -131,23 +138,105 @@ def torchfarm_backend(
         payload_s = time.monotonic() - started
         ask = _ask(gm, request, inputs)
         before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
-        if settings.parallel_graphs and deferrable(gm):
+        if not settings.wait:
+            request.label = f"{label} (eager while compiling)"  # what the progress line shows
+            answer = switching.FarmAnswer()
+            remote.channel(settings.addr, settings.tls_ca)
+            job = pool(max(settings.parallel_graphs, 1)).submit(
+                functools.partial(_fetch, request, ask, settings, inputs, before, answer.heard)
+            )
+            if not answer.serves(job):
+                return _eager_while_compiling(
+                    gm, example_inputs, job, farm_options, label, started, settings
+                )
+            fetched = job.result()  # a hit: served as in wait mode
+        elif settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
                 functools.partial(_fetch, request, ask, settings, inputs, before)
             )
             log.debug("%s: submitted", label)
             return DeferredGraph(gm, job, farm_options, label, started)
-        fetched = _fetch(request, ask, settings, inputs, before)
+        else:
+            fetched = _fetch(request, ask, settings, inputs, before)
         artifact, timings = fetched.artifact, fetched.timings
         if not guards.install(artifact.guards, inputs):
             raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
+        if not settings.wait:  # nor make it wait: handled at the first call, as a later failure
+            failed: Job = Job(lambda: None)
+            failed.future.set_exception(e)
+            return _eager_while_compiling(
+                gm, example_inputs, failed, farm_options, label, started, settings
+            )
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
     _record_farm(label, fetched, started, started)
     return compiled
+
+
+def _eager_while_compiling(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    job: Job,
+    options: pb.Options,
+    label: str,
+    submitted: float,
+    settings: ClientSettings,
+) -> switching.SwitchingGraph:
+    """No-wait mode: the graph runs eagerly until `job` (the farm's fetch) brings its code;
+    on a farm failure it stays eager (no local compile: docs/architecture.md, "Never wait")."""
+    history.append(
+        GraphRecord(label, "eager-while-compiling", 0.0, submitted=submitted, awaited=submitted)
+    )
+    log.info("%s: running eagerly while the farm compiles it", label)
+    resolve = functools.partial(
+        _farm_code, options, serialize.local_device_index(gm), label, submitted, settings.progress
+    )
+    inputs = serialize.example_inputs(gm)
+    return switching.SwitchingGraph(gm, inputs, job, resolve, label)
+
+
+def _farm_code(
+    options: pb.Options,
+    device_index: int | None,
+    label: str,
+    submitted: float,
+    progress: bool,
+    job: Job,
+    graph: switching.SwitchingGraph,
+) -> switching.Switch | None:
+    """A no-wait graph's fetch is done: its loaded artifact to switch to; or, on a failure,
+    None: the graph stays eager (one warning)."""
+    try:
+        fetched = job.result()
+        artifact = fetched.artifact
+        compiled = _load(artifact, options, device_index, fetched.timings)
+    except Exception as e:  # the farm must never break training, nor make it wait
+        why = _farm_failed(e, label, submitted, instead="running eagerly")
+        _stays_eager(label, submitted, graph, why)
+        return None
+    _record_farm(label, fetched, submitted, submitted, eager_calls=graph.eager_calls, switched=True)
+    switching.announce(
+        f"{label}: switched to the farm's code after {graph.eager_calls} eager calls", progress
+    )
+    return compiled, artifact.guards
+
+
+def _stays_eager(label: str, submitted: float, graph: switching.SwitchingGraph, why: str) -> None:
+    history.append(
+        GraphRecord(
+            label,
+            "eager",
+            time.monotonic() - submitted,
+            why=why[-2000:],
+            submitted=submitted,
+            awaited=submitted,
+            eager_calls=graph.eager_calls,
+        )
+    )
+    log.info("%s: eager (%s)", label, why)
 
 
 class DeferredGraph:
@@ -198,7 +287,13 @@ class DeferredGraph:
 
 
 def _record_farm(
-    label: str, fetched: Fetched, submitted: float, awaited: float, deferred=False
+    label: str,
+    fetched: Fetched,
+    submitted: float,
+    awaited: float,
+    deferred=False,
+    eager_calls: int = 0,
+    switched: bool = False,
 ) -> None:
     header = fetched.header
     record = GraphRecord(
@@ -210,6 +305,8 @@ def _record_farm(
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
+        eager_calls=eager_calls,
+        switched=time.monotonic() if switched else 0.0,
         timings=fetched.timings,
         explanation=fetched.explanation,
         prefetched=fetched.prefetched,
@@ -228,13 +325,16 @@ def _record_farm(
     )
 
 
-def _farm_failed(e: Exception, label: str, started: float) -> str:
-    """Warns (once) that a graph compiles locally because of `e`; returns why, for the record."""
+def _farm_failed(
+    e: Exception, label: str, started: float, instead: str = "compiling locally"
+) -> str:
+    """Warns (once) that a graph is compiled locally (or what `instead` says) because of `e`;
+    returns why, for the record."""
     if isinstance(e, remote.UntrustedEntry):  # a miss: those bytes are never loaded
-        _warn_once(f"{e}; compiling locally")
+        _warn_once(f"{e}; {instead}")
         return f"untrusted: {e}"
     log.info("%s: farm failed after %.2f s (%s)", label, time.monotonic() - started, e)
-    _warn_once(f"farm unavailable ({e}); compiling locally")
+    _warn_once(f"farm unavailable ({e}); {instead}")
     return f"farm: {type(e).__name__}: {e}"
 
 
@@ -282,26 +382,36 @@ def _fetch(
     settings: ClientSettings,
     inputs: list,
     before: dict[str, float],
+    heard: Callable[[pb.Progress], None] | None = None,
 ) -> Fetched:
     """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
     the signature check. The farm's part, network and protobuf only (safe on a pool thread);
     the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
-    payload_s and key_s)."""
+    payload_s and key_s). `heard` sees every progress event (no-wait mode tells a hit,
+    DOWNLOADING, from a compile, QUEUED on `missing`, by the first)."""
     prefetched = _prefetched(ask, inputs)
     if prefetched is not None:
         prefetched.timings.update(before)
+        if heard:
+            heard(pb.Progress(stage=pb.Progress.DOWNLOADING))
         return prefetched
     request_id = uuid.uuid4().hex[:16]
     log.debug("%s: request %s", request.label, request_id)
     # Signing: nothing from the farm is evaluated or loaded unless a trusted key signed it.
     trusted = remote.verifier(settings, request_id)
     progress = ProgressLine(request.label, settings.progress)
+
+    def on_progress(event: pb.Progress) -> None:
+        if heard:
+            heard(event)
+        progress(event)
+
     try:
         received = remote.get(
             ask,
             request,
             settings,
-            on_progress=progress,
+            on_progress=on_progress,
             request_id=request_id,
             on_manifest=functools.partial(_prefetch, settings),
         )

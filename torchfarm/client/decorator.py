@@ -17,12 +17,14 @@ def compile(
     options: dict | None = None,
     addr: str | None = None,
     token: str | None = None,
+    wait: bool | None = None,
 ):
-    """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments."""
+    """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments.
+    `wait=False` runs a graph the farm must compile eagerly meanwhile (default: TORCHFARM_WAIT)."""
     from torchfarm.client.backend import torchfarm_backend
 
     backend = functools.partial(
-        torchfarm_backend, mode=mode, options=options, addr=addr, token=token
+        torchfarm_backend, mode=mode, options=options, addr=addr, token=token, wait=wait
     )
     kwargs = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 

@@ -156,6 +156,8 @@ def get(
         missing.append(event)
         if request is not None:
             outbox.put(pb.GetRequest(compile=request))
+            if on_progress:  # the compile is on its way to a queue
+                on_progress(pb.Progress(stage=pb.Progress.QUEUED))
         outbox.put(None)
 
     call = stub.Get(
