@@ -38,15 +38,27 @@ ARTIFACT_FORMAT = 3
 # Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
 # the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
+# Ship every Triton kernel built: its binaries and statically launchable autotuners go into
+# the artifact (TritonBundler), so a GPU hit runs no Triton compile, no ptxas and no
+# launcher build (torch_adapter/triton_bundle.py); both are torch's defaults outside fbcode,
+# set here so that no environment variable turns them off.
 _WORKER_CONFIG = {
     "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
     "triton.autotune_at_compile_time": True,
+    "bundle_triton_into_fx_graph_cache": True,
+    "use_static_cuda_launcher": True,
 }
 # Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
 # backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
 _WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}
-# Loading must not start a compile-worker pool or probe the ISA.
-_LOAD_CONFIG = {"cpp_cache_precompile_headers": False, "compile_threads": 1}
+# Loading must not start a compile-worker pool or probe the ISA, and must unpack the Triton
+# kernels the artifact carries and launch them statically, whatever the user's environment.
+_LOAD_CONFIG = {
+    "cpp_cache_precompile_headers": False,
+    "compile_threads": 1,
+    "bundle_triton_into_fx_graph_cache": True,
+    "use_static_cuda_launcher": True,
+}
 
 
 def config_patches(options: pb.Options) -> dict:
