@@ -126,3 +126,15 @@ def test_a_dynamic_training_graph_loads_from_memory_equal_to_eager_at_every_size
         eager, got = _step(gm, inputs), _step(loaded, inputs)
         for a, b in zip(got, eager, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_the_planted_artifact_of_the_signing_tests_would_run_if_loaded(tmp_path, empty_cache_dir):
+    # The control for test_signing.py: its hostile bytes are live in this format, so its
+    # "never ran" assertions can fail; only the signature check keeps them from loading.
+    from tests.integration.test_signing import _hostile_artifact
+
+    marker = str(tmp_path / "pwned")
+    artifact = pb.Artifact.FromString(_hostile_artifact(marker))
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the non-callable fails with
+        inductor.load_artifact(artifact)
+    assert os.path.exists(marker)
