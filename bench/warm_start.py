@@ -8,12 +8,17 @@ fresh process with an empty local cache unless said otherwise, side by side in o
                   with an empty local dir: what a user picks instead of a farm
   farm_miss       backend="torchfarm" on an empty farm (embedded LocalFarm)
   farm_hit        the same again, empty local cache
+  trace_only      backend="eager": Dynamo's tracing alone, the floor of a hit that traces
 
-It prints each median, the ratios, and where a miss's time went (the worker's account in the
-artifact header, the client's own around it); `--json PATH` writes the medians and
-`farm_miss_overhead_s` (farm miss minus the compile child's own compile time).
+It prints each median, the ratios, where a miss's time went (the worker's account in the
+artifact header, the client's own around it) and where a hit's time went (the profile:
+Dynamo's tracing, then per hit, summed over its graphs, whatever timings the client
+recorded: payload, key, RPCs, bytes on the wire, decompression, verification, the load and
+its C++ / Triton kernel loading, and the rest: the first run). `--json PATH` writes
+the medians, `farm_miss_overhead_s` (farm miss minus the compile child's own compile time)
+and `hit_profile`. `--model big` measures 8 blocks of width 256 instead of 2 of width 128.
 
-    .venv/bin/python bench/warm_start.py [--repeats 3] [--json PATH]
+    .venv/bin/python bench/warm_start.py [--repeats 3] [--model big] [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ STAGES = {
     "pt_remote_warm": "PyTorch remote cache (Redis)",
     "farm_miss": "farm miss",
     "farm_hit": "farm hit, empty local cache",
+    "trace_only": "Dynamo tracing alone (eager)",
 }
 PT_REMOTE = {
     "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "1",
@@ -51,6 +57,20 @@ PT_REMOTE = {
 }
 # Where a miss's time went: the worker's MissTimings, then the client's around them.
 BREAKDOWN = ("queued_s", "handoff_s", "child_s", "compile_s", "store_s", "transfer_s", "load_s")
+# Where a hit's time went, in the order it is spent; any other timing a hit records is
+# printed after these. load_native_s and load_triton_s are parts of load_s.
+HIT_PARTS = (
+    "payload_s",
+    "key_s",
+    "rpc_s",
+    "transfer_s",
+    "wire_bytes",
+    "decompress_s",
+    "verify_s",
+    "load_s",
+    "load_native_s",
+    "load_triton_s",
+)
 
 
 def measure(backend: str, cache_dir: str, addr: str = "", env: dict | None = None) -> dict:
@@ -99,13 +119,36 @@ def plain_redis():
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def hit_profile(hits: list[dict], trace_only: float) -> dict[str, float]:
+    """Median over hits of each timing summed over the hit's graphs. `trace_only_s`: the
+    trace_only stage's whole first step (Dynamo alone, another process); `dynamo_s`: the
+    hit's own Dynamo compile minus its backend calls; `backend_s`: from each graph's
+    submission until its code was ready (fetch and load); `rest_s`: what the step spent
+    outside Dynamo's compile (the first run, first-use costs)."""
+    seen = {part for hit in hits for graph in hit["graphs"] for part in graph}
+    parts = [p for p in HIT_PARTS if p in seen] + sorted(seen - set(HIT_PARTS))
+    profile = {
+        "trace_only_s": trace_only,
+        "dynamo_s": statistics.median(h["compile_s"] - h["backend_compile_s"] for h in hits),
+    }
+    for part in parts:
+        profile[part] = statistics.median(sum(g.get(part, 0.0) for g in h["graphs"]) for h in hits)
+    profile["backend_s"] = statistics.median(h["backend_s"] for h in hits)
+    profile["rest_s"] = statistics.median(h["seconds"] - h["compile_s"] for h in hits)
+    profile["graphs"] = statistics.median(len(h["graphs"]) for h in hits)
+    return profile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the medians (seconds) here")
+    parser.add_argument("--model", choices=("small", "big"), default="small")
     args = parser.parse_args()
+    os.environ["BENCH_MODEL"] = args.model  # the children's model (first_result.py)
     runs: dict[str, list[float]] = {k: [] for k in STAGES}
     misses: list[dict] = []
+    hits: list[dict] = []
     with LocalFarm() as farm, plain_redis() as redis_port:
         store = farm.store()
         remote = dict(PT_REMOTE, TORCHINDUCTOR_REDIS_HOST="127.0.0.1")
@@ -130,6 +173,8 @@ def main() -> None:
             hit = measure("torchfarm", tempfile.mkdtemp(), farm.addr)
             assert hit["source"] == "hit", hit
             runs["farm_hit"].append(hit["seconds"])
+            hits.append(hit)
+            runs["trace_only"].append(measure("eager", tempfile.mkdtemp())["seconds"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     # Per miss: its timings summed over its graphs; then the median of each part.
     parts = {
@@ -166,12 +211,20 @@ def main() -> None:
         f"farm_only_overhead_s = {med['farm_only_overhead_s']:.2f}  (queue, hand-off, the "
         "child beyond its compile, store, transfer)"
     )
+    profile = hit_profile(hits, med["trace_only"])
+    print("farm hit, where the time went (median over hits, summed over graphs):")
+    for part, value in profile.items():
+        print(
+            f"  {part:<15} {value:12.4f}" if part != "wire_bytes" else f"  {part:<15} {value:12.0f}"
+        )
     print(f"farm_miss / local_cold      = {med['farm_miss'] / med['local_cold']:.2f}  (<= 1.0)")
     print(f"farm_hit / pt_remote_warm   = {med['farm_hit'] / med['pt_remote_warm']:.2f}")
     print(f"farm_hit / pt_local_warm    = {med['farm_hit'] / med['pt_local_warm']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**med, "breakdown": parts, "runs": runs}, f, indent=1)
+            json.dump(
+                {**med, "breakdown": parts, "hit_profile": profile, "runs": runs}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

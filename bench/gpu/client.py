@@ -174,6 +174,13 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                 # the farm's account of each graph (client/backend.py GraphRecord.timings),
                 # summed over graphs: the hit profile
                 "timings": _summed([r.timings for r in history]),
+                # A hit's Triton kernels come ready from the artifact: binaries emitted and
+                # statically launched kernels loaded, with ptxas_calls 0 (issue 19).
+                "triton_bundle": {
+                    k: v
+                    for k, v in torch._dynamo.utils.counters["inductor"].items()
+                    if k.startswith("triton_bundler_")
+                },
                 "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             }
         )

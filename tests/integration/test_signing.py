@@ -41,16 +41,10 @@ class _Exploit:
 
 
 def _hostile_artifact(marker: str) -> bytes:
-    """An Artifact whose load writes `marker`: CompiledArtifact.load unpickles what follows
-    the AOTCompiledArtifact header."""
-    from torch._inductor.codecache import torch_key
-    from torch.utils._appending_byte_serializer import BytesWriter
-
-    writer = BytesWriter()
-    writer.write_bytes(b"AOTCompiledArtifact")
-    writer.write_bytes(torch_key())
-    writer.write_bytes(pickle.dumps(_Exploit(f"open({marker!r}, 'w').write('pwned')")))
-    return pb.Artifact(format=ARTIFACT_FORMAT, inductor=writer.to_bytes()).SerializeToString()
+    """An Artifact whose load writes `marker`: the loader unpickles the `inductor` bytes
+    (AOTAutograd's bundled entry)."""
+    exploit = pickle.dumps(_Exploit(f"open({marker!r}, 'w').write('pwned')"))
+    return pb.Artifact(format=ARTIFACT_FORMAT, inductor=exploit).SerializeToString()
 
 
 def _model(width: int) -> torch.nn.Module:

@@ -1,12 +1,13 @@
 """Every Redis key and channel torchfarm uses, and nothing else. The prefix carries the
 format version, so an upgrade never reads old data as new (tf2: entries, outcomes and stages
-are protobuf messages and enums; tf3: an entry's guards are a ShapeGuards tree, not text).
+are protobuf messages and enums; tf3: an entry's guards are a ShapeGuards tree, not text;
+tf4: artifacts hold AOTAutograd's bundled entry, loaded from memory, ARTIFACT_FORMAT 3).
 
 Two servers may hold them: the cache (blobs, index, usage, counters) and the broker's Redis
 (jobs, claims, stages, outcomes, notifications and pools, next to Celery's queues), so a
 full cache never stops a compile from being queued and answered."""
 
-FORMAT = "tf3"
+FORMAT = "tf4"
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256

@@ -497,6 +497,7 @@ def _load(
         artifact,
         cudagraphs=bool(config_patches(options).get("triton.cudagraphs")),
         device_index=device_index,
+        timings=timings,
     )
     timings["load_s"] = time.monotonic() - started
     return lambda *args: compiled(*args)

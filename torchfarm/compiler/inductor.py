@@ -23,27 +23,42 @@ from torchfarm.torch_adapter import (
     fake_tensors,
     precompiled_headers,
     standalone,
+    triton_bundle,
 )
 from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
 from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.shape_env import ShapeEnv
 
-ARTIFACT_FORMAT = 2  # 2: guards as a ShapeGuards tree, not Python text (issue 17)
+# 2: guards as a ShapeGuards tree, not Python text (issue 17); 3: `inductor` holds AOTAutograd's
+# bundled entry, loaded from memory (issue 19), not a CompiledArtifact file
+ARTIFACT_FORMAT = 3
 
 # Precompiled C++ headers: on once the worker has built them for all its children, which it
 # says in their environment (workers/toolchain.py); a child would otherwise build its own.
 # Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
 # the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
+# Ship every Triton kernel built: its binaries and statically launchable autotuners go into
+# the artifact (TritonBundler), so a GPU hit runs no Triton compile, no ptxas and no
+# launcher build (torch_adapter/triton_bundle.py); both are torch's defaults outside fbcode,
+# set here so that no environment variable turns them off.
 _WORKER_CONFIG = {
     "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
     "triton.autotune_at_compile_time": True,
+    "bundle_triton_into_fx_graph_cache": True,
+    "use_static_cuda_launcher": True,
 }
 # Compile the backward now, on the farm: by default AOTAutograd lowers it at the first
 # backward call (on the client), and torch 2.11 then saves no AOTAutograd entry at all.
 _WORKER_FUNCTORCH_CONFIG = {"force_non_lazy_backward_lowering": True}
-# Loading must not start a compile-worker pool or probe the ISA.
-_LOAD_CONFIG = {"cpp_cache_precompile_headers": False, "compile_threads": 1}
+# Loading must not start a compile-worker pool or probe the ISA, and must unpack the Triton
+# kernels the artifact carries and launch them statically, whatever the user's environment.
+_LOAD_CONFIG = {
+    "cpp_cache_precompile_headers": False,
+    "compile_threads": 1,
+    "bundle_triton_into_fx_graph_cache": True,
+    "use_static_cuda_launcher": True,
+}
 
 
 def config_patches(options: pb.Options) -> dict:
@@ -90,14 +105,15 @@ def compile_payload(
         autotune_progress.reporting(on_stage),
         AutogradCacheLog() as cache_log,
     ):
-        compiled = standalone.compile_graph(gm, inputs, config_patches(options))
+        try:
+            compiled = standalone.compile_graph(gm, inputs, config_patches(options))
+        except standalone.NotSaveable as e:  # say why AOTAutograd did not cache it
+            raise RuntimeError(
+                "Inductor compiled the graph but cannot save it: "
+                f"{'; '.join(cache_log.messages) or e}"
+            ) from e
     shape_guards = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
-    try:
-        inductor_bytes = standalone.save(compiled)
-    except RuntimeError as e:  # not saveable: say why AOTAutograd did not cache it
-        raise RuntimeError(
-            f"Inductor compiled the graph but cannot save it: {'; '.join(cache_log.messages) or e}"
-        ) from e
+    inductor_bytes = standalone.save(compiled)
     return pb.Artifact(
         format=ARTIFACT_FORMAT,
         inductor=inductor_bytes,
@@ -143,14 +159,13 @@ def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
 
 
 @contextlib.contextmanager
-def _artifact_cache_dir(artifact: pb.Artifact, device_index: int | None) -> Iterator[str]:
-    """An Inductor cache dir that holds this artifact alone, for one device, reused when it
-    loads again.
+def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
+    """The Inductor cache dir of this artifact alone, reused when it loads again.
 
-    `CompiledArtifact.load` looks the graph up in the local FX cache with its shape guards
-    switched off, so the first entry under the graph's key wins. Two artifacts of one
-    dynamic graph (say batch <= 4096 and batch > 4096) share that key: loaded into one
-    directory, the second would silently run the first one's code.
+    The artifact itself loads from memory; what Inductor's loader must still write lands
+    here, once: the output code's Python module (imported from a file), the C++ libraries
+    (`dlopen` needs a file) and, on a GPU, the Triton kernel binaries (the static launcher
+    loads a cubin from a path) with the worker's autotune results for them.
     """
     digest = hashlib.sha256(artifact.inductor).hexdigest()
     directory = os.path.join(standalone.cache_dir(), "torchfarm", digest[:32])
@@ -159,7 +174,10 @@ def _artifact_cache_dir(artifact: pb.Artifact, device_index: int | None) -> Iter
 
 
 def load_artifact(
-    artifact: pb.Artifact, cudagraphs: bool = False, device_index: int | None = None
+    artifact: pb.Artifact,
+    cudagraphs: bool = False,
+    device_index: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> Callable:
     """Load an Artifact into a callable taking the graph's inputs; compiles no C++.
 
@@ -167,22 +185,23 @@ def load_artifact(
     (Inductor's cudagraph trees) around the loaded code, as a local compile would.
     `device_index`: the caller's CUDA device (serialize.local_device_index), where code
     compiled for the canonical device 0 is made to run (None or 0: as compiled).
+    `timings` gets where the load's time went: `load_native_s` (C++ libraries written and
+    loaded) and `load_triton_s` (Triton binaries written, static launchers loaded).
     """
     if artifact.format != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {artifact.format}, this client reads {ARTIFACT_FORMAT}")
     objects = {n.source_sha256: n.binary for n in artifact.natives}
-    with _artifact_cache_dir(artifact, device_index) as directory:
-        path = os.path.join(directory, "artifact.bin")
-        if not os.path.exists(path):
-            files.write_atomically(path, artifact.inductor)
-        with (
-            standalone.inductor_config.patch(_LOAD_CONFIG),
-            native.provide(objects, os.path.join(directory, "native")),
-            _autotune_results_here(directory, artifact.tuned_configs),
-            cudagraphs_on_load(cudagraphs),
-            device_remap.on_device(device_index),
-        ):
-            return standalone.load(path)
+    spent = timings if timings is not None else {}
+    with (
+        _artifact_cache_dir(artifact) as directory,
+        standalone.inductor_config.patch(_LOAD_CONFIG),
+        native.provide(objects, os.path.join(directory, "native"), spent),
+        triton_bundle.timed(spent),
+        _autotune_results_here(directory, artifact.tuned_configs),
+        cudagraphs_on_load(cudagraphs),
+        device_remap.on_device(device_index),
+    ):
+        return standalone.load(artifact.inductor)
 
 
 @contextlib.contextmanager

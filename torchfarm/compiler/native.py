@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 
 from torchfarm.compiler import files
@@ -47,10 +48,15 @@ def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
 
 
 @contextlib.contextmanager
-def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
-    """Client side: load C++ libraries from `objects` (written under `directory`), never g++."""
+def provide(
+    objects: dict[str, bytes], directory: str, timings: dict[str, float] | None = None
+) -> Iterator[None]:
+    """Client side: load C++ libraries from `objects` (written under `directory`: `dlopen`
+    takes a path), never g++. Adds the time it took to `timings["load_native_s"]`."""
+    spent = timings if timings is not None else {}
 
     def load_async(cls, original, main_code, *args, optimized_code=None, **kwargs):
+        started = time.perf_counter()
         digest = _source_digest(main_code, optimized_code)
         binary = objects.get(digest)
         if binary is None:
@@ -59,6 +65,7 @@ def provide(objects: dict[str, bytes], directory: str) -> Iterator[None]:
         if not os.path.exists(path):
             files.write_atomically(path, binary)
         lib = cpp_libraries.load_library(cls, path, f"torchfarm_{digest[:32]}")
+        spent["load_native_s"] = spent.get("load_native_s", 0.0) + time.perf_counter() - started
         return lambda: lib
 
     with cpp_libraries.wrapped_load_async(load_async):

@@ -1,9 +1,24 @@
-"""Inductor's standalone compile: compile a graph into a CompiledArtifact, save it, load it.
+"""Inductor's standalone compile: compile a graph into an artifact, serialize it, load it.
 
-Uses torch._inductor.standalone_compile and CompiledArtifact (save/load, "binary" format),
+The worker compiles with `standalone_compile(..., aot=True)`: AOTAutograd's bundled cache
+entry (`BundledAOTAutogradResult`) then holds the compiled forward and backward graphs
+themselves, their Triton bundle (kernel binaries and statically launchable autotuners)
+included, instead of FX-cache keys. `AOTCompiledArtifact.serialize()` gives its bytes in
+memory and `AOTCompiledArtifact.deserialize(bytes)` loads them from memory: no artifact file,
+no Mega-Cache unpacking into the cache dir, no FX-cache lookup by key (so two artifacts of
+one dynamic graph cannot collide). The default format (`CacheCompiledArtifact`) could only
+be loaded from a file, by unpacking every entry into the cache dir and looking it up there.
+
+`load` runs the post-compile in a TracingContext of its own, as `CacheCompiledArtifact`'s
+loader does: the caller may be inside Dynamo's backend, whose context must not see it.
+`cache_dir_at` swaps TORCHINDUCTOR_CACHE_DIR, which Inductor reads on every access (no
+torch object is patched).
+
+Uses torch._inductor.standalone_compile (its `aot` flag and the "should have serialize
+method" RuntimeError raised when AOTAutograd bundled nothing), standalone_compile
+.AOTCompiledArtifact (serialize, deserialize), torch._guards.TracingContext / tracing,
 torch._inductor.list_mode_options, the Inductor and functorch config modules, and
-torch._inductor.runtime.cache_dir_utils.cache_dir. `cache_dir_at` swaps
-TORCHINDUCTOR_CACHE_DIR, which Inductor reads on every access (no torch object is patched).
+torch._inductor.runtime.cache_dir_utils.cache_dir.
 Verified: torch 2.11.0, 2.13.0, 2.15.0.
 """
 
@@ -11,15 +26,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 
 import torch._inductor
 from torch._functorch import config as functorch_config
+from torch._guards import TracingContext, tracing
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch._inductor.standalone_compile import AOTCompiledArtifact
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = [
+    "NotSaveable",
     "cache_dir",
     "cache_dir_at",
     "compile_graph",
@@ -31,32 +50,41 @@ __all__ = [
 ]
 
 
+class NotSaveable(RuntimeError):
+    """Inductor compiled the graph, but AOTAutograd made no cache entry of it."""
+
+
 def mode_options(mode: str) -> dict:
     """The Inductor config patches that a torch.compile mode stands for."""
     return dict(torch._inductor.list_mode_options(mode))
 
 
 def compile_graph(gm: torch.fx.GraphModule, inputs: list, config_patches: dict):
-    """AOTAutograd + Inductor on a graph whose inputs carry their own fake mode."""
-    return torch._inductor.standalone_compile(
-        gm, inputs, dynamic_shapes="from_graph", options={"config_patches": config_patches}
-    )
+    """AOTAutograd + Inductor on a graph whose inputs carry their own fake mode, bundled
+    into one serializable entry. Raises NotSaveable when AOTAutograd did not cache it."""
+    try:
+        return torch._inductor.standalone_compile(
+            gm,
+            inputs,
+            dynamic_shapes="from_graph",
+            options={"config_patches": config_patches},
+            aot=True,
+        )
+    except RuntimeError as e:
+        if "should have serialize method" in str(e):
+            raise NotSaveable(str(e)) from e
+        raise
 
 
 def save(compiled) -> bytes:
-    """A CompiledArtifact's bytes ("binary" format: Inductor and AOTAutograd cache entries).
-    Raises RuntimeError when AOTAutograd did not cache the graph."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "artifact.bin")
-        compiled.save(path=path, format="binary")
-        with open(path, "rb") as f:
-            return f.read()
+    """The compiled graph's bytes: AOTAutograd's bundled entry with Inductor's output code."""
+    return compiled.serialize()
 
 
-def load(path: str) -> Callable:
-    """Load a saved CompiledArtifact: unpacks its entries into the current cache dir, then
-    looks the graph up there by its FX key with shape guards switched off."""
-    return torch._inductor.CompiledArtifact.load(path=path, format="binary")
+def load(data: bytes) -> Callable:
+    """Load `save`'s bytes from memory into a callable taking the graph's inputs."""
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return AOTCompiledArtifact.deserialize(data)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,140 @@
+"""Loading an artifact from memory (CPU, in this process, no farm): real worker compiles of
+a static and a dynamic training graph load equal to eager, and a load writes only what
+Inductor's loader cannot take from memory (the output code's module, the C++ libraries)."""
+
+import os
+
+import pytest
+import torch
+
+from tests.models import build
+from torchfarm.compiler import inductor, serialize, trace_state
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter import standalone
+
+
+def _compiled_on_the_worker(model, x, dynamic: bool):
+    """Dynamo's graph of `model` and the worker's artifact for it."""
+    requests = []
+
+    def capture(gm, example_inputs):
+        requests.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 0)  # the batch size alone
+    torch.compile(model, backend=capture)(x)
+    (gm,) = requests
+    options = pb.Options(mode="default", state=trace_state.capture())
+    hints = serialize.size_hints(gm)
+    return gm, inductor.compile_payload(serialize.dumps(gm), options, 1, dict(hints))
+
+
+def _real_inputs(gm, batch: int | None) -> list:
+    """Real inputs in the graph's order: the batch size (a SymInt) and every symbolic
+    dimension become `batch`."""
+
+    def size(d):
+        return batch if isinstance(d, torch.SymInt) else d
+
+    return [
+        torch.randn([size(d) for d in t.shape], requires_grad=t.requires_grad)
+        if isinstance(t, torch.Tensor)
+        else size(t)
+        for t in serialize.example_inputs(gm)
+    ]
+
+
+def _step(fn, inputs):
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    (out,) = fn(*inputs)
+    out.square().mean().backward()
+    grads = [t.grad for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [out.detach(), *grads]
+
+
+def _files(directory: str) -> dict[str, float]:
+    """Every file under `directory`, relative, with its modification time."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): os.stat(
+            os.path.join(root, name)
+        ).st_mtime_ns
+        for root, _, names in os.walk(directory)
+        for name in names
+    }
+
+
+@pytest.fixture
+def empty_cache_dir(tmp_path):
+    with standalone.cache_dir_at(str(tmp_path / "inductor")):
+        yield str(tmp_path / "inductor")
+
+
+@pytest.fixture(scope="module")
+def static_mlp():
+    model, x = build("mlp")
+    return _compiled_on_the_worker(model, x, dynamic=False)
+
+
+def test_a_static_training_graph_loads_from_memory_equal_to_eager(static_mlp, empty_cache_dir):
+    gm, artifact = static_mlp
+    timings: dict[str, float] = {}
+    loaded = inductor.load_artifact(artifact, timings=timings)
+    real = _real_inputs(gm, batch=None)
+    eager, got = _step(gm, real), _step(loaded, real)
+    assert len(eager) > 2  # the output and the weights' gradients
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    assert timings["load_native_s"] > 0  # the C++ libraries came from the artifact
+
+
+def test_a_load_writes_only_what_cannot_load_from_memory_and_nothing_twice(
+    static_mlp, empty_cache_dir
+):
+    _, artifact = static_mlp
+    inductor.load_artifact(artifact)
+    written = _files(empty_cache_dir)
+    kinds = {}
+    for path in written:
+        kinds.setdefault(os.path.splitext(path)[1], []).append(path)
+    # The forward's and the backward's output code (Python modules are imported from
+    # files), and one file per C++ library the artifact ships (dlopen takes a path): no
+    # artifact file, no unpacked AOTAutograd or FX-cache entries, no C++ source.
+    assert sorted(kinds) == [".py", ".so"], sorted(written)
+    assert len(kinds[".py"]) == 2, kinds[".py"]
+    assert {os.path.basename(p) for p in kinds[".so"]} == {
+        f"{n.source_sha256}.so" for n in artifact.natives
+    }
+    assert len({os.path.dirname(p).split(os.sep)[1] for p in written}) == 1  # one dir
+    # Loading it again in this process rewrites nothing.
+    inductor.load_artifact(artifact)
+    assert _files(empty_cache_dir) == written
+
+
+def test_a_dynamic_training_graph_loads_from_memory_equal_to_eager_at_every_size(
+    empty_cache_dir,
+):
+    model, x = build("mlp")
+    gm, artifact = _compiled_on_the_worker(model, x, dynamic=True)
+    assert artifact.guards.ByteSize() > 0  # a dynamic graph: guards on the batch
+    loaded = inductor.load_artifact(artifact)
+    for batch in (3, 8, 100):
+        inputs = _real_inputs(gm, batch)
+        eager, got = _step(gm, inputs), _step(loaded, inputs)
+        for a, b in zip(got, eager, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_the_planted_artifact_of_the_signing_tests_would_run_if_loaded(tmp_path, empty_cache_dir):
+    # The control for test_signing.py: its hostile bytes are live in this format, so its
+    # "never ran" assertions can fail; only the signature check keeps them from loading.
+    from tests.integration.test_signing import _hostile_artifact
+
+    marker = str(tmp_path / "pwned")
+    artifact = pb.Artifact.FromString(_hostile_artifact(marker))
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the non-callable fails with
+        inductor.load_artifact(artifact)
+    assert os.path.exists(marker)
