@@ -34,6 +34,9 @@ class ClientSettings:
     # TORCHFARM_PARALLEL_GRAPHS: static graphs fetched from the farm at once, in the background,
     # while Dynamo goes on (each is one gRPC stream); 0 = every graph blocks the backend
     parallel_graphs: int = 8
+    # TORCHFARM_SKIP_TRACING=1: torchfarm.compile keeps Dynamo's output on the farm (per tenant)
+    # and a later process installs it instead of tracing (client/packages.py); needs a token
+    skip_tracing: bool = False
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -48,6 +51,7 @@ class ClientSettings:
             private=_env("TORCHFARM_PRIVATE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
+            skip_tracing=_env("TORCHFARM_SKIP_TRACING", "0") in ("1", "true", "yes"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

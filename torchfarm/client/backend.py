@@ -56,6 +56,7 @@ class GraphRecord:
     seconds: float
     bytes: int = 0
     key: str = ""
+    digest: str = ""  # farm graphs: the artifact served
     why: str = ""  # for local and eager: why the farm (and local compile) did not serve it
     submitted: float = 0.0
     awaited: float = 0.0
@@ -68,6 +69,9 @@ class GraphRecord:
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
 # and tests.
 history: list[GraphRecord] = []
+# Called with each graph and its farm request: client/packages.py keeps them for the package
+# that skips Dynamo's tracing in a later process.
+request_observers: list[Callable[[torch.fx.GraphModule, pb.CompileRequest], None]] = []
 
 
 def torchfarm_backend(
@@ -105,6 +109,8 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
+        for observe in request_observers:
+            observe(gm, request)
         if settings.parallel_graphs and deferrable(gm):
             remote.channel(settings.addr, settings.tls_ca)  # made here once, shared by all
             job = pool(settings.parallel_graphs).submit(
@@ -183,6 +189,7 @@ def _record_farm(
         time.monotonic() - submitted,
         header.size,
         header.key,
+        header.digest,
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,

@@ -35,6 +35,7 @@ from torchfarm.gateway.coordinator import (
     Progress,
     Served,
 )
+from torchfarm.gateway.packages import Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
@@ -96,6 +97,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "from this farm (give the gateway the workers' public signing key)"
             )
         self.limiter = limiter
+        self.packages = Packages(store.artifacts.redis)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,
@@ -122,6 +124,12 @@ class FarmServicer(pb_grpc.FarmServicer):
                 for e in entries
             ],
         )
+
+    def PutPackage(self, request: pb.PutPackageRequest, context) -> pb.PutPackageReply:
+        return self.packages.put(self._authenticate(context), request, context)
+
+    def GetPackage(self, request: pb.GetPackageRequest, context) -> pb.GetPackageReply:
+        return self.packages.get(self._authenticate(context), request, context)
 
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         self._authenticate(context)

@@ -1,0 +1,121 @@
+"""Dynamo's output per frame, kept and installed again, so that a later process skips tracing.
+
+Uses torch._dynamo.package.CompilePackage (`initialize`, `cache_entry`, `install`, whose
+backends are looked up only by their `__compiled_fn_*` ids and need `after_deserialization`),
+torch._dynamo.optimize's `package` and `guard_filter_fn` arguments,
+CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES, a graph's meta["backend_id"], and
+ShapeEnv.create_symbol/create_symintnode. Stock `caching_precompile` (which uses the same
+package) and `aot_compile` are not used: both failed on transformers models in 2.13 (issue 19).
+
+Verified: torch 2.13.0 (CPU; tests/integration/test_skip_tracing.py). 2.11.0 and 2.15.0 are
+not verified here (the issue measured Dynamo's half on 2.11 for BERT inference only): on them
+`supported()` is False and every compile traces as before.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._dynamo.guards import CheckFunctionManager
+from torch._dynamo.package import CompilePackage
+from torch._dynamo.source import LocalSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from torchfarm.torch_adapter.gate import release
+
+VERIFIED = ("2.13.0",)
+# Guards on an object's identity (a module, function, class, closure cell, dict version):
+# CompilePackage cannot serialize them and bypasses the whole frame if one is present.
+# Dropping them keeps every guard on values, types, shapes and tensors; what is lost is a
+# recompile when a global function, class or module is rebound to another object.
+_IDENTITY_GUARDS = frozenset(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+
+def supported() -> bool:
+    return release(torch.__version__) in VERIFIED
+
+
+def keep_guard(entries: Sequence[Any]) -> list[bool]:
+    """Dynamo's guard_filter_fn: drop the identity guards (see above) and guards on a
+    function's `__defaults__` (transformers' wrappers: loading them raised AttributeError out
+    of torch.compile in the issue's probe)."""
+    return [
+        not ({e.guard_type, *e.derived_guard_types} & _IDENTITY_GUARDS)
+        and "__defaults__" not in e.name
+        for e in entries
+    ]
+
+
+def new_package() -> CompilePackage:
+    return CompilePackage(fn=None)
+
+
+def entry_function(target: Callable) -> Callable:
+    """The function Dynamo traces first: a module's forward, or the function itself."""
+    return target.forward if isinstance(target, torch.nn.Module) else target
+
+
+def optimize(
+    backend: Callable, package: CompilePackage, dynamic: bool | None, fullgraph: bool
+) -> Callable[[Callable], Callable]:
+    """torch.compile's Dynamo wrapper, recording into `package`."""
+    return torch._dynamo.optimize(
+        backend, nopython=fullgraph, dynamic=dynamic, package=package, guard_filter_fn=keep_guard
+    )
+
+
+def record(package: CompilePackage, target: Callable) -> None:
+    """Start recording a fresh package for `target`'s frames."""
+    package.initialize(entry_function(target), None)
+
+
+def install(
+    package: CompilePackage, target: Callable, dynamo: bytes, backends: dict[str, Callable]
+) -> None:
+    """Install a saved package: its frames' guards and bytecode, `backends` by their ids. Raises
+    (any type) if it does not fit this process: torch/Python versions, changed sources, a
+    global it names missing; the caller then records a fresh package."""
+    entry = pickle.loads(dynamo)
+    package.initialize(entry_function(target), entry)
+    try:
+        package.install({bid: _Installed(fn) for bid, fn in backends.items()})
+    except BaseException:
+        package.uninstall()
+        raise
+
+
+def dumps(package: CompilePackage) -> bytes:
+    return pickle.dumps(package.cache_entry())
+
+
+def backend_ids(dynamo: bytes) -> set[str]:
+    return set(pickle.loads(dynamo).backend_ids)
+
+
+def backend_id(gm: torch.fx.GraphModule) -> str:
+    """The `__compiled_fn_*` name Dynamo's bytecode calls this graph by."""
+    return str(gm.meta.get("backend_id", ""))
+
+
+def sized_symints(sizes: Sequence[int]) -> list[torch.SymInt]:
+    """SymInts of one symbol each, with these sizes as hints: what compiler/guards.hold reads
+    (the sizes of a graph's SymInt inputs t0, t1, ... in the process that traced it)."""
+    env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    symints = []
+    for i, size in enumerate(sizes):
+        symbol = env.create_symbol(size, LocalSource(f"t{i}"), dynamic_dim=DimDynamic.DYNAMIC)
+        symints.append(env.create_symintnode(symbol, hint=size))
+    return symints
+
+
+class _Installed:
+    """A compiled graph as CompilePackage.install expects a deserialized backend."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def after_deserialization(self) -> Callable:
+        return self.fn
