@@ -1,8 +1,8 @@
 """One training step through `torchfarm.compile` with TORCHFARM_SKIP_TRACING=1, in a fresh
 process; prints a JSON line: frames Dynamo traced, graph sources, errors against eager.
 
-Usage: skip_client.py MODEL [SEQ]   MODEL: blocks (bench/first_result.py's model), broken (a
-graph break), dynamic (dynamic shapes; SEQ picks the sequence length)
+Usage: skip_client.py MODEL [SIZE]   MODEL: blocks (bench/first_result.py's model), broken (a
+graph break), dynamic (dynamic shapes); SIZE: the inputs' sequence length (batch for broken)
 """
 
 import json
@@ -34,19 +34,19 @@ class Broken(nn.Module):
         return self.b(h).tanh()
 
 
-def build(name: str, seq: int):
+def build(name: str, size: int):
     torch.manual_seed(0)
     if name == "blocks":
         model = nn.Sequential(TransformerBlock(128, 4), TransformerBlock(128, 4), nn.LayerNorm(128))
-        return model, torch.randn(4, 64, 128), None
+        return model, torch.randn(4, size, 128), None
     if name == "broken":
-        return Broken(), torch.randn(8, 32), None
-    return nn.Sequential(TransformerBlock(64, 4), nn.LayerNorm(64)), torch.randn(2, seq, 64), True
+        return Broken(), torch.randn(size, 32), None
+    return nn.Sequential(TransformerBlock(64, 4), nn.LayerNorm(64)), torch.randn(2, size, 64), True
 
 
-def main(name: str, seq: int) -> None:
+def main(name: str, size: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    model, x, dynamic = build(name, seq)
+    model, x, dynamic = build(name, size)
     expected = model(x)
     expected.square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
