@@ -18,6 +18,7 @@ but for a log line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import importlib.metadata
@@ -202,11 +203,9 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
     started = time.monotonic()
     jobs = {
         bid: pool(max(1, settings.parallel_graphs)).submit(
-            lambda bid=bid: backend._fetch(
-                requests[bid], settings, dynamo_package.sized_symints(contents.graphs[bid].sizes)
-            )
+            functools.partial(fetch_graph, requests[bid], settings, ref.sizes)
         )
-        for bid in contents.graphs
+        for bid, ref in contents.graphs.items()
     }
     loaded = {}
     for bid, job in jobs.items():
@@ -219,6 +218,14 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
         loaded[bid] = backend._load(artifact, requests[bid].options, ref.device_index, timings)
         backend._record_farm(requests[bid].label, header, started, started, timings)
     return loaded
+
+
+def fetch_graph(
+    request: pb.CompileRequest, settings: ClientSettings, sizes: list[int]
+) -> tuple[pb.Artifact, pb.ArtifactHeader, dict[str, float]]:
+    """One graph's artifact by its request, as the backend fetches it (the one place that
+    follows the backend's fetch path when it changes); `sizes` choose among entries."""
+    return backend._fetch(request, settings, dynamo_package.sized_symints(sizes))
 
 
 def _call(settings: ClientSettings, method: str, request):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.guards import CheckFunctionManager
-from torch._dynamo.package import CompilePackage
+from torch._dynamo.package import CompilePackage, _BackendId
 from torch._dynamo.source import LocalSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -81,7 +81,7 @@ def install(
     entry = pickle.loads(dynamo)
     package.initialize(entry_function(target), entry)
     try:
-        package.install({bid: _Installed(fn) for bid, fn in backends.items()})
+        package.install({_BackendId(bid): _Installed(fn) for bid, fn in backends.items()})
     except BaseException:
         package.uninstall()
         raise
@@ -100,11 +100,11 @@ def backend_id(gm: torch.fx.GraphModule) -> str:
     return str(gm.meta.get("backend_id", ""))
 
 
-def sized_symints(sizes: Sequence[int]) -> list[torch.SymInt]:
+def sized_symints(sizes: Sequence[int]) -> list[object]:
     """SymInts of one symbol each, with these sizes as hints: what compiler/guards.hold reads
     (the sizes of a graph's SymInt inputs t0, t1, ... in the process that traced it)."""
     env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
-    symints = []
+    symints: list[object] = []
     for i, size in enumerate(sizes):
         symbol = env.create_symbol(size, LocalSource(f"t{i}"), dynamic_dim=DimDynamic.DYNAMIC)
         symints.append(env.create_symintnode(symbol, hint=size))
