@@ -32,9 +32,16 @@ def test_a_fresh_process_skips_tracing(farm, model, graphs, again):
     assert second["sources"] == ["hit"] * graphs
 
 
-def test_inputs_that_fail_the_guards_are_traced(farm):
-    step(farm, "broken")
-    changed = step(farm, "broken", "12")  # another static batch size: Dynamo's guards fail
+@pytest.mark.parametrize(
+    "model, size",
+    [
+        ("broken", "12"),  # another static batch size: Dynamo's own guards fail
+        ("dynamic", "5000"),  # fails the guard Inductor's C++ code added (s0 <= 4096)
+    ],
+)
+def test_inputs_that_fail_the_guards_are_traced(farm, model, size):
+    step(farm, model)
+    changed = step(farm, model, size)
     assert changed["traced_graphs"] >= 1
 
 

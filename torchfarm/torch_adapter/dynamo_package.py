@@ -4,7 +4,8 @@ Uses torch._dynamo.package.CompilePackage (`initialize`, `cache_entry`, `install
 backends are looked up only by their `__compiled_fn_*` ids and need `after_deserialization`),
 torch._dynamo.optimize's `package` and `guard_filter_fn` arguments,
 CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES, a graph's meta["backend_id"], and
-ShapeEnv.create_symbol/create_symintnode. Stock `caching_precompile` (which uses the same
+ShapeEnv.create_symbol/create_symintnode, and bytecode_transformation._unique_id_counter (see
+_skip_installed_ids). Stock `caching_precompile` (which uses the same
 package) and `aot_compile` are not used: both failed on transformers models in 2.13 (issue 19).
 
 Verified: torch 2.13.0 (CPU: the unit test and tests/integration/test_skip_tracing.py, fresh
@@ -17,13 +18,20 @@ after `test_skip_tracing.py` passes on it is the whole change.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import pickle
+import re
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo import bytecode_transformation
+from torch._dynamo.exc import PackageError
 from torch._dynamo.guards import CheckFunctionManager
-from torch._dynamo.package import CompilePackage, _BackendId
+from torch._dynamo.package import CompilePackage, _BackendId, _FunctionId
 from torch._dynamo.source import LocalSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -52,8 +60,48 @@ def keep_guard(entries: Sequence[Any]) -> list[bool]:
     ]
 
 
+class _Package(CompilePackage):
+    """A CompilePackage that never fails the step it records. It names a property's getter
+    (transformers' `loss_function`: 2.13's _get_code_source cannot, and the cold step failed
+    with PackageError in the issue's probe); a frame it still cannot name, or whose inlined
+    sources it cannot read, is left out of the package (bypassed: traced in a later process)."""
+
+    def _add_user_function(self, code: types.CodeType) -> None:
+        try:
+            super()._add_user_function(code)
+        except PackageError:
+            module = inspect.getmodule(code) or inspect.getmodule(self._innermost_fn)
+            assert module is not None
+            getter = _property_getter(module, code)
+            if getter:
+                self._add_function(
+                    code, module.__name__, _FunctionId(getter), code_source="fget.__code__"
+                )
+            else:
+                self._add_function(code, module.__name__)
+                self._codes[code].bypassed = True
+
+    def add_inlined_source(self, sources: list[types.CodeType]) -> None:
+        try:
+            super().add_inlined_source(sources)
+        except Exception:  # e.g. OSError: no source for a code object
+            self.bypass_current_entry()
+
+
+def _property_getter(module: types.ModuleType, code: types.CodeType) -> str | None:
+    """`Class.name` where `code` is the getter of that class's property `name`, else None."""
+    owner: Any = module
+    *path, name = code.co_qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+    prop = getattr(owner, "__dict__", {}).get(name)
+    if isinstance(prop, property) and getattr(prop.fget, "__code__", None) is code:
+        return code.co_qualname
+    return None
+
+
 def new_package() -> CompilePackage:
-    return CompilePackage(fn=None)
+    return _Package(fn=None)
 
 
 def entry_function(target: Callable) -> Callable:
@@ -88,6 +136,26 @@ def install(
     except BaseException:
         package.uninstall()
         raise
+    _skip_installed_ids({code.python_module for code in entry.codes})
+
+
+# The names Dynamo numbers with its process-wide unique_id counter and installs as globals.
+_NUMBERED = re.compile(r"__(?:builtins_dict__|resume_at_\d+|compiled_fn)_(\d+)")
+
+
+def _skip_installed_ids(modules: set[str]) -> None:
+    """Moves Dynamo's unique_id counter past every number the installed package used: a frame
+    traced later in this process (its guards failed) would otherwise install its builtins dict
+    as `__builtins_dict___0` again, and Dynamo fails that trace on the name clash."""
+    numbers = [
+        int(m.group(1))
+        for name in modules
+        for key in vars(sys.modules[name])
+        if (m := _NUMBERED.match(key))
+    ]
+    if numbers:
+        current = next(bytecode_transformation._unique_id_counter)
+        bytecode_transformation._unique_id_counter = itertools.count(max(current, *numbers) + 1)
 
 
 def dumps(package: CompilePackage) -> bytes:
@@ -95,7 +163,8 @@ def dumps(package: CompilePackage) -> bytes:
 
 
 def backend_ids(dynamo: bytes) -> set[str]:
-    return set(pickle.loads(dynamo).backend_ids)
+    """The graphs the package's frames call (a bypassed frame's are never installed)."""
+    return {b for code in pickle.loads(dynamo).codes if not code.bypassed for b in code.backend_ids}
 
 
 def backend_id(gm: torch.fx.GraphModule) -> str:

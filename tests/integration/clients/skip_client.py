@@ -2,7 +2,7 @@
 process; prints a JSON line: frames Dynamo traced, graph sources, errors against eager.
 
 Usage: skip_client.py MODEL [SIZE]   MODEL: blocks (bench/first_result.py's model), broken (a
-graph break), dynamic (dynamic shapes); SIZE: the inputs' sequence length (batch for broken)
+graph break), dynamic (an MLP, dynamic shapes); SIZE: blocks' sequence length, else the batch
 """
 
 import json
@@ -41,7 +41,9 @@ def build(name: str, size: int):
         return model, torch.randn(4, size, 128), None
     if name == "broken":
         return Broken(), torch.randn(size, 32), None
-    return nn.Sequential(TransformerBlock(64, 4), nn.LayerNorm(64)), torch.randn(2, size, 64), True
+    # dynamic: an MLP whose C++ code guards the batch size (Inductor adds `s0 <= 4096`)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    return model, torch.randn(size, 32), True
 
 
 def main(name: str, size: int) -> None:
@@ -61,6 +63,7 @@ def main(name: str, size: int) -> None:
             {
                 "traced_graphs": stats["unique_graphs"],
                 "sources": [r.source for r in history],
+                "whys": [r.why[-600:] for r in history],
                 "out_err": (out - expected).abs().max().item(),
                 "grad_err": grad_err,
             }

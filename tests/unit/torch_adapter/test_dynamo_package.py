@@ -1,7 +1,10 @@
 """torch_adapter/dynamo_package.py in one process: a package recorded while Dynamo traces, then
 installed after Dynamo's caches are reset, runs the function with no frame traced."""
 
+import itertools
+
 import torch
+from torch._dynamo import bytecode_transformation
 from torch._dynamo.utils import counters
 
 from torchfarm.torch_adapter import dynamo_package
@@ -31,6 +34,8 @@ def test_an_installed_package_runs_without_tracing():
 
     torch._dynamo.reset()
     counters.clear()
+    # as in a fresh process: Dynamo numbers the globals it installs from 0 again
+    bytecode_transformation._unique_id_counter = itertools.count()
     calls = []
 
     def counted(fn):
@@ -46,7 +51,8 @@ def test_an_installed_package_runs_without_tracing():
     compiled = dynamo_package.optimize(backend, restored, None, False)(step)
     assert torch.equal(compiled(x), expected)
     assert counters["stats"]["unique_graphs"] == 0 and len(calls) == 2
-    # inputs that fail the saved guards (another dtype) are traced as before
+    # inputs that fail the saved guards (another dtype) are traced as before, in this process
+    # where the package's globals are installed
     compiled(x.double())
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
