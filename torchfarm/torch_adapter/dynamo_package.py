@@ -91,12 +91,13 @@ class _Package(CompilePackage):
 def _property_getter(module: types.ModuleType, code: types.CodeType) -> str | None:
     """`Class.name` where `code` is the getter of that class's property `name`, else None."""
     owner: Any = module
-    *path, name = code.co_qualname.split(".")
+    qualname: str = getattr(code, "co_qualname", "")  # Python >= 3.11
+    *path, name = qualname.split(".")
     for part in path:
         owner = getattr(owner, part, None)
     prop = getattr(owner, "__dict__", {}).get(name)
     if isinstance(prop, property) and getattr(prop.fget, "__code__", None) is code:
-        return code.co_qualname
+        return qualname
     return None
 
 

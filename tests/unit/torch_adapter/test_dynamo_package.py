@@ -2,6 +2,7 @@
 installed after Dynamo's caches are reset, runs the function with no frame traced."""
 
 import itertools
+import sys
 
 import torch
 from torch._dynamo import bytecode_transformation
@@ -75,3 +76,15 @@ def test_identity_and_defaults_guards_are_dropped():
 
 def test_sized_symints_carry_their_sizes():
     assert hints(symbol_inputs(dynamo_package.sized_symints([4, 1, 0, 4]))) == [4, 1, 0, 4]
+
+
+class Owner:
+    @property
+    def loss(self):
+        return 1
+
+
+def test_a_property_getter_is_named_by_its_class():
+    module = sys.modules[__name__]
+    assert dynamo_package._property_getter(module, Owner.loss.fget.__code__) == "Owner.loss"
+    assert dynamo_package._property_getter(module, step.__code__) is None
