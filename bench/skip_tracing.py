@@ -12,7 +12,7 @@ unless said otherwise, side by side in one run:
 It prints each median, frames traced, and farm_hit_skip / pt_remote_warm and / pt_local_warm
 (the issue's target: <= 0.5 each). `--json PATH` writes the medians.
 
-    .venv/bin/python bench/skip_tracing.py [--repeats 3] [--json PATH]
+    .venv/bin/python bench/skip_tracing.py [--model {blocks,gpt2}] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,16 +39,31 @@ STAGES = {
 }
 
 
-def client(backend: str) -> None:
-    """One first training step in this process; prints a JSON line."""
+def build(name: str):
+    """The model and its first step: first_result.py's blocks, or a small transformers GPT-2
+    (built from a config: no weights are downloaded)."""
     import torch
     from torch import nn
 
+    torch.manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=8192, n_positions=256)
+        ids = torch.randint(0, 8192, (4, 128))
+        return GPT2LMHeadModel(config), lambda m: m(ids, labels=ids).loss.backward()
     from tests.models import TransformerBlock
 
-    torch.manual_seed(0)
     model = nn.Sequential(TransformerBlock(128, 4), TransformerBlock(128, 4), nn.LayerNorm(128))
     x = torch.randn(4, 64, 128)
+    return model, lambda m: m(x).square().mean().backward()
+
+
+def client(backend: str, model_name: str) -> None:
+    """One first training step in this process; prints a JSON line."""
+    import torch
+
+    model, first_step = build(model_name)
     started = time.perf_counter()
     if backend == "torchfarm":
         import torchfarm
@@ -56,7 +71,7 @@ def client(backend: str) -> None:
         compiled = torchfarm.compile(model)
     else:
         compiled = torch.compile(model, backend=backend)
-    compiled(x).square().mean().backward()
+    first_step(compiled)
     seconds = time.perf_counter() - started
     sources = []
     if backend == "torchfarm":
@@ -67,9 +82,9 @@ def client(backend: str) -> None:
     print(json.dumps({"seconds": seconds, "sources": sources, "traced_graphs": traced}))
 
 
-def measure(backend: str, cache_dir: str, env: dict | None = None) -> dict:
+def measure(backend: str, model: str, cache_dir: str, env: dict | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--client", backend],
+        [sys.executable, os.path.abspath(__file__), "--client", backend, "--model", model],
         env=dict(
             os.environ,
             TORCHINDUCTOR_CACHE_DIR=cache_dir,
@@ -93,10 +108,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the medians (seconds) here")
+    parser.add_argument("--model", choices=("blocks", "gpt2"), default="blocks")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        return client(args.client)
+        return client(args.client, args.model)
     runs: dict[str, list[float]] = {k: [] for k in STAGES}
     traced: dict[str, list[int]] = {k: [] for k in STAGES}
     with LocalFarm(tenants=f"bench:{hash_token(TOKEN)}") as farm, plain_redis() as redis_port:
@@ -108,9 +124,10 @@ def main() -> None:
         on_farm = dict(TORCHFARM_ADDR=farm.addr, TORCHFARM_TOKEN=TOKEN)
         skip = dict(on_farm, TORCHFARM_SKIP_TRACING="1")
         warm = tempfile.mkdtemp()
-        measure("inductor", warm)  # fills the local cache
-        measure("inductor", tempfile.mkdtemp(), env=remote)  # fills the remote caches
-        measure("torchfarm", tempfile.mkdtemp(), env=skip)  # the farm's graphs and the package
+        measure("inductor", args.model, warm)  # fills the local cache
+        measure("inductor", args.model, tempfile.mkdtemp(), env=remote)  # fills the remote caches
+        # the farm's graphs and the package
+        measure("torchfarm", args.model, tempfile.mkdtemp(), env=skip)
         for _ in range(args.repeats):
             for stage, backend, cache, env in (
                 ("dynamo_only", "eager", tempfile.mkdtemp(), None),
@@ -119,7 +136,7 @@ def main() -> None:
                 ("farm_hit", "torchfarm", tempfile.mkdtemp(), on_farm),
                 ("farm_hit_skip", "torchfarm", tempfile.mkdtemp(), skip),
             ):
-                result = measure(backend, cache, env)
+                result = measure(backend, args.model, cache, env)
                 if backend == "torchfarm":
                     assert set(result["sources"]) == {"hit"}, result
                 runs[stage].append(result["seconds"])
@@ -127,7 +144,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(
         f"torch {__import__('torch').__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, {args.repeats} repeats (median; all runs in brackets)"
+        f"{os.cpu_count()} cores, model {args.model}, {args.repeats} repeats (median; all runs "
+        "in brackets)"
     )
     for k, name in STAGES.items():
         print(
