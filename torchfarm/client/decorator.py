@@ -11,10 +11,13 @@ Dynamo when the compiled function is made, which only this decorator does).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from torchfarm.settings import ClientSettings
+
+log = logging.getLogger("torchfarm")
 
 
 def compile(
@@ -51,7 +54,11 @@ def compile(
             compile_options = dict(
                 mode=mode, dynamic=dynamic, fullgraph=fullgraph, **(options or {})
             )
-            return _with_package(target, backend, settings, compile_options)
+            try:
+                return _with_package(target, backend, settings, compile_options)
+            except Exception as e:  # e.g. no source to key the package by: trace as always
+                name = getattr(target, "__qualname__", type(target).__name__)
+                log.info("no Dynamo package for %s (%s: %s)", name, type(e).__name__, e)
         return torch.compile(target, **kwargs)
 
     return wrap if obj is None else wrap(obj)
