@@ -94,8 +94,9 @@ def measure(backend: str, model: str, cache_dir: str, env: dict | None = None) -
         ),
         capture_output=True,
         text=True,
-        check=True,
     )
+    if out.returncode:
+        raise RuntimeError(f"{backend} on {model} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
