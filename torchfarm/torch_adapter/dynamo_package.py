@@ -18,6 +18,7 @@ after `test_skip_tracing.py` passes on it is the whole change.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import itertools
 import pickle
@@ -130,7 +131,10 @@ def install(
     """Install a saved package: its frames' guards and bytecode, `backends` by their ids. Raises
     (any type) if it does not fit this process: torch/Python versions, changed sources, a
     global it names missing; the caller then records a fresh package."""
-    entry = pickle.loads(dynamo)
+    entry, modules = pickle.loads(dynamo)
+    for module, names in modules.items():  # before install: its bytecode names them
+        for name, imported in names.items():
+            vars(sys.modules[module]).setdefault(name, importlib.import_module(imported))
     package.initialize(entry_function(target), entry)
     try:
         package.install({_BackendId(bid): _Installed(fn) for bid, fn in backends.items()})
@@ -160,12 +164,31 @@ def _skip_installed_ids(modules: set[str]) -> None:
 
 
 def dumps(package: CompilePackage) -> bytes:
-    return pickle.dumps(package.cache_entry())
+    """The package's entry, and the modules its bytecode reads through globals that Dynamo
+    named by object id (`___module_collections_<id>_c3`): CompilePackage does not save them,
+    and a restored frame failed with NameError on transformers' GPT-2 without them."""
+    entry = package.cache_entry()
+    modules: dict[str, dict[str, str]] = {}
+    for code in entry.codes:
+        scope = vars(sys.modules[code.python_module])
+        for guarded in code.guarded_codes:
+            for name in _names(guarded.dynamo_code):
+                value = scope.get(name)
+                if name.startswith("___module_") and isinstance(value, types.ModuleType):
+                    modules.setdefault(code.python_module, {})[name] = value.__name__
+    return pickle.dumps((entry, modules))
+
+
+def _names(code: Any) -> set[str]:
+    """Global names a SerializedCode (and the code objects nested in it) reads."""
+    nested = [c for c in code.co_consts if hasattr(c, "co_names")]
+    return set(code.co_names).union(*(_names(c) for c in nested))
 
 
 def backend_ids(dynamo: bytes) -> set[str]:
     """The graphs the package's frames call (a bypassed frame's are never installed)."""
-    return {b for code in pickle.loads(dynamo).codes if not code.bypassed for b in code.backend_ids}
+    entry, _ = pickle.loads(dynamo)
+    return {b for code in entry.codes if not code.bypassed for b in code.backend_ids}
 
 
 def backend_id(gm: torch.fx.GraphModule) -> str:
