@@ -80,3 +80,7 @@ POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters
 TOTALS = f"{FORMAT}:totals"  # hash: the cache's stored_bytes and entries, kept with the index
 RECENT = f"{FORMAT}:recent"  # sorted set: key -> last use (stored or hit), for LRU
+
+
+def package(scoped: str) -> str:  # a tenant's Dynamo package; `scoped` = gateway/packages.py's
+    return f"{FORMAT}:package:{scoped}"  # hash of (tenant, client's key): never the client's key

@@ -60,6 +60,7 @@ class GraphRecord:
     seconds: float
     bytes: int = 0
     key: str = ""
+    digest: str = ""  # farm graphs: the artifact served
     why: str = ""  # for local and eager: why the farm (and local compile) did not serve it
     submitted: float = 0.0
     awaited: float = 0.0
@@ -93,6 +94,9 @@ class Fetched(NamedTuple):
 # Every graph this process compiled, in the order their code became ready; for logs, the demo
 # and tests.
 history: list[GraphRecord] = []
+# Called with each graph and its farm request: client/packages.py keeps them for the package
+# that skips Dynamo's tracing in a later process.
+request_observers: list[Callable[[torch.fx.GraphModule, pb.CompileRequest], None]] = []
 # Dynamo imports this module when torch.compile names the backend: the one-time work of the
 # first load starts now and overlaps the tracing of the first graph.
 load_prewarm.start()
@@ -135,6 +139,8 @@ def torchfarm_backend(
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
+        for observe in request_observers:
+            observe(gm, request)
         payload_s = time.monotonic() - started
         ask = _ask(gm, request, inputs)
         before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
@@ -302,6 +308,7 @@ def _record_farm(
         time.monotonic() - submitted,
         header.size,
         header.key,
+        header.digest,
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,

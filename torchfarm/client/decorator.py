@@ -1,11 +1,23 @@
 """`@torchfarm.compile(...)`: torch.compile through the farm, on a function, a module or a
-module class."""
+module class.
+
+With TORCHFARM_SKIP_TRACING=1 (and a token, on a torch that torch_adapter/dynamo_package.py
+verified), a function or module instance also gets a Dynamo package (client/packages.py): a
+later process skips Dynamo's tracing where the farm holds one. A module class and
+`torch.compile(m, backend="torchfarm")` trace as always (Dynamo's package must be handed to
+Dynamo when the compiled function is made, which only this decorator does).
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+from torchfarm.settings import ClientSettings
+
+log = logging.getLogger("torchfarm")
 
 
 def compile(
@@ -39,6 +51,52 @@ def compile(
 
             target.__init__ = __init__
             return target
+        settings = ClientSettings.from_env(addr=addr, token=token)
+        if _skips_tracing(settings):
+            compile_options = dict(
+                mode=mode, dynamic=dynamic, fullgraph=fullgraph, **(options or {})
+            )
+            try:
+                return _with_package(target, backend, settings, compile_options)
+            except Exception as e:  # e.g. no source to key the package by: trace as always
+                name = getattr(target, "__qualname__", type(target).__name__)
+                log.info("no Dynamo package for %s (%s: %s)", name, type(e).__name__, e)
         return torch.compile(target, **kwargs)
 
     return wrap if obj is None else wrap(obj)
+
+
+def _skips_tracing(settings: ClientSettings) -> bool:
+    from torchfarm import torch_adapter
+    from torchfarm.torch_adapter import dynamo_package
+
+    return bool(
+        settings.skip_tracing
+        and settings.addr
+        and settings.token
+        and not torch_adapter.UNVERIFIED
+        and dynamo_package.supported()
+    )
+
+
+def _with_package(target, backend, settings: ClientSettings, options: dict):
+    """Dynamo's wrapper around `target` with the package restored (or recording); the package
+    is saved after the first call returns."""
+    from torchfarm.client.packages import Skipper
+    from torchfarm.torch_adapter import dynamo_package
+
+    skipper = Skipper(target, settings, options)
+    compiled = dynamo_package.optimize(
+        backend, skipper.package, options["dynamic"], options["fullgraph"]
+    )(target)
+    if isinstance(compiled, torch.nn.Module):
+        compiled.register_forward_hook(lambda *_: skipper.after_first_call())
+        return compiled
+
+    @functools.wraps(target)
+    def call(*args, **kw):
+        result = compiled(*args, **kw)
+        skipper.after_first_call()
+        return result
+
+    return call

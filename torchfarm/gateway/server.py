@@ -37,6 +37,7 @@ from torchfarm.gateway.coordinator import (
     Progress,
     Served,
 )
+from torchfarm.gateway.packages import Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
@@ -104,6 +105,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             )
         self.limiter = limiter
         store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20)
+        self.packages = Packages(store.artifacts.redis)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,
@@ -130,6 +132,12 @@ class FarmServicer(pb_grpc.FarmServicer):
                 for e in entries
             ],
         )
+
+    def PutPackage(self, request: pb.PutPackageRequest, context) -> pb.PutPackageReply:
+        return self.packages.put(self._authenticate(context), request, context)
+
+    def GetPackage(self, request: pb.GetPackageRequest, context) -> pb.GetPackageReply:
+        return self.packages.get(self._authenticate(context), request, context)
 
     def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         self._authenticate(context)

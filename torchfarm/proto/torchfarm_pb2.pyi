@@ -1779,3 +1779,94 @@ class CompileChildReport(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
 
 Global___CompileChildReport: _TypeAlias = CompileChildReport  # noqa: Y015
+
+@_typing.final
+class PutPackageRequest(_message.Message):
+    """==== Dynamo packages: skipping Dynamo's tracing on a hit (issue 19 item 4) ================
+    A package is what Dynamo produced for one compiled function in a client's process (guards,
+    transformed bytecode, the graphs' requests), so that a later process installs it instead of
+    tracing. It holds the client's source and pickled guarded values: it is the tenant's own,
+    never shared. The gateway stores it under a Redis key it derives from the authenticated
+    tenant and `key`, so no tenant reads or overwrites another's; the bytes are opaque to the
+    farm (the client authenticates them with a key derived from its token, which the farm never
+    holds, and never unpickles bytes that fail that check).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PACKAGE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """the client's package key, 64 lowercase hex digits"""
+    package: _builtins.bytes
+    """opaque; at most the gateway's limit (RESOURCE_EXHAUSTED above it)"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        package: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "package", b"package"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutPackageRequest: _TypeAlias = PutPackageRequest  # noqa: Y015
+
+@_typing.final
+class PutPackageReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutPackageReply: _TypeAlias = PutPackageReply  # noqa: Y015
+
+@_typing.final
+class GetPackageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """64 lowercase hex digits"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPackageRequest: _TypeAlias = GetPackageRequest  # noqa: Y015
+
+@_typing.final
+class GetPackageReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    PACKAGE_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    package: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        package: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "package", b"package"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPackageReply: _TypeAlias = GetPackageReply  # noqa: Y015

@@ -54,6 +54,16 @@ class FarmStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
                 _registered_method=True)
+        self.PutPackage = channel.unary_unary(
+                '/torchfarm.v1.Farm/PutPackage',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageReply.FromString,
+                _registered_method=True)
+        self.GetPackage = channel.unary_unary(
+                '/torchfarm.v1.Farm/GetPackage',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageReply.FromString,
+                _registered_method=True)
 
 
 class FarmServicer:
@@ -87,6 +97,19 @@ class FarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutPackage(self, request, context):
+        """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPackage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +132,16 @@ def add_FarmServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.SerializeToString,
+            ),
+            'PutPackage': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutPackage,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageReply.SerializeToString,
+            ),
+            'GetPackage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPackage,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +252,60 @@ class Farm:
             '/torchfarm.v1.Farm/Get',
             torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutPackage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Farm/PutPackage',
+            torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPackage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Farm/GetPackage',
+            torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.GetPackageReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,9 @@ class FarmStub:
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
     Get: _grpc.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]
     """One round trip per graph on a hit (issue 19): see GetRequest."""
+    PutPackage: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.PutPackageRequest, _torchfarm_pb2.PutPackageReply]
+    """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest."""
+    GetPackage: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.GetPackageRequest, _torchfarm_pb2.GetPackageReply]
 
 @_typing.type_check_only
 class FarmAsyncStub(FarmStub):
@@ -54,6 +57,9 @@ class FarmAsyncStub(FarmStub):
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
     Get: _aio.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
     """One round trip per graph on a hit (issue 19): see GetRequest."""
+    PutPackage: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.PutPackageRequest, _torchfarm_pb2.PutPackageReply]  # type: ignore[assignment]
+    """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest."""
+    GetPackage: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.GetPackageRequest, _torchfarm_pb2.GetPackageReply]  # type: ignore[assignment]
 
 class FarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -87,6 +93,21 @@ class FarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]:
         """One round trip per graph on a hit (issue 19): see GetRequest."""
+
+    @_abc_1.abstractmethod
+    def PutPackage(
+        self,
+        request: _torchfarm_pb2.PutPackageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.PutPackageReply, _abc.Awaitable[_torchfarm_pb2.PutPackageReply]]:
+        """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest."""
+
+    @_abc_1.abstractmethod
+    def GetPackage(
+        self,
+        request: _torchfarm_pb2.GetPackageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.GetPackageReply, _abc.Awaitable[_torchfarm_pb2.GetPackageReply]]: ...
 
 def add_FarmServicer_to_server(servicer: FarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,68 @@
+"""Skipping Dynamo's tracing on a hit (issue 19 item 4): a fresh process that finds its Dynamo
+package on the farm runs the step with no frame traced and the farm's graphs, equal to eager;
+packages that fail their HMAC (tampered, or another tenant's) are ignored; inputs that fail
+the saved guards are traced and compiled as before."""
+
+import pytest
+
+from tests.integration.helpers import run_client
+
+PACKAGES = "tf3:package:*"
+
+
+def step(farm, *args: str, tenant: str = "alice") -> dict:
+    result = run_client(
+        farm, "skip_client.py", *args, tenant=tenant, env={"TORCHFARM_SKIP_TRACING": "1"}
+    )
+    assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4, result
+    return result
+
+
+@pytest.mark.parametrize(
+    "model, graphs, again",
+    [("blocks", 1, "16"), ("broken", 2, "16"), ("dynamic", 1, "24")],
+)
+def test_a_fresh_process_skips_tracing(farm, model, graphs, again):
+    first = step(farm, model)
+    assert first["traced_graphs"] == graphs
+    assert set(first["sources"]) <= {"hit", "miss", "merged"}
+    # dynamic: another sequence length passes the saved guards (a dynamic dimension)
+    second = step(farm, model, again)
+    assert second["traced_graphs"] == 0, second
+    assert second["sources"] == ["hit"] * graphs
+
+
+@pytest.mark.parametrize(
+    "model, size",
+    [
+        ("broken", "12"),  # another static batch size: Dynamo's own guards fail
+        ("dynamic", "5000"),  # fails the guard Inductor's C++ code added (s0 <= 4096)
+    ],
+)
+def test_inputs_that_fail_the_guards_are_traced(farm, model, size):
+    step(farm, model)
+    changed = step(farm, model, size)
+    assert changed["traced_graphs"] >= 1
+
+
+def test_a_tampered_package_is_ignored(farm, store):
+    step(farm, "broken")
+    redis = store.artifacts.redis
+    for key in redis.keys(PACKAGES):
+        value = redis.get(key)
+        redis.set(key, value[:-1] + bytes([value[-1] ^ 1]))
+    result = step(farm, "broken")
+    assert result["traced_graphs"] == 2
+
+
+def test_another_tenants_package_is_ignored(farm, store):
+    redis = store.artifacts.redis
+    step(farm, "broken")
+    alices = set(redis.keys(PACKAGES))
+    step(farm, "broken", tenant="bob")
+    (bobs,) = set(redis.keys(PACKAGES)) - alices
+    for key in alices:  # one of alice's packages, planted under bob's key
+        redis.set(bobs, redis.get(key))
+        result = step(farm, "broken", tenant="bob")
+        assert result["traced_graphs"] == 2
+        break

@@ -1,0 +1,72 @@
+"""gateway/packages.py on a real redis-server: each tenant reads only its own packages."""
+
+import grpc
+import pytest
+import redis
+
+from torchfarm.gateway.packages import MAX_PACKAGE_BYTES, Packages
+from torchfarm.proto import torchfarm_pb2 as pb
+
+KEY = "ab" * 32
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def abort(self, code, message):
+        self.code = code
+        raise Aborted(message)
+
+
+@pytest.fixture
+def packages(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    return Packages(client)
+
+
+def test_a_tenant_gets_its_own_package_and_no_other(packages):
+    packages.put("alice", pb.PutPackageRequest(key=KEY, package=b"alice's"), Context())
+    mine = packages.get("alice", pb.GetPackageRequest(key=KEY), Context())
+    assert mine.found and mine.package == b"alice's"
+    theirs = packages.get("bob", pb.GetPackageRequest(key=KEY), Context())
+    assert not theirs.found and theirs.package == b""
+    packages.put("bob", pb.PutPackageRequest(key=KEY, package=b"bob's"), Context())
+    assert packages.get("alice", pb.GetPackageRequest(key=KEY), Context()).package == b"alice's"
+
+
+def test_the_redis_key_is_derived_never_the_clients(packages):
+    packages.put("alice", pb.PutPackageRequest(key=KEY, package=b"x"), Context())
+    (stored,) = packages.redis.keys("*")
+    assert KEY not in stored.decode()
+    assert stored.decode() == Packages.redis_key("alice", KEY)
+    assert 0 < packages.redis.ttl(stored)
+
+
+@pytest.mark.parametrize(
+    "request_, code",
+    [
+        (pb.PutPackageRequest(key="AB" * 32, package=b"x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.PutPackageRequest(key=KEY[:-1], package=b"x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.PutPackageRequest(key=KEY), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            pb.PutPackageRequest(key=KEY, package=b"x" * (MAX_PACKAGE_BYTES + 1)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+    ],
+)
+def test_bad_puts_get_a_precise_status_and_store_nothing(packages, request_, code):
+    context = Context()
+    with pytest.raises(Aborted):
+        packages.put("alice", request_, context)
+    assert context.code == code
+    assert packages.redis.keys("*") == []
+
+
+def test_a_bad_key_on_get_is_refused(packages):
+    context = Context()
+    with pytest.raises(Aborted):
+        packages.get("alice", pb.GetPackageRequest(key="../x"), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,248 @@
+"""Skipping Dynamo's tracing on a hit (issue 19 item 4): a compiled function's Dynamo package.
+
+The first process traces as always; after the function's first call it saves, on the farm,
+what Dynamo produced (guards and transformed bytecode per frame, torch_adapter/dynamo_package.py)
+with, per Dynamo graph, the farm request that compiled it and the artifact served. A later
+process with the same key fetches that package at compile time, fetches every graph's artifact
+in parallel through the backend's own fetch path, loads them and installs the package: its
+frames run without being traced. Dynamo still checks the saved guards on every call; inputs or
+globals that fail them are traced and compiled as before.
+
+The package holds the client's source and pickled guarded values, so it is the tenant's own
+(gateway/packages.py scopes it by tenant) and authenticated here with an HMAC whose key derives
+from the tenant's token, which the farm never stores (it keeps sha256 of tokens): bytes that
+fail the check are never unpickled. Any failure while restoring falls back to tracing, silently
+but for a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import importlib.metadata
+import inspect
+import json
+import logging
+import pickle
+import platform
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from torchfarm.client import backend, remote
+from torchfarm.client.pool import pool
+from torchfarm.compiler import serialize, trace_state
+from torchfarm.contract.cache_key import public_key
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+from torchfarm.torch_adapter import dynamo_package
+from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
+
+log = logging.getLogger("torchfarm")
+FORMAT = b"torchfarm-dynamo-package-1"
+_MAC_BYTES = 32
+_FARM_SOURCES = ("hit", "miss", "merged")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRef:
+    """How a later process gets one Dynamo graph's code without tracing it."""
+
+    request: bytes  # the CompileRequest the backend sent (payload, target, options)
+    sizes: list[int]  # its SymInt inputs' sizes in that trace: choose among entries
+    digest: str  # the artifact that trace loaded: Dynamo's saved guards include its guards
+    device_index: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    dynamo: bytes  # dynamo_package.dumps
+    graphs: dict[str, GraphRef]  # by Dynamo's backend id
+
+
+# Every graph's request this process sent, by backend id (filled by the backend's observer).
+_requests: dict[str, tuple[pb.CompileRequest, list[int], int | None]] = {}
+
+
+def _observe(gm: torch.fx.GraphModule, request: pb.CompileRequest) -> None:
+    sizes = hints(symbol_inputs(serialize.example_inputs(gm)))
+    _requests[dynamo_package.backend_id(gm)] = (request, sizes, serialize.local_device_index(gm))
+
+
+def mac_key(token: str) -> bytes:
+    """The key that authenticates this tenant's packages: derived from its token, which the
+    farm holds only as sha256(token), so no Redis writer can forge one."""
+    return hmac.new(token.encode(), FORMAT, hashlib.sha256).digest()
+
+
+def seal(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest() + data
+
+
+def unseal(key: bytes, sealed: bytes) -> bytes | None:
+    """The data, or None when the HMAC fails (then nothing of it is unpickled)."""
+    mac, data = sealed[:_MAC_BYTES], sealed[_MAC_BYTES:]
+    return data if hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).digest()) else None
+
+
+def package_key(token: str, target: Callable, options: dict) -> str:
+    """Tenant, torch / Python / torchfarm versions, the traced code's module source, its
+    qualified name, the model's configuration (structure, parameter shapes and dtypes) and
+    the compile's options. Sources Dynamo inlined from other modules are checked by the
+    package itself on install (a change falls back to tracing and re-saves)."""
+    fn = dynamo_package.entry_function(target)
+    module = inspect.getmodule(fn)
+    parts = {
+        "tenant": hashlib.sha256(mac_key(token)).hexdigest(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "torchfarm": importlib.metadata.version("torchfarm"),
+        "name": f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}",
+        "source": hashlib.sha256(inspect.getsource(module).encode()).hexdigest() if module else "",
+        "options": options,
+        "state": trace_state.capture().SerializeToString().hex(),
+    }
+    if isinstance(target, torch.nn.Module):
+        parts["config"] = repr(target)
+        parts["tensors"] = [
+            (name, list(t.shape), str(t.dtype), str(t.device))
+            for name, t in [*target.named_parameters(), *target.named_buffers()]
+        ]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Skipper:
+    """One compiled function's package: restored at compile time where the farm has one, saved
+    after the first call where any frame of it was traced."""
+
+    def __init__(self, target: Callable, settings: ClientSettings, options: dict):
+        self.target, self.settings = target, settings
+        self.key = package_key(settings.token, target, options)
+        self.mac = mac_key(settings.token)
+        self.graphs: dict[str, GraphRef] = {}
+        self.restored = False
+        self.saved = False
+        if _observe not in backend.request_observers:
+            backend.request_observers.append(_observe)
+        self.package = self._restore()
+
+    def _restore(self) -> dynamo_package.CompilePackage:
+        started = time.monotonic()
+        try:
+            contents = self._fetch_contents()
+            if contents is not None:
+                package = dynamo_package.new_package()
+                dynamo_package.install(
+                    package, self.target, contents.dynamo, _load_graphs(contents, self.settings)
+                )
+                self.graphs, self.restored = dict(contents.graphs), True
+                log.info(
+                    "dynamo package %s: restored %d graphs in %.2f s (no tracing)",
+                    self.key[:16],
+                    len(contents.graphs),
+                    time.monotonic() - started,
+                )
+                return package
+        except Exception as e:  # any failure: trace as before
+            log.info("dynamo package %s not restored (%s: %s)", self.key[:16], type(e).__name__, e)
+        package = dynamo_package.new_package()
+        dynamo_package.record(package, self.target)
+        return package
+
+    def _fetch_contents(self) -> Contents | None:
+        reply = _call(self.settings, "GetPackage", pb.GetPackageRequest(key=self.key))
+        if not reply.found:
+            log.info("dynamo package %s: none on the farm", self.key[:16])
+            return None
+        data = unseal(self.mac, reply.package)
+        if data is None:
+            log.warning("dynamo package %s failed its HMAC check: ignored", self.key[:16])
+            return None
+        contents = pickle.loads(data)
+        if not isinstance(contents, Contents):
+            raise TypeError(f"not a package: {type(contents).__name__}")
+        return contents
+
+    def after_first_call(self) -> None:
+        """Saves the package unless it was restored whole (no frame traced). Never raises."""
+        if self.saved:
+            return
+        self.saved = True
+        try:
+            dynamo = dynamo_package.dumps(self.package)
+            ids = dynamo_package.backend_ids(dynamo)
+            if self.restored and ids <= set(self.graphs):
+                return
+            graphs = {bid: self.graphs.get(bid) or _graph_ref(bid) for bid in ids}
+            sealed = seal(self.mac, pickle.dumps(Contents(dynamo, graphs)))
+            _call(self.settings, "PutPackage", pb.PutPackageRequest(key=self.key, package=sealed))
+            log.info("dynamo package %s: saved (%d bytes)", self.key[:16], len(sealed))
+        except Exception as e:
+            log.info("dynamo package %s not saved (%s: %s)", self.key[:16], type(e).__name__, e)
+
+
+def _graph_ref(bid: str) -> GraphRef:
+    """The farm request and artifact of a graph traced here; raises where the farm did not
+    serve it (compiled locally: a later process would have nothing to fetch)."""
+    request, sizes, device_index = _requests[bid]
+    record = next(r for r in reversed(backend.history) if r.label == request.label)
+    if record.source not in _FARM_SOURCES or not record.digest:
+        raise LookupError(f"{request.label} was not served by the farm ({record.source})")
+    return GraphRef(request.SerializeToString(), sizes, record.digest, device_index)
+
+
+def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Callable]:
+    """Every graph's code: fetched in parallel (the backend's fetch path, signatures checked),
+    loaded here one after another (loading is not proven thread-safe)."""
+    requests = {
+        bid: pb.CompileRequest.FromString(ref.request) for bid, ref in contents.graphs.items()
+    }
+    started = time.monotonic()
+    jobs = {
+        bid: pool(max(1, settings.parallel_graphs)).submit(
+            functools.partial(fetch_graph, requests[bid], settings, ref.sizes, ref.digest)
+        )
+        for bid, ref in contents.graphs.items()
+    }
+    loaded = {}
+    for bid, job in jobs.items():
+        fetched = job.result()
+        ref = contents.graphs[bid]
+        if fetched.header.digest != ref.digest:
+            raise LookupError(
+                f"the farm served {fetched.header.digest[:16]}, the package needs {ref.digest[:16]}"
+            )
+        loaded[bid] = backend._load(
+            fetched.artifact, requests[bid].options, ref.device_index, fetched.timings
+        )
+        backend._record_farm(requests[bid].label, fetched, started, started)
+    return loaded
+
+
+def fetch_graph(
+    request: pb.CompileRequest, settings: ClientSettings, sizes: list[int], digest: str
+) -> backend.Fetched:
+    """One graph's artifact as the backend fetches it (the one place that follows the
+    backend's fetch path when it changes): one Get for the very entry `digest` that the
+    package names, by the key computed here; the payload goes only if the farm lost it."""
+    ask = pb.Ask(
+        key=public_key(request.graph, request.target, request.options),
+        private=request.private,
+        sizes=sizes,
+        label=request.label,
+        digest=digest,
+    )
+    return backend._fetch(request, ask, settings, dynamo_package.sized_symints(sizes), {})
+
+
+def _call(settings: ClientSettings, method: str, request):
+    try:
+        return getattr(remote._stub(settings), method)(
+            request, timeout=settings.inactivity_timeout_s, metadata=remote._metadata(settings, "")
+        )
+    except grpc.RpcError as e:
+        raise remote.FarmError(f"{e.code().name}: {e.details()}") from None
