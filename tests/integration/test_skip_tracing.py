@@ -6,8 +6,9 @@ the saved guards are traced and compiled as before."""
 import pytest
 
 from tests.integration.helpers import run_client
+from torchfarm.cache import keys
 
-PACKAGES = "tf3:package:*"
+PACKAGES = keys.package("*")  # every tenant's packages, under the current key format
 
 
 def step(farm, *args: str, tenant: str = "alice") -> dict:

@@ -7,12 +7,16 @@ expires (TTL_S), refreshed by each run of the program."""
 
 from __future__ import annotations
 
+import logging
+
 import redis
 from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
+from torchfarm.cache.artifacts import OutOfMemoryError
 from torchfarm.proto import torchfarm_pb2 as pb
 
+log = logging.getLogger("torchfarm.cache")
 MAX_POSITIONS = 256  # graphs remembered per program; later ones are not prefetched
 TTL_S = 7 * 24 * 3600
 
@@ -30,7 +34,10 @@ class Programs:
         pipe = self.redis.pipeline()
         pipe.hset(name, str(position), entry.SerializeToString())
         pipe.expire(name, TTL_S)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except OutOfMemoryError:  # a hint for prefetch: a full cache serves and compiles anyway
+            log.warning("the cache's Redis is at its memory limit: program %s not recorded", head)
 
     def entries(self, tenant: str, head: str) -> list[pb.ManifestEntry]:
         """The graphs recorded after the head (position > 0), in order."""

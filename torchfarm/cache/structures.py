@@ -5,11 +5,15 @@ read (and filtered by tenant) from the index."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis
 
 from torchfarm.cache import keys
+from torchfarm.cache.artifacts import OutOfMemoryError
+
+log = logging.getLogger("torchfarm.cache")
 
 MAX_KEYS = 32  # the newest keys kept per structure
 TTL_S = 30 * 24 * 3600
@@ -26,7 +30,10 @@ class Structures:
         pipe.zadd(name, {key: time.time()})
         pipe.zremrangebyrank(name, 0, -MAX_KEYS - 1)
         pipe.expire(name, TTL_S)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except OutOfMemoryError:  # only a hint for explaining misses: the entry is stored
+            log.warning("the cache's Redis is at its memory limit: structure of %s not kept", key)
 
     def keys(self, structure: str) -> list[str]:
         """The keys with entries of `structure`, newest first (some may have none any more)."""
