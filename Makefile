@@ -18,7 +18,7 @@ OTHER_TORCH := 2.11.0 2.15.0
 demo: deps
 	$(PY) examples/demo.py
 
-# The integration tier (~25 min on 2 cores, much of it waiting on farms) runs beside the
+# The integration tier (~32 min on 2 cores, much of it waiting on farms) runs beside the
 # rest, one after another: lint, the unit tier, then the other torch releases' venvs (5.3 GB
 # each, mostly download and unpack) and their tests.
 test: deps $(COMPOSE_SCHEMA)
