@@ -4,9 +4,7 @@ and the "worker" is this test writing to the job board as a worker does."""
 import threading
 import time
 
-import pytest
-import redis
-
+from tests.unit.gateway.conftest import TARGET
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.pools import Readiness
@@ -24,7 +22,6 @@ from torchfarm.gateway.coordinator import (
 )
 from torchfarm.proto import torchfarm_pb2 as pb
 
-TARGET = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11")
 ARTIFACT = b"compiled bytes " * 100
 GUARDED = pb.ShapeGuards(  # t0 > 2
     all=[
@@ -35,16 +32,6 @@ GUARDED = pb.ShapeGuards(  # t0 > 2
         )
     ]
 )
-
-
-@pytest.fixture
-def store(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    farm = Store.from_clients(client)
-    farm.pools.register(pool_name(TARGET), "w1", {"describe": "a test pool"}, Readiness("ready"))
-    yield farm
-    client.flushdb()
 
 
 class Queue:

@@ -8,15 +8,13 @@ import threading
 
 import grpc
 import pytest
-import redis
 import zstandard
 
+from tests.unit.gateway.conftest import TARGET
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import VerifiedBlobs, digest_of
-from torchfarm.cache.pools import Readiness
 from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, private_key
-from torchfarm.contract.pools import pool_name
 from torchfarm.gateway import auth
 from torchfarm.gateway.coordinator import Coordinator
 from torchfarm.gateway.server import build_server
@@ -24,7 +22,6 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings
 
-TARGET = pb.Target(device="cpu", torch_version="2.13.0+gitabc", python_version="3.11")
 KEY = cache_key(b"graph payload", TARGET, pb.Options())
 TOKEN = "alice-token-0123456789"
 METADATA = [("authorization", f"Bearer {TOKEN}")]
@@ -38,16 +35,6 @@ def _relation(op, constant: int) -> pb.GuardExpr:
 
 SMALL = pb.ShapeGuards(all=[_relation(pb.GuardApply.LE, 8)])  # t0 <= 8
 LARGE = pb.ShapeGuards(all=[_relation(pb.GuardApply.GT, 8)])  # t0 > 8
-
-
-@pytest.fixture
-def store(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    farm = Store.from_clients(client)
-    farm.pools.register(pool_name(TARGET), "w1", {"describe": "a test pool"}, Readiness("ready"))
-    yield farm
-    client.flushdb()
 
 
 def _put(store: Store, data: bytes, key: str = KEY, created: float = 0.0, **meta) -> pb.EntryMeta:
