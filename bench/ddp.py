@@ -26,6 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from warm_start import fresh_process_env  # noqa: E402  (bench/ is this script's directory)
+
 from tests.models import build  # noqa: E402
 from torchfarm.local_farm import LocalFarm, free_port  # noqa: E402
 
@@ -85,12 +87,9 @@ def job(backend: str, args, addr: str = "") -> dict:
     """A fresh 2-rank torchrun job with empty local caches; each rank's figures and tensors."""
     out_dir = tempfile.mkdtemp(prefix=f"ddp-{backend}-")
     cache = tempfile.mkdtemp(prefix="ddp-cache-")
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=cache,
-        TRITON_CACHE_DIR=cache + "-triton",
+    env = fresh_process_env(
+        cache,
         TORCHFARM_ADDR=addr,
-        TORCHFARM_PROGRESS="0",
         OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.ranks)),
     )
     subprocess.run(

@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "gpu"))
 from client import make_step  # noqa: E402  (bench/gpu/client.py: one training/inference step)
+from warm_start import fresh_process_env  # noqa: E402  (bench/ is this script's directory)
 
 CASES = ("trace", "eager", "local", "farm", "nowait")
 STEADY_STEPS = 30
@@ -118,13 +119,8 @@ def _settled() -> bool:
 
 def run_case(case: str, args, model: str, mode: str, addr: str) -> dict:
     cache = tempfile.mkdtemp(prefix="never-wait-")
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=cache,
-        TRITON_CACHE_DIR=cache + "-triton",
-        TORCHFARM_ADDR=addr,
-        TORCHFARM_PROGRESS="0",
-        TORCHFARM_WAIT="0" if case == "nowait" else "1",
+    env = fresh_process_env(
+        cache, TORCHFARM_ADDR=addr, TORCHFARM_WAIT="0" if case == "nowait" else "1"
     )
     if args.client_gpu:  # the farm compiles (and autotunes) on another GPU than the client's
         env["CUDA_VISIBLE_DEVICES"] = args.client_gpu

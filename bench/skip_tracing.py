@@ -83,15 +83,11 @@ def client(backend: str, model_name: str) -> None:
 
 
 def measure(backend: str, model: str, cache_dir: str, env: dict | None = None) -> dict:
+    from warm_start import fresh_process_env
+
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--client", backend, "--model", model],
-        env=dict(
-            os.environ,
-            TORCHINDUCTOR_CACHE_DIR=cache_dir,
-            TRITON_CACHE_DIR=cache_dir + "-triton",
-            TORCHFARM_PROGRESS="0",
-            **(env or {}),
-        ),
+        env=fresh_process_env(cache_dir, **(env or {})),
         capture_output=True,
         text=True,
     )

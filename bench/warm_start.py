@@ -73,18 +73,23 @@ HIT_PARTS = (
 )
 
 
+def fresh_process_env(cache_dir: str, **extra: str) -> dict:
+    """The environment of a measured process: its own empty Inductor and Triton cache dirs, no
+    progress line; `extra` on top (the benches' TORCHFARM_ADDR and their own settings)."""
+    return dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        TRITON_CACHE_DIR=cache_dir + "-triton",
+        TORCHFARM_PROGRESS="0",
+        **extra,
+    )
+
+
 def measure(backend: str, cache_dir: str, addr: str = "", env: dict | None = None) -> dict:
     """One fresh process; its JSON report (seconds, source, per-graph timings)."""
     out = subprocess.run(
         [sys.executable, CLIENT, backend],
-        env=dict(
-            os.environ,
-            TORCHINDUCTOR_CACHE_DIR=cache_dir,
-            TRITON_CACHE_DIR=cache_dir + "-triton",
-            TORCHFARM_ADDR=addr,
-            TORCHFARM_PROGRESS="0",
-            **(env or {}),
-        ),
+        env=fresh_process_env(cache_dir, TORCHFARM_ADDR=addr, **(env or {})),
         capture_output=True,
         text=True,
         check=True,
