@@ -182,6 +182,8 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                     if k.startswith("triton_bundler_")
                 },
                 "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                # graphs Dynamo traced in this process: 0 on a hit that skipped tracing
+                "frames_traced": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             }
         )
     )

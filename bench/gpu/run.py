@@ -9,11 +9,13 @@ default:  correctness and warm start (local cold, local warm, farm miss, farm hi
           a dynamic sequence length; runtime parity.
 miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode default.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
-hit:      issue 19: the farm hit against what users pick instead, for GPT and ResNet-50 (or
-          MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage): local cold,
-          PyTorch's local warm cache, its Redis remote caches (filled by one process, read by
-          a fresh one with an empty local dir), Dynamo's tracing alone
-          (backend="eager"), farm miss, farm hit; the hit's profile; the ratios and geomean.
+hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
+          MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
+          another mode): local cold (the process filling PyTorch's Redis remote caches),
+          PyTorch's remote warm start (a fresh process, empty local dir), Dynamo's tracing
+          alone (backend="eager"), farm miss, farm hit with Dynamo skipped (the default) and
+          without (TORCHFARM_SKIP_TRACING=0); the hits' profiles, bytes per entry beside
+          PyTorch's remote-cache bytes, the ratios and their geomeans.
 profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
           the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
@@ -128,40 +130,61 @@ class Runner:
         self.compare(model, mode, "farm miss", "local cold")
 
     def hit_vs_pytorch(self, model: str, mode: str, redis_port: int) -> dict:
-        """Issue 19's rows, each a fresh process: the farm hit next to PyTorch's warm starts
-        and Dynamo's tracing alone; returns the first-step seconds by stage."""
-        local = tempfile.mkdtemp(prefix="local-")
+        """Issue 26's rows, each a fresh process: the farm hit with Dynamo's tracing skipped
+        (the default) and without it (TORCHFARM_SKIP_TRACING=0), next to PyTorch's Redis
+        remote-cache warm start and Dynamo's tracing alone; the local cold compile is the
+        process that fills PyTorch's remote cache. Returns the first-step seconds by stage."""
         remote = dict(
             PT_REMOTE_GPU,
             TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
             TORCHINDUCTOR_REDIS_PORT=str(redis_port),
         )
         subprocess.run(["redis-cli", "-p", str(redis_port), "flushall"], check=True)
-        # Separate fills: the remote-cache settings are part of Inductor's cache key, so a
-        # local dir filled with them on does not serve a process that has them off.
-        stages = {"local_cold": self.run(model, mode, "local", "local cold", local)}
-        stages["pt_local_warm"] = self.run(model, mode, "local", "pt local warm", local)
-        self.run(model, mode, "local", "pt remote fill", tempfile.mkdtemp(), remote)
+        stages = {
+            "local_cold": self.run(model, mode, "local", "local cold", tempfile.mkdtemp(), remote)
+        }
+        pt_bytes = redis_value_bytes(redis_port)
         stages["pt_remote_warm"] = self.run(
             model, mode, "local", "pt remote warm", tempfile.mkdtemp(), remote
         )
         stages["trace_only"] = self.run(
             model, mode, "eager", "trace only", tempfile.mkdtemp(), {"BENCH_STEADY": "0"}
         )
+        before = {(r["key"], r["digest"]) for r in self.farm.store().rows()}
         stages["farm_miss"] = self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp())
+        entries = [r for r in self.farm.store().rows() if (r["key"], r["digest"]) not in before]
         stages["farm_hit"] = self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp())
+        stages["farm_hit_noskip"] = self.run(
+            model,
+            mode,
+            "farm",
+            "farm hit noskip",
+            tempfile.mkdtemp(),
+            {"TORCHFARM_SKIP_TRACING": "0"},
+        )
         self.compare(model, mode, "farm hit", "local cold")
+        self.compare(model, mode, "farm hit noskip", "local cold")
         seconds = {k: r.get("first_step_s", float("nan")) for k, r in stages.items()}
+        remote_s = seconds["pt_remote_warm"]
         row = {
             "model": model,
             "mode": mode,
             "case": "hit vs pytorch",
             **seconds,
-            "hit_over_pt_remote": round(seconds["farm_hit"] / seconds["pt_remote_warm"], 3),
-            "hit_over_pt_local": round(seconds["farm_hit"] / seconds["pt_local_warm"], 3),
+            "hit_over_pt_remote": round(seconds["farm_hit"] / remote_s, 3),
+            "noskip_over_pt_remote": round(seconds["farm_hit_noskip"] / remote_s, 3),
             "hit_graphs": stages["farm_hit"].get("graphs"),
+            "hit_frames_traced": stages["farm_hit"].get("frames_traced"),
+            "noskip_frames_traced": stages["farm_hit_noskip"].get("frames_traced"),
             "hit_profile": stages["farm_hit"].get("timings"),
+            "noskip_profile": stages["farm_hit_noskip"].get("timings"),
             "hit_ptxas_calls": stages["farm_hit"].get("ptxas_calls"),
+            # bytes per entry: the farm's raw artifact and what it stores and sends (zstd),
+            # beside what PyTorch's remote caches hold for the same model
+            "farm_raw_bytes": sum(r["size"] for r in entries),
+            "farm_wire_bytes": sum(r["stored_bytes"] for r in entries),
+            "farm_entries": len(entries),
+            "pt_remote_bytes": pt_bytes,
         }
         print(json.dumps(row), flush=True)
         self.rows.append(row)
@@ -263,6 +286,14 @@ class Runner:
         self.rows.append(row)
 
 
+def redis_value_bytes(port: int) -> int:
+    """The bytes of every value in a redis-server: what PyTorch's remote caches stored."""
+    import redis
+
+    client = redis.Redis(port=port)
+    return sum(client.strlen(key) for key in client.scan_iter(_type="string"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -282,15 +313,17 @@ def main() -> None:
             runner.run("resnet50", "default", "farm", "farm miss", tempfile.mkdtemp())
         elif args.part == "hit":
             models = os.environ.get("MODELS", "gpt,resnet50").split(",")
+            mode = os.environ.get("MODE", "default")
             with plain_redis() as redis_port:
                 for model in models:
-                    runner.hit_vs_pytorch(model, "default", redis_port)
-            ratios = [r["hit_over_pt_remote"] for r in runner.rows if "hit_over_pt_remote" in r]
-            ratios = [x for x in ratios if x == x]  # a model whose stage failed has no ratio
-            if ratios:
-                geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-                runner.rows.append({"case": "geomean hit / pt_remote_warm", "value": geomean})
-                print(f"geomean farm_hit / pt_remote_warm over {len(ratios)}: {geomean:.3f}")
+                    runner.hit_vs_pytorch(model, mode, redis_port)
+            for field in ("hit_over_pt_remote", "noskip_over_pt_remote"):
+                ratios = [r[field] for r in runner.rows if field in r]
+                ratios = [x for x in ratios if x == x]  # a model whose stage failed has none
+                if ratios:
+                    geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                    runner.rows.append({"case": f"geomean {field}", "value": geomean})
+                    print(f"geomean {field} over {len(ratios)}: {geomean:.3f}")
         elif args.part == "profile":
             runner.profile_hit(os.environ.get("MODELS", "gpt"))
         elif args.part == "miss":
