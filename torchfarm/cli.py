@@ -1,4 +1,4 @@
-"""`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor."""
+"""`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor, keygen, token."""
 
 from __future__ import annotations
 
@@ -142,6 +142,25 @@ def keygen(path: str = typer.Argument(..., help="private key file to create (mod
     from torchfarm import signing
 
     print(signing.generate(path).public_key)
+
+
+@app.command()
+def token(name: str = typer.Argument(..., help="the tenant (or admin) the token is for")) -> None:
+    """Make a strong token (a 256-bit secret): prints the token (the tenant's TORCHFARM_TOKEN),
+    then its entry for TORCHFARM_TENANTS or TORCHFARM_ADMINS (name:sha256, no secret)."""
+    from torchfarm.gateway import auth
+
+    if not name or any(c in name for c in ":, ") or name != name.strip():
+        typer.echo("torchfarm token: a name without ':', ',' or spaces", err=True)
+        raise typer.Exit(2)
+    made = auth.make_token()
+    print(made)
+    print(f"{name}:{auth.hash_token(made)}")
+    typer.echo(
+        "line 1: the token, shown once (give it to the tenant; keep it secret); "
+        "line 2: its entry for TORCHFARM_TENANTS (or TORCHFARM_ADMINS)",
+        err=True,
+    )
 
 
 def main() -> None:

@@ -81,14 +81,28 @@ class GatewaySettings:
     tenants: str = ""  # TORCHFARM_TENANTS tenant:sha256(token),...; empty = open farm
     max_payload_bytes: int = 64 << 20  # TORCHFARM_MAX_PAYLOAD_BYTES
     compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
-    threads: int = 64  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
+    threads: int = 128  # TORCHFARM_GATEWAY_THREADS: concurrent RPCs
+    # TORCHFARM_GATEWAY_MAX_STREAMS: Get/Compile streams open at once (each holds a thread
+    # while it waits), the rest refused (RESOURCE_EXHAUSTED); 0 = three quarters of the
+    # threads, so that short calls always find one
+    max_streams: int = 0
+    # TORCHFARM_TENANT_MAX_STREAMS: one tenant's streams open at once; 0 = a quarter of the
+    # threads
+    tenant_max_streams: int = 0
+    # TORCHFARM_GATEWAY_MESSAGE_TIMEOUT: longest wait for a client's next message on a stream
+    # (Get's ask, its payload after `missing`); past it the stream is cancelled
+    message_timeout_s: float = 60.0
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
     verified_mb: int = 256  # TORCHFARM_GATEWAY_VERIFIED_MB: verified blobs kept (0 = none)
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
-    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once; then
+    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once under
+    # one token id (tokens of `torchfarm token`; other tokens share one id, "legacy"); then
     # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
     auth_failures: int = 10
+    # TORCHFARM_LEGACY_TOKENS=0: only tokens made by `torchfarm token` (a 256-bit secret)
+    # authenticate; 1 = others too (each tenant using one is logged once)
+    legacy_tokens: bool = True
     admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
     # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none
     tenant_max_compiles: int = 0
@@ -101,6 +115,26 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TORCHFARM_TLS_CERT and TORCHFARM_TLS_KEY go together")
+        # Frozen: the stream caps that default to shares of the threads are resolved here.
+        if not self.max_streams:
+            object.__setattr__(self, "max_streams", self.threads * 3 // 4)
+        if not self.tenant_max_streams:
+            object.__setattr__(self, "tenant_max_streams", max(1, self.threads // 4))
+        if not 0 < self.max_streams < self.threads:
+            raise ValueError(
+                f"TORCHFARM_GATEWAY_MAX_STREAMS ({self.max_streams}) must leave threads for "
+                f"short calls: at least 1, below TORCHFARM_GATEWAY_THREADS ({self.threads})"
+            )
+        if not 0 < self.tenant_max_streams <= self.max_streams:
+            raise ValueError(
+                f"TORCHFARM_TENANT_MAX_STREAMS ({self.tenant_max_streams}) must be at least 1 "
+                f"and at most TORCHFARM_GATEWAY_MAX_STREAMS ({self.max_streams})"
+            )
+        if self.message_timeout_s <= 0:
+            raise ValueError(
+                "TORCHFARM_GATEWAY_MESSAGE_TIMEOUT must be positive, not "
+                f"{self.message_timeout_s:g}"
+            )
 
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
@@ -112,13 +146,17 @@ class GatewaySettings:
             tenants=_env("TORCHFARM_TENANTS", ""),
             max_payload_bytes=int(_env("TORCHFARM_MAX_PAYLOAD_BYTES", str(cls.max_payload_bytes))),
             compile_timeout_s=float(_env("TORCHFARM_GATEWAY_COMPILE_TIMEOUT", "1800")),
-            threads=int(_env("TORCHFARM_GATEWAY_THREADS", "64")),
+            threads=int(_env("TORCHFARM_GATEWAY_THREADS", str(cls.threads))),
+            max_streams=_whole("TORCHFARM_GATEWAY_MAX_STREAMS", "0"),
+            tenant_max_streams=_whole("TORCHFARM_TENANT_MAX_STREAMS", "0"),
+            message_timeout_s=float(_env("TORCHFARM_GATEWAY_MESSAGE_TIMEOUT", "60")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             verified_mb=int(_env("TORCHFARM_GATEWAY_VERIFIED_MB", str(cls.verified_mb))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
             metrics_host=_env("TORCHFARM_METRICS_HOST", ""),
             auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),
             admins=_env("TORCHFARM_ADMINS", ""),
+            legacy_tokens=_env("TORCHFARM_LEGACY_TOKENS", "1") not in ("0", "false", "no"),
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),

@@ -1,14 +1,42 @@
 """Tenant authentication: `authorization: Bearer <token>` metadata, tokens kept as sha256,
-and a per-peer limit on failed attempts."""
+and a limit on failed attempts per peer address and token id.
+
+Tokens made by `torchfarm token` read `tf_<id>_<secret>`: a random 64-bit id and a 256-bit
+secret. The id names the limiter's bucket. It comes only with the token (TORCHFARM_TENANTS
+holds the hash of the whole token, never the id), so a stranger sharing a tenant's address
+(a NAT, a proxy) fails under ids of its own and never spends the tenant's budget; and one
+who knows the id is refused under it before any comparison, whatever the secret he sends.
+Other ("legacy") tokens share one bucket per address.
+"""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
+import logging
+import re
+import secrets
 import threading
 import time
 
+log = logging.getLogger("torchfarm.gateway")
 OPEN_TENANT = "public"
+LEGACY = "legacy"  # the token id of every token not made by `torchfarm token`
+TOKEN_PREFIX = "tf_"
+MIN_SECRET_CHARS = 22  # urlsafe base64: 22 characters carry 132 bits
+_TOKEN = re.compile(rf"{TOKEN_PREFIX}([0-9a-f]{{16}})_([A-Za-z0-9_-]{{{MIN_SECRET_CHARS},}})")
+
+
+def make_token() -> str:
+    """A new strong token: `tf_`, a public 64-bit id, `_`, a 256-bit urlsafe secret."""
+    return f"{TOKEN_PREFIX}{secrets.token_hex(8)}_{secrets.token_urlsafe(32)}"
+
+
+def token_id(token: str) -> str:
+    """The id a token claims, LEGACY for a token not of `torchfarm token`'s form."""
+    match = _TOKEN.fullmatch(token)
+    return match.group(1) if match else LEGACY
 
 
 def hash_token(token: str) -> str:
@@ -44,37 +72,127 @@ def peer_address(peer: str) -> str:
     return peer
 
 
-class FailureLimiter:
-    """A token bucket of failed authentications per peer address: `burst` at once, then one
-    per `every_s`. A peer with an empty bucket is refused before its token is checked, so
-    guessing tokens runs at one try per second, not thousands; other peers are unaffected."""
+Bucket = tuple[str, str]  # (peer address, token id)
 
-    MAX_PEERS = 4096  # past this, peers whose bucket is full again are forgotten
+
+class FailureLimiter:
+    """A token bucket of failed authentications per (peer address, token id): `burst` at
+    once, then one per `every_s`. A caller whose bucket is empty is refused before its token
+    is checked, so the answer is the same for the right token and a wrong one, and guessing
+    runs at one try per second; other buckets are unaffected."""
+
+    MAX_BUCKETS = 4096  # past this, full buckets are forgotten, then those of token ids
 
     def __init__(self, burst: int, every_s: float = 1.0, clock=time.monotonic):
         self.burst, self.every_s, self.clock = burst, every_s, clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, at)
+        self._buckets: dict[Bucket, tuple[float, float]] = {}  # -> (tokens, at)
         self._lock = threading.Lock()
 
-    def _tokens(self, peer: str, now: float) -> float:
-        tokens, at = self._buckets.get(peer, (self.burst, now))
+    def _tokens(self, bucket: Bucket, now: float) -> float:
+        tokens, at = self._buckets.get(bucket, (self.burst, now))
         return min(self.burst, tokens + (now - at) / self.every_s)
 
-    def retry_after_s(self, peer: str) -> float:
-        """0 if the peer may try now, else the seconds until it may."""
+    def retry_after_s(self, bucket: Bucket) -> float:
+        """0 if the bucket may try now, else the seconds until it may."""
         if not self.burst:
             return 0.0
         with self._lock:
-            tokens = self._tokens(peer, self.clock())
+            tokens = self._tokens(bucket, self.clock())
         return 0.0 if tokens >= 1 else (1 - tokens) * self.every_s
 
-    def failed(self, peer: str) -> None:
+    def failed(self, bucket: Bucket) -> None:
         if not self.burst:
             return
         with self._lock:
             now = self.clock()
-            if len(self._buckets) >= self.MAX_PEERS:
+            if len(self._buckets) >= self.MAX_BUCKETS:
                 self._buckets = {
-                    p: v for p, v in self._buckets.items() if self._tokens(p, now) < self.burst
+                    b: v for b, v in self._buckets.items() if self._tokens(b, now) < self.burst
                 }
-            self._buckets[peer] = (max(0.0, self._tokens(peer, now) - 1), now)
+            if len(self._buckets) >= self.MAX_BUCKETS:
+                # A flood of made-up ids: forgetting one only helps a guess at a 256-bit
+                # secret; the legacy buckets, which guard guessable tokens, are kept.
+                self._buckets = {b: v for b, v in self._buckets.items() if b[1] == LEGACY}
+            self._buckets[bucket] = (max(0.0, self._tokens(bucket, now) - 1), now)
+
+
+class Refusal(enum.Enum):
+    LIMITED = "limited"  # the bucket is empty: refused before the token was looked at
+    UNKNOWN = "unknown"  # no token, or not one of the table's
+    NOT_ADMIN = "not admin"  # a tenant's token on an admin RPC
+
+
+class Refused(Exception):
+    def __init__(self, why: Refusal, message: str):
+        super().__init__(message)
+        self.why = why
+
+
+class Authenticator:
+    """Who a call's token names, through the failure limiter, for tenants and admins alike."""
+
+    def __init__(
+        self,
+        tenants: dict[str, str],
+        admins: dict[str, str],
+        limiter: FailureLimiter,
+        legacy_tokens: bool = True,
+    ):
+        self.tenants, self.admins, self.limiter = tenants, admins, limiter
+        self.legacy_tokens = legacy_tokens
+        self._warned: set[str] = set()  # names seen with a legacy token (logged once each)
+
+    def tenant(self, metadata, peer: str) -> str:
+        """The caller's tenant (OPEN_TENANT on an open farm), else Refused."""
+        if not self.tenants:
+            return OPEN_TENANT
+        token, bucket = self._admitted(metadata, peer)
+        name = self._match(token, self.tenants)
+        if name is None:
+            self.limiter.failed(bucket)
+            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+        return name
+
+    def admin(self, metadata, peer: str) -> str:
+        """The caller's admin name, else Refused (NOT_ADMIN for a tenant's token)."""
+        token, bucket = self._admitted(metadata, peer)
+        name = self._match(token, self.admins)
+        if name is not None:
+            return name
+        if self.tenants and self._match(token, self.tenants) is None:
+            self.limiter.failed(bucket)
+            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+        if not self.tenants:  # an open farm: a wrong admin token is a failed guess too
+            self.limiter.failed(bucket)
+        raise Refused(Refusal.NOT_ADMIN, "admin RPCs need a token listed in TORCHFARM_ADMINS")
+
+    def _admitted(self, metadata, peer: str) -> tuple[str, Bucket]:
+        """The call's token and its bucket; Refused while the bucket is empty (LIMITED), or
+        for no token at all (UNKNOWN, no failure counted: it guesses nothing)."""
+        token = bearer_token(metadata)
+        if not token:
+            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+        bucket = (peer_address(peer), token_id(token))
+        wait_s = self.limiter.retry_after_s(bucket)
+        if wait_s:
+            raise Refused(
+                Refusal.LIMITED,
+                f"too many failed authentications from {bucket[0]} with this token's id; "
+                f"retry in {wait_s:.1f} s",
+            )
+        return token, bucket
+
+    def _match(self, token: str, table: dict[str, str]) -> str | None:
+        name = tenant_for(token, table) if table else None
+        if name is None or token_id(token) != LEGACY:
+            return name
+        if not self.legacy_tokens:
+            return None
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning(
+                "%s authenticates with a token not made by `torchfarm token`: its strength is "
+                "unknown and it shares one failure budget per address with every such token",
+                name,
+            )
+        return name

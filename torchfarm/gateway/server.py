@@ -29,6 +29,7 @@ from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
 from torchfarm.gateway import auth, metrics
+from torchfarm.gateway.admission import MessageDeadlines, StreamSlots, StreamsWithoutToken
 from torchfarm.gateway.coordinator import (
     CompileCall,
     Coordinator,
@@ -75,27 +76,34 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("context.abort returned")
 
 
-def _authenticate(context, tenants: dict[str, str], limiter: auth.FailureLimiter) -> str | None:
-    """The caller's tenant, or None for an unknown token; a peer over its failure budget is
-    refused (RESOURCE_EXHAUSTED, with when to retry) before its token is looked at."""
-    peer = auth.peer_address(context.peer() or "")
-    wait_s = limiter.retry_after_s(peer)
-    if wait_s:
-        _abort(
-            context,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"too many failed authentications from {peer}; retry in {wait_s:.1f} s",
-        )
-    tenant = auth.tenant_for(auth.bearer_token(context.invocation_metadata()), tenants)
-    if tenant is None:
-        limiter.failed(peer)
-    return tenant
+_REFUSED = {
+    auth.Refusal.LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    auth.Refusal.UNKNOWN: grpc.StatusCode.UNAUTHENTICATED,
+    auth.Refusal.NOT_ADMIN: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def _caller(context, authenticate: Callable[[object, str], str]) -> str:
+    """Who `authenticate` (a tenant's or an admin's) says the caller is, or the RPC ends
+    with the refusal's status."""
+    try:
+        return authenticate(context.invocation_metadata(), context.peer() or "")
+    except auth.Refused as refused:
+        _abort(context, _REFUSED[refused.why], str(refused))
 
 
 class FarmServicer(pb_grpc.FarmServicer):
-    def __init__(self, settings: GatewaySettings, store: Store, limiter: auth.FailureLimiter):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: Store,
+        authenticator: auth.Authenticator,
+        slots: StreamSlots,
+    ):
         self.settings = settings
-        self.tenants = parse_tenants(settings.tenants)
+        self.authenticator = authenticator
+        self.slots = slots
+        self.deadlines = MessageDeadlines(settings.message_timeout_s)
         # Signing: the keys clients verify entries with; checked here, so a typo fails at start
         self.verify_keys = list(signing.Verifier.parse(settings.verify_keys).public_keys)
         if not self.verify_keys:
@@ -103,7 +111,6 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "no TORCHFARM_VERIFY_KEYS: clients that pin no keys will load no artifact "
                 "from this farm (give the gateway the workers' public signing key)"
             )
-        self.limiter = limiter
         store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20)
         self.packages = Packages(store.artifacts.redis)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
@@ -115,10 +122,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         )
 
     def _authenticate(self, context) -> str:
-        tenant = _authenticate(context, self.tenants, self.limiter)
-        if tenant is None:
-            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        return tenant
+        return _caller(context, self.authenticator.tenant)
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupReply:
         tenant = self._authenticate(context)
@@ -149,14 +153,22 @@ class FarmServicer(pb_grpc.FarmServicer):
 
     def Compile(self, request: pb.CompileRequest, context) -> Iterator[pb.CompileEvent]:
         tenant = self._authenticate(context)
-        yield from self._compile(request, tenant, _request_id(context), context, encoding="")
+        with self.slots.held(tenant, context):
+            yield from self._compile(request, tenant, _request_id(context), context, encoding="")
 
     def Get(self, requests: Iterator[pb.GetRequest], context) -> Iterator[pb.CompileEvent]:
         """An ask by key first: a hit is answered from it alone (no payload on the wire);
         a miss says `missing`, and the payload then follows on the same stream as a compile
-        that goes on exactly as Compile (its key computed here, from the payload)."""
+        that goes on exactly as Compile (its key computed here, from the payload). Each
+        message is awaited at most the message timeout, in one of the tenant's slots."""
         tenant = self._authenticate(context)
-        first = next(requests, None)
+        with self.slots.held(tenant, context):
+            yield from self._get(requests, tenant, context)
+
+    def _get(
+        self, requests: Iterator[pb.GetRequest], tenant: str, context
+    ) -> Iterator[pb.CompileEvent]:
+        first = self.deadlines.next(requests, context, "ask")
         if first is None or first.WhichOneof("message") != "ask":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Get: the first message is an ask")
         self._validate_ask(first.ask, context)
@@ -171,7 +183,7 @@ class FarmServicer(pb_grpc.FarmServicer):
             yield from self._send(served, STORED)
             return
         yield pb.CompileEvent(missing=pb.Missing(explanation=self.coordinator.explain(ask, tenant)))
-        then = next(requests, None)
+        then = self.deadlines.next(requests, context, "payload after missing")
         if then is None:  # the client went on without the farm
             return
         if then.WhichOneof("message") != "compile":
@@ -430,24 +442,12 @@ class FarmHealth(health.HealthServicer):
 class AdminServicer(pb_grpc.AdminServicer):
     """Operators' RPCs, for tokens in TORCHFARM_ADMINS only."""
 
-    def __init__(self, settings: GatewaySettings, store: Store, limiter: auth.FailureLimiter):
+    def __init__(self, store: Store, authenticator: auth.Authenticator):
         self.store = store
-        self.tenants = parse_tenants(settings.tenants)
-        self.admins = parse_tenants(settings.admins, "TORCHFARM_ADMINS")
-        self.limiter = limiter
+        self.authenticator = authenticator
 
     def _authorize(self, context) -> str:
-        token = auth.bearer_token(context.invocation_metadata())
-        admin = auth.tenant_for(token, self.admins) if self.admins else None
-        if admin is not None:
-            return admin
-        if _authenticate(context, self.tenants, self.limiter) is None:
-            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown token")
-        _abort(
-            context,
-            grpc.StatusCode.PERMISSION_DENIED,
-            "admin RPCs need a token listed in TORCHFARM_ADMINS",
-        )
+        return _caller(context, self.authenticator.admin)
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         self._authorize(context)
@@ -464,17 +464,31 @@ class AdminServicer(pb_grpc.AdminServicer):
 
 def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, int]:
     """A started-ready server (call .start()) and the port it bound."""
+    slots = StreamSlots(settings.max_streams, settings.tenant_max_streams)
+    without_token = (
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.threads),
-        interceptors=[metrics.MetricsInterceptor(), UndecodableRequests()],
+        interceptors=[
+            metrics.MetricsInterceptor(),
+            UndecodableRequests(),
+            StreamsWithoutToken(slots, without_token),
+        ],
         options=[
             ("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20)),
             *KEEPALIVE,
         ],
     )
-    limiter = auth.FailureLimiter(settings.auth_failures)
-    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, limiter), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store, limiter), server)
+    authenticator = auth.Authenticator(
+        parse_tenants(settings.tenants),
+        parse_tenants(settings.admins, "TORCHFARM_ADMINS"),
+        auth.FailureLimiter(settings.auth_failures),
+        settings.legacy_tokens,
+    )
+    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, authenticator, slots), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(store, authenticator), server)
     health_servicer = FarmHealth(store.pools.live)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

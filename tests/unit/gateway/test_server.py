@@ -1,5 +1,9 @@
 """The gRPC servicer on a real server and a bare redis-server: what it adds to the
-coordinator (authentication and its failure limit, streaming a hit in bounded pieces)."""
+coordinator (authentication and its failure limit, stream caps, streaming a hit in bounded
+pieces)."""
+
+import threading
+import time
 
 import grpc
 import pytest
@@ -14,22 +18,26 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import GatewaySettings
 
-TOKEN = "alice-token-0123456789"
+TOKEN = "alice-token-0123456789"  # a legacy token (not made by `torchfarm token`)
+CAROL, ADMIN = auth.make_token(), auth.make_token()
 
 
 @pytest.fixture
 def gateway(redis_url):
-    """A gateway with one tenant, on every loopback address: 127.0.0.1 and ::1 are two
-    peers of it."""
+    """A gateway with two tenants (alice's token a legacy one) and an admin, on every
+    loopback address: 127.0.0.1 and ::1 are two peers of it."""
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     settings = GatewaySettings(
         host="[::]",
         port=0,
         redis_url=redis_url,
-        tenants=f"alice:{auth.hash_token(TOKEN)}",
+        tenants=f"alice:{auth.hash_token(TOKEN)},carol:{auth.hash_token(CAROL)}",
+        admins=f"ops:{auth.hash_token(ADMIN)}",
         metrics_port=0,
         auth_failures=3,
+        threads=8,
+        tenant_max_streams=2,
     )
     server, port = build_server(settings, Store.from_clients(client))
     server.start()
@@ -62,18 +70,69 @@ def test_failed_authentications_are_limited_per_peer(gateway):
     assert _lookup(other, TOKEN) is grpc.StatusCode.OK  # another peer is not affected
 
 
-def test_the_failure_budget_refills_one_per_interval():
-    now = [100.0]
-    limiter = auth.FailureLimiter(burst=2, every_s=1.0, clock=lambda: now[0])
-    for _ in range(2):
-        assert limiter.retry_after_s("ipv4:10.0.0.7") == 0
-        limiter.failed("ipv4:10.0.0.7")
-    assert limiter.retry_after_s("ipv4:10.0.0.7") == pytest.approx(1.0)
-    assert limiter.retry_after_s("ipv4:10.0.0.8") == 0
-    now[0] += 1.0
-    assert limiter.retry_after_s("ipv4:10.0.0.7") == 0
-    limiter.failed("ipv4:10.0.0.7")
-    assert limiter.retry_after_s("ipv4:10.0.0.7") > 0
+def _stats(addr: str, token: str | None) -> grpc.StatusCode:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            metadata = [("authorization", f"Bearer {token}")] if token else []
+            pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(), metadata=metadata, timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_limited_admin_guesser_gets_the_same_answer_for_the_right_token(gateway):
+    addr, admin_id = f"127.0.0.1:{gateway}", auth.token_id(ADMIN)
+    guesses = [_stats(addr, f"tf_{admin_id}_{i:043d}") for i in range(4)]
+    assert guesses == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert _stats(addr, ADMIN) is grpc.StatusCode.RESOURCE_EXHAUSTED  # no oracle
+    assert _stats(addr, CAROL) is grpc.StatusCode.PERMISSION_DENIED  # carol's id: not limited
+
+
+def test_a_strangers_failures_never_refuse_a_valid_token_at_the_same_address(gateway):
+    addr = f"127.0.0.1:{gateway}"
+    for i in range(8):
+        for token in (None, f"guess-{i}", auth.make_token()):
+            assert _lookup(addr, token) in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        assert _lookup(addr, CAROL) is grpc.StatusCode.OK
+        assert _stats(addr, ADMIN) is grpc.StatusCode.OK
+
+
+def test_a_tenant_past_its_stream_cap_is_refused_at_once_and_others_served(gateway):
+    """Two idle Get streams fill alice's cap: her next stream (a Compile too) is refused
+    without waiting; carol's are not."""
+    addr, release = f"127.0.0.1:{gateway}", threading.Event()
+
+    def silent():
+        release.wait(30)
+        yield from ()
+
+    def compile_status(token: str) -> grpc.StatusCode:
+        metadata = [("authorization", f"Bearer {token}")]
+        try:
+            list(farm.Compile(pb.CompileRequest(), metadata=metadata, timeout=10))
+        except grpc.RpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    with grpc.insecure_channel(addr) as channel:
+        farm = pb_grpc.FarmStub(channel)
+        metadata = [("authorization", f"Bearer {TOKEN}")]
+        idle = [farm.Get(silent(), metadata=metadata, timeout=30) for _ in range(2)]
+        deadline = time.monotonic() + 20  # until the gateway holds both idle streams
+        while (alice := compile_status(TOKEN)) is grpc.StatusCode.INVALID_ARGUMENT:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert alice is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # carol has slots: her (empty) Compile is read and refused for what it is
+        assert compile_status(CAROL) is grpc.StatusCode.INVALID_ARGUMENT
+        assert _lookup(addr, TOKEN) is grpc.StatusCode.OK  # short calls take no slot
+        for call in idle:
+            call.cancel()
+        release.set()
 
 
 def test_a_peer_is_its_address_without_the_port():

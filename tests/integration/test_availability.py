@@ -1,0 +1,118 @@
+"""Availability (issue 27, finding 1): one tenant's idle streams never stall another
+tenant's calls. A real gateway and redis-server with small caps; no worker (nothing here
+compiles)."""
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from torchfarm.contract.cache_key import cache_key
+from torchfarm.gateway import auth
+from torchfarm.local_farm import LocalFarm
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+A, B = auth.make_token(), auth.make_token()
+THREADS, TENANT_STREAMS, MESSAGE_TIMEOUT_S = 16, 4, 15
+IDLE = 64  # four times the gateway's threads
+TARGET = pb.Target(device="cpu", torch_version="2.13.0", python_version="3.11")
+KEY = cache_key(b"a graph", TARGET, pb.Options())
+
+
+@pytest.fixture(scope="module")
+def farm():
+    with LocalFarm(
+        workers=0,
+        tenants=f"a:{auth.hash_token(A)},b:{auth.hash_token(B)}",
+        admins="",
+        extra_env={
+            "TORCHFARM_GATEWAY_THREADS": str(THREADS),
+            "TORCHFARM_TENANT_MAX_STREAMS": str(TENANT_STREAMS),
+            "TORCHFARM_GATEWAY_MESSAGE_TIMEOUT": str(MESSAGE_TIMEOUT_S),
+        },
+    ) as f:
+        f.store().artifacts.put(KEY, b"the artifact" * 100, pb.EntryMeta(tenant="b"))
+        yield f
+
+
+def _metadata(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+class Silent:
+    """A request stream that sends `messages`, then nothing until released."""
+
+    def __init__(self, *messages: pb.GetRequest):
+        self.messages = messages
+        self.release = threading.Event()
+
+    def __iter__(self):
+        yield from self.messages
+        self.release.wait(120)
+
+
+def _ends(calls) -> list[grpc.StatusCode]:
+    """How each call ended (each waited for at most the client's own timeout)."""
+    return [call.code() for call in calls]
+
+
+def test_idle_streams_of_one_tenant_leave_another_tenant_served(farm):
+    silent = Silent()
+    with grpc.insecure_channel(farm.addr) as a, grpc.insecure_channel(farm.addr) as b:
+        idle = [
+            pb_grpc.FarmStub(a).Get(iter(silent), metadata=_metadata(A), timeout=90)
+            for _ in range(IDLE)
+        ]
+        farm_b = pb_grpc.FarmStub(b)
+        reply = farm_b.Lookup(pb.LookupRequest(key=KEY), metadata=_metadata(B), timeout=60)
+        assert len(reply.candidates) == 1
+        hit = list(
+            farm_b.Get(
+                iter([pb.GetRequest(ask=pb.Ask(key=KEY))]), metadata=_metadata(B), timeout=60
+            )
+        )
+        assert hit[0].header.source == "hit" and hit[-1].WhichOneof("event") == "chunk"
+        ends = _ends(idle)
+        silent.release.set()
+    # A's streams past its cap were refused at once; those it held were cancelled once no
+    # ask came within the message timeout: none waited for the client's own deadline.
+    assert ends.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == IDLE - TENANT_STREAMS
+    assert ends.count(grpc.StatusCode.CANCELLED) == TENANT_STREAMS
+
+
+def test_a_stream_silent_after_missing_is_cancelled(farm):
+    unknown = cache_key(b"another graph", TARGET, pb.Options())
+    silent = Silent(pb.GetRequest(ask=pb.Ask(key=unknown)))
+    with grpc.insecure_channel(farm.addr) as channel:
+        call = pb_grpc.FarmStub(channel).Get(iter(silent), metadata=_metadata(A), timeout=90)
+        assert next(call).WhichOneof("event") == "missing"
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        silent.release.set()
+    assert e.value.code() is grpc.StatusCode.CANCELLED
+
+
+def test_health_watches_hold_capped_slots_too(farm):
+    """Health and reflection take no token: their streams share one owner's cap."""
+    with grpc.insecure_channel(farm.addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watches = [
+            health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            for _ in range(2 * TENANT_STREAMS)
+        ]
+        firsts = []
+        for watch in watches:
+            try:
+                firsts.append(next(watch).status)
+            except grpc.RpcError as e:
+                firsts.append(e.code())
+        reply = pb_grpc.FarmStub(channel).Lookup(
+            pb.LookupRequest(key=KEY), metadata=_metadata(B), timeout=60
+        )
+        for watch in watches:
+            watch.cancel()
+    assert firsts.count(health_pb2.HealthCheckResponse.SERVING) == TENANT_STREAMS
+    assert firsts.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == TENANT_STREAMS
+    assert len(reply.candidates) == 1
