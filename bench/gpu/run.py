@@ -190,22 +190,36 @@ class Runner:
         self.rows.append(row)
         return seconds
 
-    def profile_hit(self, model: str) -> None:
-        """A miss, then a hit under cProfile; the top of its profile goes to the out dir."""
+    def profile_hit(self, model: str, redis_port: int) -> None:
+        """A miss, then a hit with its load under cProfile (hit-profile.txt); then the whole
+        hit process and the whole of PyTorch's remote warm start under cProfile, side by side
+        (whole-farm-hit.txt, whole-pt-remote.txt): where each warm start's time goes."""
+        self.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
+        self._profiled(model, "farm", "hit", {}, whole=False)
+        self._profiled(model, "farm", "whole-farm-hit", {}, whole=True)
+        remote = dict(
+            PT_REMOTE_GPU,
+            TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
+            TORCHINDUCTOR_REDIS_PORT=str(redis_port),
+        )
+        self.run(model, "default", "local", "pt remote fill", tempfile.mkdtemp(), remote)
+        self._profiled(model, "local", "whole-pt-remote", remote, whole=True)
+
+    def _profiled(self, model: str, backend: str, name: str, extra: dict, whole: bool) -> None:
         import pstats
 
-        self.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
         cache = tempfile.mkdtemp()
-        prof = os.path.join(self.outdir, "hit.prof")
+        prof = os.path.join(tempfile.mkdtemp(), f"{name}.prof")
+        env = {**self.env(cache, self.farm.addr if backend == "farm" else ""), **extra}
         subprocess.run(
             [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
-            + [model, "default", "farm", os.path.join(self.tensors, "profiled.pt")],
-            env={**self.env(cache, self.farm.addr), "BENCH_STEADY": "0"},
+            + [model, "default", backend, os.path.join(self.tensors, f"profiled-{name}.pt")],
+            env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": "1" if whole else "0"},
             check=False,
         )
-        with open(os.path.join(self.outdir, "hit-profile.txt"), "w") as f:
+        with open(os.path.join(self.outdir, f"{name}-profile.txt"), "w") as f:
             stats = pstats.Stats(prof, stream=f)
-            stats.sort_stats("cumulative").print_stats(120)
+            stats.sort_stats("cumulative").print_stats(150)
             stats.sort_stats("tottime").print_stats(40)
 
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
@@ -325,7 +339,8 @@ def main() -> None:
                     runner.rows.append({"case": f"geomean {field}", "value": geomean})
                     print(f"geomean {field} over {len(ratios)}: {geomean:.3f}")
         elif args.part == "profile":
-            runner.profile_hit(os.environ.get("MODELS", "gpt"))
+            with plain_redis() as redis_port:
+                runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)
         elif args.part == "miss":
             runner.miss_vs_cold("gpt", "default")
             runner.miss_vs_cold("resnet50", "default")
