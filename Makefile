@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 # compose test validates docker-compose.yml against it (no Docker engine runs here).
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
-# Supported torch releases besides .venv's (2.13.0): each gets a venv of its own (.venv-2.11)
+# Supported torch releases besides .venv's (2.13): each gets a venv of its own (.venv-2.11)
 # for the unit tier and one end-to-end miss-then-hit (`make test-versions`). CUDA builds
-# from PyPI run torch.compile on the CPU too (5.3 GB each).
-OTHER_TORCH := 2.11.0 2.15.0
+# from PyPI run torch.compile on the CPU too (5.3 GB each). Every release's pin lives in
+# requirements/torch-X.Y.txt, which pip installs from: a pin that pip reads from a file on
+# main is what a machine-wide cap on torch honours (a bare `pip install torch==...` is refused
+# on a new machine of this project's kind).
+OTHER_TORCH := 2.11 2.12 2.14 2.15
 
 .PHONY: demo test checks unit integration lint deps system proto bench coverage clean test-versions other-venvs
 
@@ -35,19 +38,19 @@ integration: deps
 
 other-venvs:
 	@set -e; for version in $(OTHER_TORCH); do \
-		venv=.venv-$${version%.*}; \
-		if [ ! $$venv/.installed-$$version -nt pyproject.toml ]; then \
+		venv=.venv-$$version; pins=requirements/torch-$$version.txt; \
+		if [ ! $$venv/.installed -nt pyproject.toml ] || [ ! $$venv/.installed -nt $$pins ]; then \
 			python3 -m venv $$venv; \
 			$$venv/bin/pip install -q --upgrade pip; \
-			$$venv/bin/pip install -q --no-compile torch==$$version; \
+			$$venv/bin/pip install -q --no-compile -r $$pins; \
 			$$venv/bin/pip install -q -e '.[server,dev]'; \
-			touch $$venv/.installed-$$version; \
+			touch $$venv/.installed; \
 		fi; \
 	done
 
 test-versions: other-venvs $(COMPOSE_SCHEMA)
 	@set -e; for version in $(OTHER_TORCH); do \
-		venv=.venv-$${version%.*}; \
+		venv=.venv-$$version; \
 		echo "== torch $$version ($$venv)"; \
 		$$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit \
 			tests/integration/test_versions.py; \
@@ -63,11 +66,11 @@ deps: system $(STAMP)
 system:
 	@bash scripts/install-system-deps.sh
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/torch-2.13.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel.
-	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -r requirements/torch-2.13.txt
 	$(VENV)/bin/pip install -q -e '.[server,dev]'
 	touch $@
 

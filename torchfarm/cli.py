@@ -9,6 +9,8 @@ import typer
 
 from torchfarm.cache.cli import app as cache_app
 
+WORKER_CHECK_S = 2.0  # how often `torchfarm up` looks for workers that exited
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -52,6 +54,9 @@ def up(
         device=device,
         tenants=tenants,
         admins=admins,
+        # Celery's queues and the job board on a redis-server of their own: a cache at its
+        # memory limit then never refuses the broker's writes (which ends a Celery worker)
+        separate_broker=True,
     )
     try:
         with farm:
@@ -62,7 +67,9 @@ def up(
                 f"logs in {farm.log_dir}; Ctrl-C stops the farm",
                 err=True,
             )
-            stop.wait()
+            while not stop.wait(WORKER_CHECK_S):
+                for restarted in farm.restart_exited_workers():
+                    typer.echo(f"torchfarm up: worker {restarted} exited; started again", err=True)
     except FarmNotReady as e:
         typer.echo(f"torchfarm up: the farm is not ready: {e}", err=True)
         raise typer.Exit(1) from None

@@ -78,6 +78,7 @@ class LocalFarm:
         self.metrics_port = 0  # the gateway's Prometheus port, once started
         self.worker_metrics_ports: dict[str, int] = {}  # each worker's Prometheus port
         self.worker_names: set[str] = set()  # wait_ready waits for each one's canary
+        self.worker_args: dict[str, tuple[str, dict | None]] = {}  # to start one again
 
     def _url(self, port: int | None) -> str:
         return f"redis://:{self.redis_password}@127.0.0.1:{port}/0"
@@ -212,6 +213,7 @@ class LocalFarm:
         """One more worker, for the farm's device or for `device`; `env` adds to its
         environment (a worker of other settings)."""
         self.worker_names.add(name)
+        self.worker_args[name] = (device, env)
         self.worker_metrics_ports[name] = free_port()
         return self._spawn(
             name,
@@ -233,6 +235,20 @@ class LocalFarm:
                 **(env or {}),
             },
         )
+
+    def restart_exited_workers(self) -> list[str]:
+        """Start again, as it was started, each worker whose process exited (a crash, the
+        kernel's OOM killer, an unrecoverable broker error): an embedded farm heals itself.
+        Its queued jobs wait for it; the jobs it was running are taken over by their waiters
+        once their heartbeat stops (cache/jobs.py)."""
+        restarted = []
+        for name in sorted(self.worker_names):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                device, env = self.worker_args[name]
+                self.start_worker(name, device, env)
+                restarted.append(f"{name} (exit status {proc.returncode})")
+        return restarted
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the gateway answers health checks and every worker started has passed its

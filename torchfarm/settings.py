@@ -106,6 +106,9 @@ class GatewaySettings:
     admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
     # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none
     tenant_max_compiles: int = 0
+    # TORCHFARM_TENANT_PACKAGE_MB: the bytes of Dynamo packages one tenant may keep on the farm
+    # (they count in the cache's byte budget too); past it PutPackage is RESOURCE_EXHAUSTED
+    tenant_package_mb: int = 64
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
     # TORCHFARM_VERIFY_KEYS: the public keys of the workers' signing keys (comma-separated
@@ -158,6 +161,7 @@ class GatewaySettings:
             admins=_env("TORCHFARM_ADMINS", ""),
             legacy_tokens=_env("TORCHFARM_LEGACY_TOKENS", "1") not in ("0", "false", "no"),
             tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
+            tenant_package_mb=_whole("TORCHFARM_TENANT_PACKAGE_MB", str(cls.tenant_package_mb)),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),

@@ -1,5 +1,6 @@
-"""`torchfarm up`: prints TORCHFARM_ADDR when ready, SIGTERM leaves no process behind, and it is
-closed where asked: tenants from the environment are honoured, its Redis wants a password."""
+"""`torchfarm up`: prints TORCHFARM_ADDR when ready, starts a worker that exits again, SIGTERM
+leaves no process behind, and it is closed where asked: tenants from the environment are
+honoured, its Redis wants a password."""
 
 import os
 import signal
@@ -28,6 +29,19 @@ def _descendants(pid: int) -> set[int]:
     found = {int(c) for c in children}
     for child in list(found):
         found |= _descendants(child)
+    return found
+
+
+def _workers(pids: set[int]) -> list[int]:
+    """The `torchfarm worker` processes among `pids` (not their compile children)."""
+    found = []
+    for pid in pids:
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:4] == [b"-m", b"torchfarm", b"worker"]:
+            found.append(pid)
     return found
 
 
@@ -68,7 +82,16 @@ def test_up_prints_address_serves_honours_tenants_and_stops_cleanly():
         with pytest.raises(redis.AuthenticationError):  # no password, no cache
             redis.Redis(port=redis_port, socket_timeout=5).get("tf1:stats")
         started = _descendants(proc.pid)
-        assert len(started) >= 3  # redis-server, gateway, worker (and its pool)
+        assert len(started) >= 4  # two redis-servers (cache, broker), gateway, worker
+        # A worker that exits (killed here; a full Redis once ended one) is started again.
+        worker = _workers(started)
+        assert len(worker) == 1, worker
+        os.kill(worker[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not set(_workers(_descendants(proc.pid))) - set(worker):
+            assert time.monotonic() < deadline, "the killed worker was not started again"
+            time.sleep(0.5)
+        started = _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10

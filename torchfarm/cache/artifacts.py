@@ -202,6 +202,12 @@ class ArtifactCache:
     def entry(self, key: str, digest: str) -> pb.EntryMeta | None:
         return next((e for e in self.entries(key) if e.digest == digest), None)
 
+    def used_bytes(self) -> float:
+        """What counts in the byte budget: stored blobs and tenants' Dynamo packages (whose
+        per-tenant budgets bound them; gateway/packages.py)."""
+        totals = self.totals()
+        return totals.get("stored_bytes", 0) + totals.get("package_bytes", 0)
+
     def totals(self) -> dict[str, float]:
         """stored_bytes and entries over the whole cache."""
         return {k.decode(): float(v) for k, v in self.redis.hgetall(keys.TOTALS).items()}
@@ -311,7 +317,7 @@ class ArtifactCache:
             for key in self.redis.zrangebyscore(keys.RECENT, "-inf", now - ttl_s):
                 self.drop(key.decode())
                 dropped.append(key.decode())
-        while max_bytes > 0 and self.totals().get("stored_bytes", 0) > max_bytes:
+        while max_bytes > 0 and self.used_bytes() > max_bytes:
             oldest = self.redis.zrange(keys.RECENT, 0, 0)
             if not oldest:
                 break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -31,6 +32,9 @@ JOB_TTL_S = 3600
 STAGE_TTL_S = 3600
 OUTCOME_TTL_S = 3600
 UNCACHED_TTL_S = 600  # long enough for every merged waiter to read it
+# A running job's heartbeat: its worker refreshes keys.alive every ALIVE_TTL_S / 3; a job past
+# QUEUED whose heartbeat expired lost its worker (killed, or its Celery process exited).
+ALIVE_TTL_S = 15
 ERROR_CHARS = 4000
 
 # Count the tenant's jobs that are still claimed (queued or running) and add `job` unless the
@@ -58,6 +62,15 @@ class JobState:
     claimed: bool
     stage: pb.Progress.Stage.ValueType
     outcome: pb.JobOutcome | None
+    alive: bool = False  # a worker's heartbeat is fresh
+
+    @property
+    def orphaned(self) -> bool:
+        """Claimed and taken by a worker, with no outcome and no heartbeat: its worker is
+        gone, and nobody will finish it."""
+        return (
+            self.claimed and self.outcome is None and self.stage != pb.Progress.QUEUED
+        ) and not self.alive
 
 
 class Watch:
@@ -163,11 +176,13 @@ class JobBoard:
         pipe.exists(keys.claim(job))
         pipe.get(keys.stage(job))
         pipe.get(keys.outcome(job))
-        claimed, stage, outcome = pipe.execute()
+        pipe.exists(keys.alive(job))
+        claimed, stage, outcome, alive = pipe.execute()
         return JobState(
             claimed=bool(claimed),
             stage=pb.Progress.Stage.ValueType(int(stage)) if stage else pb.Progress.QUEUED,
             outcome=pb.JobOutcome.FromString(outcome) if outcome else None,
+            alive=bool(alive),
         )
 
     def outcome(self, job: str) -> pb.JobOutcome | None:
@@ -193,10 +208,52 @@ class JobBoard:
 
     # ---- what workers write ------------------------------------------------------------
     def set_stage(self, job: str, stage: pb.Progress.Stage.ValueType) -> None:
+        """The job's new stage; a worker's stage is also its heartbeat."""
         pipe = self.redis.pipeline()
         pipe.set(keys.stage(job), stage, ex=STAGE_TTL_S)
+        pipe.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
         pipe.publish(keys.events(job), b"stage")
         pipe.execute()
+
+    @contextlib.contextmanager
+    def heartbeat(self, job: str) -> Iterator[None]:
+        """Keep the job's heartbeat fresh while the block runs (on a thread: a compile child
+        blocks the worker's own). A failed refresh (the broker full or away) is retried at
+        the next beat; the waiters take the job over only after ALIVE_TTL_S of silence."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(ALIVE_TTL_S / 3):
+                with contextlib.suppress(redis.RedisError):
+                    self.redis.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
+
+        with contextlib.suppress(redis.RedisError):
+            self.redis.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
+        thread = threading.Thread(target=beat, name=f"heartbeat-{job[:8]}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def orphan_taken_over(self, job: str) -> bool:
+        """Drop the claim of an orphaned job (see JobState.orphaned), if it is still one, so
+        that the caller can claim and queue it afresh; True if this caller dropped it."""
+        with self.redis.pipeline() as pipe:
+            try:
+                pipe.watch(keys.claim(job), keys.alive(job), keys.outcome(job))
+                if not pipe.exists(keys.claim(job)) or pipe.exists(
+                    keys.alive(job), keys.outcome(job)
+                ):
+                    return False
+                pipe.multi()
+                pipe.delete(keys.claim(job), keys.stage(job))
+                pipe.publish(keys.events(job), b"released")
+                pipe.execute()
+                return True
+            except redis.WatchError:  # another waiter or the worker moved first
+                return False
 
     def finish(
         self,
@@ -225,6 +282,8 @@ class JobBoard:
         pipe.set(keys.outcome(job), kept.SerializeToString(), ex=OUTCOME_TTL_S)
         if kept.kind == pb.JobOutcome.FAILED and remember_s > 0:
             pipe.set(keys.failed(job), kept.error, ex=max(1, int(remember_s)))
-        pipe.delete(keys.job(job), keys.stage(job), keys.claim(job), keys.waiters(job))
+        pipe.delete(
+            keys.job(job), keys.stage(job), keys.claim(job), keys.waiters(job), keys.alive(job)
+        )
         pipe.publish(keys.events(job), b"outcome")
         pipe.execute()

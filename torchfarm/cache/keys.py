@@ -43,6 +43,10 @@ def stage(job: str) -> str:  # the job's Progress.Stage number, for progress
     return f"{FORMAT}:stage:{job}"
 
 
+def alive(job: str) -> str:  # set while a worker runs the job, refreshed: a running job
+    return f"{FORMAT}:alive:{job}"  # without it lost its worker (waiters take it over)
+
+
 def outcome(job: str) -> str:  # JobOutcome bytes: how the job ended (short-lived)
     return f"{FORMAT}:outcome:{job}"
 
@@ -80,6 +84,10 @@ POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters
 TOTALS = f"{FORMAT}:totals"  # hash: the cache's stored_bytes and entries, kept with the index
 RECENT = f"{FORMAT}:recent"  # sorted set: key -> last use (stored or hit), for LRU
+
+
+def tenant_packages(tenant: str) -> str:  # hash: package key -> its bytes, one tenant's
+    return f"{FORMAT}:tenantpackages:{tenant}"  # packages, for TORCHFARM_TENANT_PACKAGE_MB
 
 
 def package(scoped: str) -> str:  # a tenant's Dynamo package; `scoped` = gateway/packages.py's

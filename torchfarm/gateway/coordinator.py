@@ -376,7 +376,10 @@ class Coordinator:
                     )
                     return
                 # The compiler vanished without an outcome (released, abandoned, or its worker
-                # died), or its artifact is gone: take over.
+                # died: no heartbeat), or its artifact is gone: take over.
+                if state.orphaned and self.store.jobs.orphan_taken_over(job.job_id):
+                    log.warning("job %s lost its worker: queued again", job.job_id[:16])
+                    state = dataclasses.replace(state, claimed=False)
                 if not state.claimed and self._claim(job):
                     try:
                         self._queue(job, payload, pool)
@@ -384,10 +387,18 @@ class Coordinator:
                         yield Failed(Failure.UNAVAILABLE, str(e))
                         return
                 if now >= next_progress:
-                    self.store.jobs.join(job.job_id, waiter, WAITER_TTL_S)
+                    self._refresh(job, waiter)
                     yield Progress(state.stage, now - started)
                     next_progress = now + PROGRESS_EVERY_S
                 watch.wait(max(0.0, min(next_progress, deadline) - time.monotonic()))
+
+    def _refresh(self, job: pb.Job, waiter: str) -> None:
+        """Count this waiter for another WAITER_TTL_S; bookkeeping only: a Redis at its memory
+        limit skips it (the job then looks abandoned a little early, never stranded)."""
+        try:
+            self.store.jobs.join(job.job_id, waiter, WAITER_TTL_S)
+        except OutOfMemoryError:
+            log.warning("Redis is at its memory limit: waiter of %s not refreshed", job.job_id)
 
     def _ended(self, job: pb.Job, outcome: pb.JobOutcome, pool: str, source: str) -> Event | None:
         """The event that ends the wait; None if the stored artifact is already gone, or the

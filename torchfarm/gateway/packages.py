@@ -3,7 +3,9 @@
 A package holds a client's source and pickled guarded values, so it is never shared: its Redis
 key is a hash of the authenticated tenant and the client's key, which a client cannot choose
 for another tenant. The bytes are opaque here (the client authenticates them with a key only
-it holds); the gateway only bounds their size and keeps them for a while after their last use.
+it holds); the gateway bounds each one's size and each tenant's total
+(TORCHFARM_TENANT_PACKAGE_MB), counts them in the cache's byte budget (the artifacts' LRU
+makes room for them), and keeps them for a while after their last use.
 """
 
 from __future__ import annotations
@@ -17,14 +19,44 @@ import redis
 from torchfarm.cache import keys
 from torchfarm.proto import torchfarm_pb2 as pb
 
-MAX_PACKAGE_BYTES = 32 << 20  # a 6-block transformer's package is ~0.3 MB; HF models a few MB
-KEEP_S = 30 * 24 * 3600  # a package unused this long is dropped (its sources have moved on)
+# Measured: a 6-block transformer's package is ~0.3 MB, transformers' GPT-2 training step's
+# ~1 MB (its sources and guarded values); 8 MiB leaves headroom for the largest HF models.
+MAX_PACKAGE_BYTES = 8 << 20
+KEEP_S = 7 * 24 * 3600  # a package unused this long is dropped (its sources have moved on)
+PACKAGE_BYTES = "package_bytes"  # the field of keys.TOTALS that counts packages
+
+# Store a tenant's package unless its packages would pass the tenant's budget, in one atomic
+# step: forget the tenant's packages that expired, then count what is left.
+# KEYS: the package, the tenant's package sizes, the cache's totals.
+# ARGV: the package bytes, the budget, the expiry. Returns -1 if stored, else the bytes in use.
+_PUT = """
+local used = 0
+for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
+  local size = tonumber(redis.call('HGET', KEYS[2], name))
+  if redis.call('EXISTS', name) == 0 then
+    redis.call('HDEL', KEYS[2], name)
+    redis.call('HINCRBYFLOAT', KEYS[3], 'package_bytes', -size)
+  elseif name ~= KEYS[1] then
+    used = used + size
+  end
+end
+local size = string.len(ARGV[1])
+if used + size > tonumber(ARGV[2]) then return used end
+local old = tonumber(redis.call('HGET', KEYS[2], KEYS[1]) or '0')
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('HSET', KEYS[2], KEYS[1], size)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('HINCRBYFLOAT', KEYS[3], 'package_bytes', size - old)
+return -1
+"""
 _KEY = re.compile(r"[0-9a-f]{64}")
 
 
 class Packages:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, tenant_budget_bytes: int):
         self.redis = client
+        self.tenant_budget_bytes = tenant_budget_bytes
+        self._put = client.register_script(_PUT)
 
     @staticmethod
     def redis_key(tenant: str, key: str) -> str:
@@ -39,7 +71,22 @@ class Packages:
                 else grpc.StatusCode.INVALID_ARGUMENT,
                 f"package: 1 to {MAX_PACKAGE_BYTES} bytes",
             )
-        self.redis.set(self.redis_key(tenant, request.key), request.package, ex=KEEP_S)
+        name = self.redis_key(tenant, request.key)
+        try:
+            used = self._put(
+                keys=[name, keys.tenant_packages(tenant), keys.TOTALS],
+                args=[request.package, self.tenant_budget_bytes, KEEP_S],
+            )
+        except redis.exceptions.OutOfMemoryError:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the farm's cache is full")
+        if int(used) >= 0:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tenant {tenant}'s packages hold {int(used)} bytes; this one "
+                f"({len(request.package)} bytes) would pass its budget of "
+                f"{self.tenant_budget_bytes} (TORCHFARM_TENANT_PACKAGE_MB); packages unused "
+                f"for {KEEP_S // 86400} days leave",
+            )
         return pb.PutPackageReply()
 
     def get(self, tenant: str, request: pb.GetPackageRequest, context) -> pb.GetPackageReply:

@@ -112,7 +112,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "from this farm (give the gateway the workers' public signing key)"
             )
         store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20)
-        self.packages = Packages(store.artifacts.redis)
+        self.packages = Packages(store.artifacts.redis, settings.tenant_package_mb << 20)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
             store,

@@ -59,17 +59,22 @@ def compile_graph(task, job_json: dict) -> str:
     job = job_from_json(job_json)
     started = time.perf_counter()
     try:
-        result, stored_bytes = _compile_and_store(task, job, settings, store)
+        with store.jobs.heartbeat(job.job_id):
+            result, stored_bytes = _compile_and_store(task, job, settings, store)
     except Exception as e:
         log.exception("worker error on %s", job.key[:16])
-        store.counters.count(_pool_of(task), compile_failures=1)
-        store.jobs.finish(
-            job.job_id,
-            pb.JobOutcome(
-                kind=pb.JobOutcome.WORKER_ERROR, error=f"worker error: {type(e).__name__}: {e}"
-            ),
-        )
         result, stored_bytes = "error", 0
+        try:
+            store.jobs.finish(
+                job.job_id,
+                pb.JobOutcome(
+                    kind=pb.JobOutcome.WORKER_ERROR, error=f"worker error: {type(e).__name__}: {e}"
+                ),
+            )
+            store.counters.count(_pool_of(task), compile_failures=1)
+        except Exception:  # a full or unreachable Redis: the worker lives on, and the job's
+            # waiters take it over once its heartbeat stops (cache/jobs.py ALIVE_TTL_S)
+            log.exception("could not record the end of %s", job.key[:16])
     metrics.record(
         _pool_of(task),
         job.options.mode or "default",

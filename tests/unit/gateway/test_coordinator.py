@@ -158,6 +158,63 @@ def test_the_waiter_hears_stages_and_takes_over_a_vanished_claim(store):
     assert all(isinstance(e, Progress) for e in events[:-1])
 
 
+def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
+    """The worker took the job (its stage is past QUEUED) and died without an outcome or a
+    release (a Celery worker that exited on a full Redis): its claim lives on, but its
+    heartbeat expires, and the waiter queues the job again instead of waiting for the claim's
+    expiry (finding 2 of issue 27)."""
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=600)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)  # taken, heartbeat fresh
+    time.sleep(2.5)
+    assert len(queue.jobs) == 1, "a job with a fresh heartbeat was queued again"
+    store.jobs.redis.delete(keys.alive(job.job_id))  # the worker is gone: no more beats
+    retried = queue.next()
+    assert retried == job and len(queue.jobs) == 2
+    _store_as_worker(store, retried)
+    thread.join(30)
+    assert events[-1].source == "miss"
+
+
+def test_a_live_heartbeat_keeps_a_long_compile_its_own(store):
+    with store.jobs.heartbeat("j1"):
+        assert not store.jobs.state("j1").orphaned  # nothing claimed
+        store.jobs.claim("j1", 60)
+        store.jobs.set_stage("j1", pb.Progress.COMPILING)
+        assert store.jobs.state("j1").alive and not store.jobs.state("j1").orphaned
+        assert not store.jobs.orphan_taken_over("j1")
+    store.jobs.redis.delete(keys.alive("j1"))
+    assert store.jobs.state("j1").orphaned
+    assert store.jobs.orphan_taken_over("j1")
+    assert not store.jobs.state("j1").claimed
+    assert not store.jobs.orphan_taken_over("j1")  # once
+
+
+def test_a_full_redis_does_not_end_a_wait(store):
+    """The waiter's refresh is bookkeeping: at maxmemory it is skipped, and the wait goes on
+    to the artifact."""
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    used = store.jobs.redis.info("memory")["used_memory"]
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    _until_waiting(events)
+    store.jobs.redis.config_set("maxmemory-policy", "noeviction")
+    store.jobs.redis.config_set("maxmemory", used // 2)
+    try:
+        time.sleep(2.5)  # two refreshes refused
+        assert thread.is_alive()
+    finally:
+        store.jobs.redis.config_set("maxmemory", 0)
+    _store_as_worker(store, job)
+    thread.join(30)
+    assert events[-1].source == "miss"
+
+
 def test_an_uncached_artifact_reaches_its_waiters(store):
     queue = Queue()
     coordinator = Coordinator(store, queue, compile_timeout_s=60)

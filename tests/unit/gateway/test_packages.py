@@ -1,9 +1,12 @@
-"""gateway/packages.py on a real redis-server: each tenant reads only its own packages."""
+"""gateway/packages.py on a real redis-server: each tenant reads only its own packages, and
+keeps no more than its budget."""
 
 import grpc
 import pytest
 import redis
 
+from torchfarm.cache import keys
+from torchfarm.cache.artifacts import ArtifactCache
 from torchfarm.gateway.packages import MAX_PACKAGE_BYTES, Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 
@@ -24,7 +27,10 @@ class Context:
 def packages(redis_url):
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    return Packages(client)
+    return Packages(client, BUDGET)
+
+
+BUDGET = 1000
 
 
 def test_a_tenant_gets_its_own_package_and_no_other(packages):
@@ -39,7 +45,7 @@ def test_a_tenant_gets_its_own_package_and_no_other(packages):
 
 def test_the_redis_key_is_derived_never_the_clients(packages):
     packages.put("alice", pb.PutPackageRequest(key=KEY, package=b"x"), Context())
-    (stored,) = packages.redis.keys("*")
+    (stored,) = packages.redis.keys(keys.package("*"))
     assert KEY not in stored.decode()
     assert stored.decode() == Packages.redis_key("alice", KEY)
     assert 0 < packages.redis.ttl(stored)
@@ -62,7 +68,7 @@ def test_bad_puts_get_a_precise_status_and_store_nothing(packages, request_, cod
     with pytest.raises(Aborted):
         packages.put("alice", request_, context)
     assert context.code == code
-    assert packages.redis.keys("*") == []
+    assert packages.redis.keys(keys.package("*")) == []
 
 
 def test_a_bad_key_on_get_is_refused(packages):
@@ -70,3 +76,31 @@ def test_a_bad_key_on_get_is_refused(packages):
     with pytest.raises(Aborted):
         packages.get("alice", pb.GetPackageRequest(key="../x"), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _put(packages, tenant: str, key: str, size: int) -> grpc.StatusCode | None:
+    context = Context()
+    try:
+        packages.put(tenant, pb.PutPackageRequest(key=key, package=b"p" * size), context)
+    except Aborted:
+        return context.code
+    return None
+
+
+def test_a_tenant_past_its_budget_is_refused_and_others_are_not(packages):
+    """Finding 3 of issue 27: one tenant's uploads filled the store for everyone."""
+    assert _put(packages, "mallory", "01" * 32, 600) is None
+    assert _put(packages, "mallory", "02" * 32, 600) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _put(packages, "mallory", "01" * 32, 900) is None  # replacing its own: fits
+    assert _put(packages, "alice", "02" * 32, 900) is None  # alice's budget is her own
+    assert packages.get("alice", pb.GetPackageRequest(key="02" * 32), Context()).found
+    assert not packages.get("mallory", pb.GetPackageRequest(key="02" * 32), Context()).found
+
+
+def test_packages_count_in_the_cache_budget_and_expired_ones_leave_it(packages):
+    assert _put(packages, "alice", "01" * 32, 700) is None
+    assert _put(packages, "alice", "02" * 32, 200) is None
+    assert ArtifactCache(packages.redis).used_bytes() == 900
+    packages.redis.delete(Packages.redis_key("alice", "01" * 32))  # expired
+    assert _put(packages, "alice", "03" * 32, 700) is None  # the expired one no longer counts
+    assert ArtifactCache(packages.redis).used_bytes() == 900
