@@ -104,8 +104,9 @@ class GatewaySettings:
     # authenticate; 1 = others too (each tenant using one is logged once)
     legacy_tokens: bool = True
     admins: str = ""  # TORCHFARM_ADMINS admin:sha256(token),...; empty = no admin RPCs
-    # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none
-    tenant_max_compiles: int = 0
+    # TORCHFARM_TENANT_MAX_COMPILES: a tenant's queued and running compiles (farm-wide), 0 = none;
+    # 16 by default: one job of parallel graphs and several ranks fits, a flood does not
+    tenant_max_compiles: int = 16
     # TORCHFARM_TENANT_PACKAGE_MB: the bytes of Dynamo packages one tenant may keep on the farm
     # (they count in the cache's byte budget too); past it PutPackage is RESOURCE_EXHAUSTED
     tenant_package_mb: int = 64
@@ -160,7 +161,7 @@ class GatewaySettings:
             auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),
             admins=_env("TORCHFARM_ADMINS", ""),
             legacy_tokens=_env("TORCHFARM_LEGACY_TOKENS", "1") not in ("0", "false", "no"),
-            tenant_max_compiles=int(_env("TORCHFARM_TENANT_MAX_COMPILES", "0")),
+            tenant_max_compiles=_whole("TORCHFARM_TENANT_MAX_COMPILES", "16"),
             tenant_package_mb=_whole("TORCHFARM_TENANT_PACKAGE_MB", str(cls.tenant_package_mb)),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
