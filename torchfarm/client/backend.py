@@ -98,8 +98,10 @@ history: list[GraphRecord] = []
 # that skips Dynamo's tracing in a later process.
 request_observers: list[Callable[[torch.fx.GraphModule, pb.CompileRequest], None]] = []
 # Dynamo imports this module when torch.compile names the backend: the one-time work of the
-# first load starts now and overlaps the tracing of the first graph.
+# first load, the connection to the farm and its keys start now and overlap the tracing of
+# the first graph.
 load_prewarm.start()
+remote.connect_early(ClientSettings.from_env())
 
 
 def torchfarm_backend(

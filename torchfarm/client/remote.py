@@ -73,24 +73,47 @@ def _farm_stub(farm_channel: grpc.Channel) -> pb_grpc.FarmStub:
 
 
 _connected: set[grpc.Channel] = set()
+_connecting = threading.Lock()  # one first connection per process, early or on demand
 
 
 def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
     """The channel's stub, once the channel has connected. Waiting for that is checked once
     per channel (it cost ~0.7 ms and a thread per call): a gateway lost later fails the
     call at once (UNAVAILABLE), and the channel reconnects by itself."""
-    farm_channel = channel(settings.addr, settings.tls_ca)
-    if farm_channel not in _connected:
-        try:
-            grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise FarmError(
-                f"farm at {settings.addr} unreachable within "
-                f"{settings.connect_timeout_s:g} s"
-                + (" (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)" if settings.tls_ca else "")
-            ) from None
-        _connected.add(farm_channel)
+    with _connecting:
+        farm_channel = channel(settings.addr, settings.tls_ca)
+        if farm_channel not in _connected:
+            try:
+                grpc.channel_ready_future(farm_channel).result(timeout=settings.connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                raise FarmError(
+                    f"farm at {settings.addr} unreachable within "
+                    f"{settings.connect_timeout_s:g} s"
+                    + (
+                        " (over TLS: is TORCHFARM_TLS_CA the gateway's CA?)"
+                        if settings.tls_ca
+                        else ""
+                    )
+                ) from None
+            _connected.add(farm_channel)
     return _farm_stub(farm_channel)
+
+
+def connect_early(settings: ClientSettings) -> None:
+    """Connect to the farm and fetch its verify keys (which checks the token) on a thread,
+    while Dynamo traces the first graph: the first graph's ask then costs one round trip,
+    not a connection, a TLS handshake and an Info call too. Errors are left for the first
+    real call to meet and report."""
+    if not settings.addr:
+        return
+
+    def run() -> None:
+        try:
+            verifier(settings)
+        except Exception:  # reported by the first real call
+            return
+
+    threading.Thread(target=run, name="torchfarm-connect", daemon=True).start()
 
 
 def _metadata(settings: ClientSettings, request_id: str) -> list[tuple[str, str]]:
@@ -310,6 +333,7 @@ class _SilenceGuard:
 
 # ---- Signing: the keys this process trusts -----------------------------------------------
 _farm_keys: dict[tuple[str, str, str], signing.Verifier] = {}
+_asking_keys = threading.Lock()  # asked once, early (connect_early) or by the first load
 
 
 def verifier(settings: ClientSettings, request_id: str = "") -> signing.Verifier:
@@ -318,19 +342,25 @@ def verifier(settings: ClientSettings, request_id: str = "") -> signing.Verifier
     if settings.verify_keys:
         return signing.Verifier.parse(settings.verify_keys)
     farm = (settings.addr, settings.tls_ca, settings.token)
-    if farm not in _farm_keys:
-        try:
-            reply = _stub(settings).Info(
-                pb.InfoRequest(),
-                timeout=settings.connect_timeout_s + 30,
-                metadata=_metadata(settings, request_id),
-            )
-        except grpc.RpcError as e:
-            raise FarmError(f"{e.code().name}: {e.details()}") from None
-        _farm_keys[farm] = signing.Verifier(reply.verify_keys)
+    with _asking_keys:
+        if farm not in _farm_keys:
+            _farm_keys[farm] = _served_keys(settings, request_id)
     if not _farm_keys[farm]:
         raise UntrustedEntry(
             "the farm publishes no verify key (TORCHFARM_VERIFY_KEYS on its gateway) and this "
             "client pins none: loading nothing from it"
         )
     return _farm_keys[farm]
+
+
+def _served_keys(settings: ClientSettings, request_id: str) -> signing.Verifier:
+    """The keys the gateway serves (Farm.Info)."""
+    try:
+        reply = _stub(settings).Info(
+            pb.InfoRequest(),
+            timeout=settings.connect_timeout_s + 30,
+            metadata=_metadata(settings, request_id),
+        )
+    except grpc.RpcError as e:
+        raise FarmError(f"{e.code().name}: {e.details()}") from None
+    return signing.Verifier(reply.verify_keys)

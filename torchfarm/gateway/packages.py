@@ -17,6 +17,7 @@ import grpc
 import redis
 
 from torchfarm.cache import keys
+from torchfarm.cache.artifacts import OutOfMemoryError
 from torchfarm.proto import torchfarm_pb2 as pb
 
 # Measured: a 6-block transformer's package is ~0.3 MB, transformers' GPT-2 training step's
@@ -77,7 +78,7 @@ class Packages:
                 keys=[name, keys.tenant_packages(tenant), keys.TOTALS],
                 args=[request.package, self.tenant_budget_bytes, KEEP_S],
             )
-        except redis.exceptions.OutOfMemoryError:
+        except OutOfMemoryError:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the farm's cache is full")
         if int(used) >= 0:
             context.abort(

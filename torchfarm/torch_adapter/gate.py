@@ -16,10 +16,10 @@ import sys
 import warnings
 
 # Releases whose whole private surface (every module of this package) was run: 2.13.0 (the
-# whole suite, CPU), 2.11.0 and 2.15.0 (unit tier + an end-to-end miss and hit, CPU, in
-# `make test-versions`; 2.11.0 also on the GPU machine). pyproject.toml's torch specifier
-# admits the same releases.
-VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
+# whole suite, CPU), 2.11.0, 2.12.1, 2.14.1 and 2.15.0 (unit tier + an end-to-end miss and
+# hit, CPU, in `make test-versions`, pinned in requirements/; 2.11.0 also on the GPU
+# machine). pyproject.toml's torch specifier admits the same releases.
+VERIFIED = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 ALLOW_UNVERIFIED_ENV = "TORCHFARM_ALLOW_UNVERIFIED_TORCH"
 
 

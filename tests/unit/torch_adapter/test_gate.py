@@ -23,29 +23,29 @@ def test_the_local_tag_names_the_build_not_the_release():
     assert gate.release_tuple("2.16.0a0+git1234") == (2, 16, 0)
 
 
-@pytest.mark.parametrize("version", ["2.14.1", "2.12.0", "2.16.0", "2.13.1", "2.15.0a0+gitabc"])
+@pytest.mark.parametrize("version", ["2.14.0", "2.12.0", "2.16.0", "2.13.1", "2.15.0a0+gitabc"])
 def test_an_unverified_torch_is_named_with_the_verified_ones(version, monkeypatch):
     monkeypatch.delenv(gate.ALLOW_UNVERIFIED_ENV, raising=False)
     assert gate.unverified(version) == (
-        f"torch {version} is not verified (verified: 2.11.0, 2.13.0, 2.15.0)"
+        f"torch {version} is not verified (verified: 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0)"
     )
 
 
 def test_an_operator_may_accept_an_unverified_torch_with_a_loud_warning(monkeypatch):
     monkeypatch.setenv(gate.ALLOW_UNVERIFIED_ENV, "1")
     gate._warn_allowed.cache_clear()
-    with pytest.warns(RuntimeWarning, match=r"torch 2\.14\.1 is not verified.*anyway"):
-        assert gate.unverified("2.14.1") is None
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.14\.0 is not verified.*anyway"):
+        assert gate.unverified("2.14.0") is None
 
 
 def test_a_worker_on_an_unverified_torch_exits_with_one_line(monkeypatch):
     monkeypatch.delenv(gate.ALLOW_UNVERIFIED_ENV, raising=False)
-    monkeypatch.setattr(gate, "installed_version", lambda: "2.14.1")
+    monkeypatch.setattr(gate, "installed_version", lambda: "2.14.0")
     with pytest.raises(SystemExit) as exit_:
         gate.require_verified_for_worker()
     message = str(exit_.value.code)
     assert "\n" not in message
-    assert message.startswith("torchfarm: torch 2.14.1 is not verified (verified: 2.11.0")
+    assert message.startswith("torchfarm: torch 2.14.0 is not verified (verified: 2.11.0")
     assert gate.ALLOW_UNVERIFIED_ENV in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -59,11 +59,12 @@ def test_the_worker_command_refuses_an_unverified_torch(monkeypatch):
     from torchfarm.cli import app
 
     monkeypatch.delenv(gate.ALLOW_UNVERIFIED_ENV, raising=False)
-    monkeypatch.setattr(gate, "installed_version", lambda: "2.14.1")
+    monkeypatch.setattr(gate, "installed_version", lambda: "2.14.0")
     result = CliRunner().invoke(app, ["worker", "--redis-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        "torchfarm: torch 2.14.1 is not verified (verified: 2.11.0, 2.13.0, 2.15.0); this "
+        "torchfarm: torch 2.14.0 is not verified (verified: 2.11.0, 2.12.1, 2.13.0, 2.14.1, "
+        "2.15.0); this "
         f"worker does not start (set {gate.ALLOW_UNVERIFIED_ENV}=1 to run it anyway)"
     ]
 
@@ -87,7 +88,7 @@ def test_the_package_specifier_admits_exactly_the_verified_releases():
 def test_a_client_on_an_unverified_torch_compiles_locally_with_one_warning(monkeypatch):
     from torchfarm.client import backend
 
-    reason = "torch 2.14.1 is not verified (verified: 2.11.0, 2.13.0, 2.15.0)"
+    reason = "torch 2.14.0 is not verified (verified: 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0)"
     monkeypatch.setattr(torch_adapter, "UNVERIFIED", reason)
     monkeypatch.setattr(backend, "_warned", set())
     monkeypatch.setenv("TORCHFARM_ADDR", "127.0.0.1:1")  # never asked
