@@ -1,6 +1,8 @@
 """One GPU measurement in a fresh process; prints one JSON line.
 
-    client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR), local, or eager
+    client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR), farm-skip
+                                              (torchfarm.compile, TORCHFARM_SKIP_TRACING=1),
+                                              local, or eager
 
 MODEL: a bench model (models.py) or `coverage:NAME`, an architecture of bench/coverage at its
 large scale, run as a training step. BACKEND eager is torch.compile(backend="eager"): Dynamo's
@@ -136,11 +138,16 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     # From torch.compile, as bench/first_result.py: resolving the backend is part of the cost
     # (backend="inductor" imports Inductor's compile_fx there, before the first step)
     started = time.perf_counter()
-    compiled_model = torch.compile(
-        model,
-        backend={"farm": "torchfarm", "local": "inductor", "eager": "eager"}[backend],
-        mode=None if mode == "default" or backend == "eager" else mode,
-    )
+    if backend == "farm-skip":  # torchfarm.compile: Dynamo's package kept on the farm
+        import torchfarm
+
+        compiled_model = torchfarm.compile(model, mode=mode)
+    else:
+        compiled_model = torch.compile(
+            model,
+            backend={"farm": "torchfarm", "local": "inductor", "eager": "eager"}[backend],
+            mode=None if mode == "default" or backend == "eager" else mode,
+        )
     compiled = make_step(compiled_model, model, spec)
     out, grads = compiled(*x)
     torch.cuda.synchronize()

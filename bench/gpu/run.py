@@ -13,8 +13,10 @@ hit:      issue 26: the farm hit against what users pick instead, for GPT and Re
           MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
           another mode): local cold (the process filling PyTorch's Redis remote caches),
           PyTorch's remote warm start (a fresh process, empty local dir), Dynamo's tracing
-          alone (backend="eager"), farm miss, farm hit with Dynamo skipped (the default) and
-          without (TORCHFARM_SKIP_TRACING=0); the hits' profiles, bytes per entry beside
+          alone (backend="eager"), farm miss, farm hit without the skip
+          (torch.compile(backend="torchfarm")) and with it (torchfarm.compile with
+          TORCHFARM_SKIP_TRACING=1: one process saves Dynamo's package, the next restores
+          it); the hits' profiles, bytes per entry beside
           PyTorch's remote-cache bytes, the ratios and their geomeans.
 profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
           the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
@@ -37,12 +39,14 @@ import time
 
 import torch
 
+from torchfarm.gateway.auth import hash_token, make_token
 from torchfarm.local_farm import LocalFarm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from warm_start import PT_REMOTE, plain_redis  # noqa: E402
 
+TOKEN = make_token()  # the bench's tenant: the skip keeps Dynamo's package per tenant
 # On the GPU the bundled autotune remote cache works too (it fails only on the CPU).
 PT_REMOTE_GPU = dict(PT_REMOTE, TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE="1")
 
@@ -58,6 +62,7 @@ class Runner:
             TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
             TRITON_CACHE_DIR=f"{cache}/triton",
             TORCHFARM_ADDR=addr,
+            TORCHFARM_TOKEN=TOKEN,
             TORCHFARM_PROGRESS="0",
             TF_PTXAS_LOG=f"{cache}/ptxas-{time.time_ns()}.log",
         )
@@ -72,7 +77,9 @@ class Runner:
         extra_env: dict | None = None,
     ) -> subprocess.Popen:
         outfile = os.path.join(self.tensors, f"{model}-{mode}-{case}.pt")
-        env = self.env(cache, self.farm.addr if backend == "farm" else "")
+        env = self.env(cache, self.farm.addr if backend.startswith("farm") else "")
+        if backend == "farm-skip":
+            env["TORCHFARM_SKIP_TRACING"] = "1"
         return subprocess.Popen(
             [sys.executable, os.path.join(HERE, "client.py"), model, mode, backend, outfile],
             env={**env, **(extra_env or {})},
@@ -107,7 +114,7 @@ class Runner:
             row.update(json.loads(out.strip().splitlines()[-1]))
         except (IndexError, json.JSONDecodeError):
             row["error"] = err[-2000:]
-        if backend == "farm" and set(row.get("graphs", [])) & {"local", "eager"}:
+        if backend.startswith("farm") and set(row.get("graphs", [])) & {"local", "eager"}:
             row["fallback"] = [line for line in err.splitlines() if "torchfarm" in line][-3:]
         print(json.dumps(row), flush=True)
         self.rows.append(row)
@@ -131,7 +138,7 @@ class Runner:
 
     def hit_vs_pytorch(self, model: str, mode: str, redis_port: int) -> dict:
         """Issue 26's rows, each a fresh process: the farm hit with Dynamo's tracing skipped
-        (the default) and without it (TORCHFARM_SKIP_TRACING=0), next to PyTorch's Redis
+        (torchfarm.compile, TORCHFARM_SKIP_TRACING=1) and without it, next to PyTorch's Redis
         remote-cache warm start and Dynamo's tracing alone; the local cold compile is the
         process that fills PyTorch's remote cache. Returns the first-step seconds by stage."""
         remote = dict(
@@ -153,15 +160,13 @@ class Runner:
         before = {(r["key"], r["digest"]) for r in self.farm.store().rows()}
         stages["farm_miss"] = self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp())
         entries = [r for r in self.farm.store().rows() if (r["key"], r["digest"]) not in before]
-        stages["farm_hit"] = self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp())
         stages["farm_hit_noskip"] = self.run(
-            model,
-            mode,
-            "farm",
-            "farm hit noskip",
-            tempfile.mkdtemp(),
-            {"TORCHFARM_SKIP_TRACING": "0"},
+            model, mode, "farm", "farm hit noskip", tempfile.mkdtemp()
         )
+        # torchfarm.compile with the skip: one process traces and saves Dynamo's package,
+        # the next restores it and traces nothing
+        self.run(model, mode, "farm-skip", "skip record", tempfile.mkdtemp())
+        stages["farm_hit"] = self.run(model, mode, "farm-skip", "farm hit", tempfile.mkdtemp())
         self.compare(model, mode, "farm hit", "local cold")
         self.compare(model, mode, "farm hit noskip", "local cold")
         seconds = {k: r.get("first_step_s", float("nan")) for k, r in stages.items()}
@@ -319,13 +324,16 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sandbox = os.environ.get("TORCHFARM_SANDBOX", "bwrap")
-    with LocalFarm(device="cuda", sandbox=sandbox, log_dir=args.out) as farm:
+    with LocalFarm(
+        device="cuda", sandbox=sandbox, log_dir=args.out, tenants=f"bench:{hash_token(TOKEN)}"
+    ) as farm:
         runner = Runner(farm, args.out)
         if args.part == "smoke":  # one quick miss + hit, to check the setup
             for case in ("farm miss", "farm hit"):
                 runner.run("sdpa-dynamic", "default", "farm", case, tempfile.mkdtemp())
             runner.run("resnet50", "default", "farm", "farm miss", tempfile.mkdtemp())
         elif args.part == "hit":
+            os.environ.setdefault("BENCH_STEADY", "0")  # first steps only: more models a call
             models = os.environ.get("MODELS", "gpt,resnet50").split(",")
             mode = os.environ.get("MODE", "default")
             with plain_redis() as redis_port:

@@ -1,7 +1,10 @@
 """A compile child that hangs, allocates without bound or crashes, on a farm of its own with
-short limits: each gets a precise error, and the farm then serves an honest compile."""
+short limits: each gets a precise error, and the farm then serves an honest compile. A compile
+whose only client left is stopped long before its timeout."""
 
 import pickle
+import threading
+import time
 
 import grpc
 import pytest
@@ -72,3 +75,37 @@ def test_the_farm_still_compiles_after_the_bad_children(limited_farm):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert [r.source for r in backend.history] == ["miss"]
+
+
+def test_a_running_compile_whose_client_left_is_stopped(limited_farm):
+    """Issue 27, finding 5: the compile went on (holding a slot) until its timeout after its
+    only waiter left. Now it is stopped within seconds of the waiters' expiry."""
+    store = limited_farm.store()
+    before = store.counters.farm().get("abandoned", 0)
+    request = pb.CompileRequest(
+        graph=pickle.dumps(_Exploit("import time\ntime.sleep(3600)")), target=local_target()
+    )
+    channel = grpc.insecure_channel(limited_farm.addr)
+    call = pb_grpc.FarmStub(channel).Compile(request, timeout=300)
+    events = []
+    reader = threading.Thread(target=_read, args=(call, events), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not any(e.progress.stage == pb.Progress.COMPILING for e in events):
+        assert time.monotonic() < deadline, "the compile never started"
+        time.sleep(0.2)
+    call.cancel()  # the client goes away while its child sleeps
+    left = time.monotonic()
+    while store.counters.farm().get("abandoned", 0) == before:
+        # waiters expire after 10 s, then two checks 5 s apart: well under the 45 s timeout
+        assert time.monotonic() - left < 35, "the abandoned compile ran on"
+        time.sleep(0.5)
+    channel.close()
+
+
+def _read(call, events: list) -> None:
+    try:
+        for event in call:
+            events.append(event)
+    except grpc.RpcError:  # cancelled
+        return

@@ -123,8 +123,14 @@ def _compile_and_store(
             dict(job.size_hints),
             settings,
             on_stage=lambda stage: store.jobs.set_stage(job.job_id, stage),
+            abandoned=lambda: store.jobs.abandoned(job.job_id),
         )
     except sandbox.CompileFailed as e:
+        if e.kind == pb.JobOutcome.ABANDONED:  # its clients left: the slot is free again
+            log.info("stopped %s: no client waits for it any more", job.key[:16])
+            store.counters.count(_pool_of(task), abandoned=1)
+            store.jobs.finish(job.job_id, e.outcome())
+            return "abandoned", 0
         log.warning("compile of %s failed: %s", job.key[:16], str(e)[-3000:])
         store.counters.count(_pool_of(task), compile_failures=1)
         store.jobs.finish(

@@ -69,6 +69,31 @@ _COMPILER_ENV = ("CC", "CXX")
 _TOOL_ENV = ("CUDA_HOME", "TRITON_LIBCUDA_PATH", "TRITON_PTXAS_PATH")
 
 
+ABANDON_CHECK_S = 5.0  # how often a running compile asks whether anyone still waits for it
+
+
+def _stop_when_abandoned(
+    abandoned: Callable[[], bool] | None,
+    child: child_pool.Child,
+    done: threading.Event,
+    stopped: threading.Event,
+) -> None:
+    """Kill `child` once `abandoned()` has been True at two checks in a row (a waiter between
+    two gateways' refreshes is not yet gone); a failing check counts as not abandoned."""
+    if abandoned is None:
+        return
+    strikes = 0
+    while not done.wait(ABANDON_CHECK_S):
+        try:
+            strikes = strikes + 1 if abandoned() else 0
+        except Exception:
+            strikes = 0
+        if strikes >= 2:
+            stopped.set()
+            child.kill()
+            return
+
+
 class CompileFailed(RuntimeError):
     """The compile child failed, crashed or ran out of time; the message says which, `kind`
     how the job ends (JobOutcome.FAILED or TIMED_OUT). `lasting`: the child raised, so
@@ -435,11 +460,13 @@ def run_compile(
     size_hints: dict[str, int],
     settings: WorkerSettings,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> ChildResult:
     """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
     protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
     (COMPILING / AUTOTUNING) as it changes. The compile timeout runs from this call, a child
-    still warming up included."""
+    still warming up included. `abandoned()`, asked every ABANDON_CHECK_S, stops the child
+    once it has said True twice in a row (nobody waits for the result any more)."""
     called = time.perf_counter()
     request = pb.CompileChildRequest(
         graph=payload,
@@ -459,7 +486,11 @@ def run_compile(
         target=_feed, args=(child.stdin, request.SerializeToString()), daemon=True
     )
     timer = threading.Timer(settings.compile_timeout_s, expire)
-    for thread in (feeder, timer):
+    done, stopped = threading.Event(), threading.Event()
+    watcher = threading.Thread(
+        target=_stop_when_abandoned, args=(abandoned, child, done, stopped), daemon=True
+    )
+    for thread in (feeder, timer, watcher):
         thread.daemon = True
         thread.start()
     handoff_s = 0.0
@@ -477,9 +508,14 @@ def run_compile(
     finally:
         returncode = child.proc.wait()  # the timer still ends a child that lingers
         timer.cancel()
+        done.set()
         feeder.join(timeout=5)
         child.close()
     text = child.error_text()
+    if stopped.is_set() and data is None:
+        raise CompileFailed(
+            "stopped: no client waits for this compile any more", kind=pb.JobOutcome.ABANDONED
+        )
     if timed_out.is_set():
         raise CompileFailed(
             f"compile exceeded {settings.compile_timeout_s:.0f} s "
