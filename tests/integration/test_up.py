@@ -40,7 +40,9 @@ def _workers(pids: set[int]) -> list[int]:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if argv[1:4] == [b"-m", b"torchfarm", b"worker"]:
+        if b"-m" not in argv:
+            continue
+        if argv[argv.index(b"-m") + 1 : argv.index(b"-m") + 3] == [b"torchfarm", b"worker"]:
             found.append(pid)
     return found
 
