@@ -44,6 +44,4 @@ class Structures:
     def keys(self, tenant: str, structure: str) -> list[str]:
         """The keys with entries of `structure` that `tenant` made, newest first (some may
         have none any more)."""
-        return [
-            k.decode() for k in self.redis.zrevrange(keys.structure(tenant, structure), 0, -1)
-        ]
+        return [k.decode() for k in self.redis.zrevrange(keys.structure(tenant, structure), 0, -1)]
