@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 
@@ -40,6 +41,10 @@ class ClientSettings:
     # TORCHFARM_SKIP_TRACING=1: torchfarm.compile keeps Dynamo's output on the farm (per tenant)
     # and a later process installs it instead of tracing (client/packages.py); needs a token
     skip_tracing: bool = False
+    # TORCHFARM_PACKAGE_KEY: the secret (32+ characters) that authenticates this user's Dynamo
+    # packages; it never leaves the client. Empty = a key file of this user's, made on first
+    # use (user_cache_dir()/package.key, mode 0600). Give every machine of a job the same one.
+    package_key: str = ""
 
     @classmethod
     def from_env(cls, **overrides) -> ClientSettings:
@@ -56,9 +61,16 @@ class ClientSettings:
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
             wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
             skip_tracing=_env("TORCHFARM_SKIP_TRACING", "0") in ("1", "true", "yes"),
+            package_key=_env("TORCHFARM_PACKAGE_KEY", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def user_cache_dir() -> Path:
+    """This user's torchfarm files on a client machine: $XDG_CACHE_HOME/torchfarm, else
+    ~/.cache/torchfarm."""
+    return Path(_env("XDG_CACHE_HOME", "") or Path.home() / ".cache") / "torchfarm"
 
 
 def parse_tenants(spec: str, variable: str = "TORCHFARM_TENANTS") -> dict[str, str]:

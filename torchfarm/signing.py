@@ -41,7 +41,8 @@ def entry_message(public_key: str, digest: str, size: int, guards: bytes) -> byt
 
 
 class Signer:
-    """The farm's signing key (workers, and `torchfarm cache import` re-signing)."""
+    """The farm's signing key (workers only: `torchfarm cache import` keeps the signature an
+    entry came with, so a client trusts an imported entry only if it trusts its origin)."""
 
     def __init__(self, private_key: Ed25519PrivateKey) -> None:
         self._key = private_key
@@ -81,14 +82,20 @@ class Verifier:
         self, signature: bytes, public_key: str, digest: str, size: int, guards: bytes
     ) -> bool:
         """True if any trusted key signed exactly these fields."""
+        return self.signer(signature, public_key, digest, size, guards) is not None
+
+    def signer(
+        self, signature: bytes, public_key: str, digest: str, size: int, guards: bytes
+    ) -> str | None:
+        """The trusted key (base64) that signed exactly these fields, or None."""
         message = entry_message(public_key, digest, size, guards)
-        for key in self._keys:
+        for text, key in zip(self.public_keys, self._keys, strict=True):
             try:
                 key.verify(signature, message)
-                return True
+                return text
             except InvalidSignature:
                 continue
-        return False
+        return None
 
 
 def encode_public_key(key: Ed25519PublicKey) -> str:
@@ -135,6 +142,11 @@ def sign_entry(signer: Signer, public_key: str, entry: pb.EntryMeta) -> bytes:
 
 def entry_verifies(verifier: Verifier, public_key: str, entry: SignedEntry) -> bool:
     """Whether a trusted key signed this entry (its digest, size and guards) for the graph."""
-    return verifier.verify(
+    return entry_signer(verifier, public_key, entry) is not None
+
+
+def entry_signer(verifier: Verifier, public_key: str, entry: SignedEntry) -> str | None:
+    """The trusted key (base64) that signed this entry for the graph, or None."""
+    return verifier.signer(
         entry.signature, public_key, entry.digest, entry.size, guards_bytes(entry.guards)
     )

@@ -1,20 +1,27 @@
 """Skipping Dynamo's tracing on a hit (issue 19 item 4): a fresh process that finds its Dynamo
 package on the farm runs the step with no frame traced and the farm's graphs, equal to eager;
-packages that fail their HMAC (tampered, or another tenant's) are ignored; inputs that fail
-the saved guards are traced and compiled as before."""
+packages that fail their HMAC (tampered, another tenant's, or sealed by whoever saw the
+token) are ignored; inputs that fail the saved guards are traced and compiled as before."""
+
+import hashlib
+import hmac
+import os
+import pickle
+import tempfile
 
 import pytest
 
-from tests.integration.helpers import run_client
+from tests.integration.helpers import TOKENS, run_client
 from torchfarm.cache import keys
+from torchfarm.client.packages import FORMAT, seal
 
 PACKAGES = keys.package("*")  # every tenant's packages, under the current key format
+USER_CACHE = tempfile.mkdtemp()  # the clients' package key file (one user, one machine)
 
 
 def step(farm, *args: str, tenant: str = "alice") -> dict:
-    result = run_client(
-        farm, "skip_client.py", *args, tenant=tenant, env={"TORCHFARM_SKIP_TRACING": "1"}
-    )
+    env = {"TORCHFARM_SKIP_TRACING": "1", "XDG_CACHE_HOME": USER_CACHE}
+    result = run_client(farm, "skip_client.py", *args, tenant=tenant, env=env)
     assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4, result
     return result
 
@@ -67,3 +74,29 @@ def test_another_tenants_package_is_ignored(farm, store):
         result = step(farm, "broken", tenant="bob")
         assert result["traced_graphs"] == 2
         break
+
+
+class _Forged:
+    """A package body that runs code when unpickled: it makes a directory."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_package_sealed_by_whoever_saw_the_token_is_never_unpickled(farm, store, tmp_path):
+    """Finding 5 of issue 27: the MAC key derived from the token alone, which the gateway sees
+    on every call (and the network, without TLS): the gateway could answer GetPackage with a
+    pickle of its choice, sealed with that key, and the client ran it."""
+    step(farm, "broken")
+    marker = str(tmp_path / "ran")
+    token_key = hmac.new(TOKENS["alice"].encode(), FORMAT, hashlib.sha256).digest()
+    forged = seal(token_key, pickle.dumps(_Forged(marker)))
+    redis = store.artifacts.redis
+    for key in redis.keys(PACKAGES):
+        redis.set(key, forged)
+    result = step(farm, "broken")
+    assert not os.path.exists(marker)
+    assert result["traced_graphs"] == 2

@@ -6,6 +6,7 @@ one JSON document for scripts.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -21,7 +22,6 @@ from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import Store, entry_dict, entry_from_dict
 from torchfarm.contract import shape_guards
-from torchfarm.contract.cache_key import private_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import GatewaySettings, WorkerSettings
 
@@ -330,7 +330,10 @@ def import_(
 ) -> None:
     """Load a bundle. Every entry's digest, format and signature are checked first: an entry
     that no trusted key signed refuses the whole bundle (nothing imported) unless --unsigned.
-    With TORCHFARM_SIGNING_KEY set, verified entries are re-signed with this farm's key."""
+    Entries keep the signature they came with, never re-signed with this farm's key: a client
+    loads them only if it trusts their origin's key (the gateway's TORCHFARM_VERIFY_KEYS, or
+    its own pins), and each records that key (`signed_by`). Entries private to a tenant are
+    dropped and counted: a bundle places nothing in a tenant's own namespace."""
     try:
         with open(path, "rb") as f:
             bundle = pb.CacheBundle.FromString(zstandard.ZstdDecompressor().decompress(f.read()))
@@ -340,24 +343,22 @@ def import_(
         raise typer.BadParameter(
             f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
-    settings = WorkerSettings.from_env()
+    served = signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
     try:
-        trusted = signing.Verifier(
-            trust_keys or signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
-        )
+        trusted = signing.Verifier(trust_keys or served)
     except ValueError as e:
         raise typer.BadParameter(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from e
-    try:
-        signer = signing.Signer.from_file(settings.signing_key) if settings.signing_key else None
-    except (OSError, ValueError) as e:
-        raise typer.BadParameter(f"TORCHFARM_SIGNING_KEY: {e}") from e
-    entries, untrusted = [], []
+    entries, untrusted, private = [], [], 0
+    now = time.time()
     for item in bundle.entries:
         meta = _checked_entry(path, item)
-        if not _signed_by(trusted, item.key, meta):
+        if meta.private:
+            private += 1
+            continue
+        meta.signed_by = _origin(trusted, item.key, meta) or ""
+        meta.imported = now
+        if not meta.signed_by:
             untrusted.append(item.key)
-        elif signer is not None:
-            meta.signature = signing.sign_entry(signer, meta.public_key or item.key, meta)
         entries.append((item, meta))
     if untrusted and not unsigned:
         names = ", ".join(trusted.public_keys) or "none (--trust-key, TORCHFARM_VERIFY_KEYS)"
@@ -371,25 +372,33 @@ def import_(
     if untrusted:
         typer.echo(
             f"!!! WARNING: importing {len(untrusted)} entries that no trusted key signed "
-            "(--unsigned): clients will not load them unless they are re-signed !!!",
+            "(--unsigned): clients will not load them !!!",
+            err=True,
+        )
+    signers = collections.Counter(meta.signed_by for _, meta in entries if meta.signed_by)
+    unserved = sorted(set(signers) - set(served))
+    if unserved:
+        typer.echo(
+            f"note: clients load the entries signed by {', '.join(unserved)} only once that "
+            "key is among the gateway's TORCHFARM_VERIFY_KEYS (or the keys clients pin)",
             err=True,
         )
     store = _store(redis_url)
     for item, meta in entries:
         store.artifacts.put_new(item.key, item.artifact, meta)
-    resigned = len(entries) - len(untrusted) if signer is not None else 0
     if as_json:
-        result = {"entries": len(entries), "unsigned": len(untrusted), "resigned": resigned}
+        result = {
+            "entries": len(entries),
+            "unsigned": len(untrusted),
+            "private_dropped": private,
+            "signed_by": dict(signers),
+        }
         typer.echo(json.dumps(result))
         return
     typer.echo(
         f"imported {len(entries)} entries"
         + (f" ({len(untrusted)} unsigned)" if untrusted else "")
-        + (
-            f"; re-signed {resigned} with this farm's key (TORCHFARM_SIGNING_KEY)"
-            if resigned
-            else ""
-        )
+        + (f"; dropped {private} private to a tenant" if private else "")
     )
 
 
@@ -415,9 +424,9 @@ def _checked_entry(path: str, item: pb.BundleEntry) -> pb.EntryMeta:
     return meta
 
 
-def _signed_by(trusted: signing.Verifier, key: str, meta: pb.EntryMeta) -> bool:
-    """Whether a trusted key signed the entry for the graph its index key names: the public
-    key itself, or the private key the entry's tenant derives from it."""
-    graph_key = meta.public_key or key
-    names = key == graph_key or (meta.private and key == private_key(graph_key, meta.tenant))
-    return bool(names) and signing.entry_verifies(trusted, graph_key, meta)
+def _origin(trusted: signing.Verifier, key: str, meta: pb.EntryMeta) -> str | None:
+    """The trusted key that signed the entry for the graph its index key names, or None: a
+    shared entry's index key is the graph's public key itself, which the signature covers."""
+    if (meta.public_key or key) != key:
+        return None
+    return signing.entry_signer(trusted, key, meta)

@@ -22,8 +22,9 @@ def usage(key: str) -> str:  # hash: "{digest}:hits" / "{digest}:last_hit" per e
     return f"{FORMAT}:usage:{key}"
 
 
-def structure(digest: str) -> str:  # sorted set: key -> stored time, the keys whose entries
-    return f"{FORMAT}:structure:{digest}"  # have this graph structure (explaining misses)
+def structure(tenant: str, digest: str) -> str:  # sorted set: key -> stored time, the keys
+    return f"{FORMAT}:structure:{tenant}:{digest}"  # of entries `tenant` made of this graph
+    # structure (explaining misses): a tenant's own group, which no other tenant's compile joins
 
 
 def program(tenant: str, head: str) -> str:  # hash: position -> ManifestEntry, what a tenant's

@@ -6,12 +6,12 @@ the last few are kept in a small file so that `torchfarm doctor` can show them l
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from torchfarm.contract.cache_key import key_values
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import user_cache_dir
 
 KEPT = 20  # misses kept for `torchfarm doctor`
 _NAMES = {
@@ -64,8 +64,7 @@ def describe(explanation: pb.MissExplanation, target: pb.Target, options: pb.Opt
 
 
 def _misses_file() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(cache) / "torchfarm" / "misses.jsonl"
+    return user_cache_dir() / "misses.jsonl"
 
 
 def remember(label: str, key: str, text: str) -> None:

@@ -9,10 +9,15 @@ frames run without being traced. Dynamo still checks the saved guards on every c
 globals that fail them are traced and compiled as before.
 
 The package holds the client's source and pickled guarded values, so it is the tenant's own
-(gateway/packages.py scopes it by tenant) and authenticated here with an HMAC whose key derives
-from the tenant's token, which the farm never stores (it keeps sha256 of tokens): bytes that
-fail the check are never unpickled. Any failure while restoring falls back to tracing, silently
-but for a log line.
+(gateway/packages.py scopes it by tenant) and authenticated here with an HMAC: bytes that fail
+the check are never unpickled. Its key is a secret that never leaves the client
+(TORCHFARM_PACKAGE_KEY, else this user's key file, made 0600 on first use), bound to the
+tenant's token. Not the token alone (issue 27): the gateway sees the token on every call, and
+it crosses the network in plaintext without TLS, so whoever saw it could have sealed a pickle
+this client would run. The cost: a package is restorable only where the secret is, so the
+ranks and machines of one job share it by TORCHFARM_PACKAGE_KEY; elsewhere they trace and save
+packages of their own (their keys differ, so they never overwrite each other's). Any failure
+while restoring falls back to tracing, silently but for a log line.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import importlib.metadata
 import inspect
 import json
 import logging
+import os
 import pickle
 import platform
+import secrets
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import torch
@@ -38,13 +47,14 @@ from torchfarm.client.pool import pool
 from torchfarm.compiler import serialize, trace_state
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import ClientSettings
+from torchfarm.settings import ClientSettings, user_cache_dir
 from torchfarm.torch_adapter import dynamo_package
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 
 log = logging.getLogger("torchfarm")
 FORMAT = b"torchfarm-dynamo-package-1"
 _MAC_BYTES = 32
+MIN_SECRET_CHARS = 32  # 128 bits as hex; the key file holds 64 hex digits
 _FARM_SOURCES = ("hit", "miss", "merged")
 
 
@@ -73,10 +83,50 @@ def _observe(gm: torch.fx.GraphModule, request: pb.CompileRequest) -> None:
     _requests[dynamo_package.backend_id(gm)] = (request, sizes, serialize.local_device_index(gm))
 
 
-def mac_key(token: str) -> bytes:
-    """The key that authenticates this tenant's packages: derived from its token, which the
-    farm holds only as sha256(token), so no Redis writer can forge one."""
-    return hmac.new(token.encode(), FORMAT, hashlib.sha256).digest()
+def mac_key(secret: bytes, token: str) -> bytes:
+    """The key that authenticates this user's packages of one tenant: the client's secret
+    (package_secret) over the tenant's token, so neither the farm nor whoever saw the token
+    can forge a package, and one tenant's package never opens as another's."""
+    return hmac.new(secret, FORMAT + b"\0" + token.encode(), hashlib.sha256).digest()
+
+
+def package_secret(settings: ClientSettings) -> bytes:
+    """TORCHFARM_PACKAGE_KEY, else this user's key file (made on first use)."""
+    secret = settings.package_key.encode() if settings.package_key else _key_file_secret()
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"TORCHFARM_PACKAGE_KEY: at least {MIN_SECRET_CHARS} characters")
+    return secret
+
+
+def key_file() -> Path:
+    return user_cache_dir() / "package.key"
+
+
+def _key_file_secret() -> bytes:
+    """The key file's secret; made (64 random hex digits, mode 0600) if there is none. Written
+    aside, then linked into place, which never replaces a file: processes that start together
+    (a job's ranks) all read the one that won."""
+    path = key_file()
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, aside = tempfile.mkstemp(dir=path.parent, prefix=".package.key.")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(aside)
+    with open(path, "rb") as f:
+        status = os.fstat(f.fileno())
+        if status.st_uid != os.geteuid() or status.st_mode & 0o077:
+            raise PermissionError(
+                f"{path} must be this user's own, mode 0600: it keys the Dynamo packages this "
+                "client unpickles"
+            )
+        return f.read().strip()
 
 
 def seal(key: bytes, data: bytes) -> bytes:
@@ -89,15 +139,16 @@ def unseal(key: bytes, sealed: bytes) -> bytes | None:
     return data if hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).digest()) else None
 
 
-def package_key(token: str, target: Callable, options: dict) -> str:
-    """Tenant, torch / Python / torchfarm versions, the traced code's module source, its
-    qualified name, the model's configuration (structure, parameter shapes and dtypes) and
-    the compile's options. Sources Dynamo inlined from other modules are checked by the
+def package_key(mac: bytes, target: Callable, options: dict) -> str:
+    """The MAC key's hash (tenant and secret: processes with another secret never overwrite
+    this one's packages), torch / Python / torchfarm versions, the traced code's module
+    source, its qualified name, the model's configuration (structure, parameter shapes and
+    dtypes) and the compile's options. Sources Dynamo inlined from other modules are checked by the
     package itself on install (a change falls back to tracing and re-saves)."""
     fn = dynamo_package.entry_function(target)
     module = inspect.getmodule(fn)
     parts = {
-        "tenant": hashlib.sha256(mac_key(token)).hexdigest(),
+        "tenant": hashlib.sha256(mac).hexdigest(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "torchfarm": importlib.metadata.version("torchfarm"),
@@ -121,8 +172,8 @@ class Skipper:
 
     def __init__(self, target: Callable, settings: ClientSettings, options: dict):
         self.target, self.settings = target, settings
-        self.key = package_key(settings.token, target, options)
-        self.mac = mac_key(settings.token)
+        self.mac = mac_key(package_secret(settings), settings.token)
+        self.key = package_key(self.mac, target, options)
         self.graphs: dict[str, GraphRef] = {}
         self.restored = False
         self.saved = False

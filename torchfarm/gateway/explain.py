@@ -1,13 +1,18 @@
-"""Why an Ask missed (issue 19 item 5), told against the nearest entry the tenant may see.
+"""Why an Ask missed (issue 19 item 5), told against the nearest entry the tenant made.
 
 The client sends a sha256 per part of its key (contract/cache_key.py key_parts), the graph's
 structure among them; workers record the same parts, computed from what they compiled, with
-each entry, and index the keys of each structure (cache/structures.py). Among the entries of
-the same structure this tenant may see, the nearest is the one with most parts equal; the
-explanation names the parts that differ (with the entry's value for readable ones), and, when
-the asked key itself has entries, the guards that failed on the Ask's sizes. Another tenant's
-private entries are skipped before anything is compared: an explanation never shows that they
-exist. The client's parts are only compared, never stored.
+each entry, and index the keys of each structure per tenant (cache/structures.py). Among the
+entries of the same structure this tenant made, the nearest is the one with most parts equal;
+the explanation names the parts that differ (with the entry's value for readable ones), and,
+when the asked key itself has entries, the guards that failed on the Ask's sizes.
+
+Entries other tenants made are never compared (issue 27: shared entries of the same program
+told one tenant what another compiled, of which architecture, with which options and torch
+build). The failed guards are those of the asked key's entries this tenant may hit: the same
+ones a Lookup of that key offers it, so they tell it nothing new; another tenant's private
+entries are skipped before anything is looked at. The client's parts are only compared, never
+stored.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ def explain(store: Store, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
         return explanation
     same = [
         entry
-        for other in store.structures.keys(structure)
-        for entry in _visible(store, other, tenant)
-        if entry.key_parts.get(STRUCTURE) == structure
+        for other in store.structures.keys(tenant, structure)
+        for entry in store.artifacts.entries(other, usage=False)
+        if entry.tenant == tenant and entry.key_parts.get(STRUCTURE) == structure
     ]
     explanation.same_program = len(same)
     if not same:
@@ -51,6 +56,7 @@ def explain(store: Store, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
 
 
 def _visible(store: Store, key: str, tenant: str) -> list[pb.EntryMeta]:
+    """The key's entries `tenant` may hit: shared ones, and its own private ones."""
     entries = store.artifacts.entries(key, usage=False)
     return [e for e in entries if not e.private or e.tenant == tenant]
 

@@ -1594,6 +1594,8 @@ class EntryMeta(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     KEY_PARTS_FIELD_NUMBER: _builtins.int
     KEY_VALUES_FIELD_NUMBER: _builtins.int
+    SIGNED_BY_FIELD_NUMBER: _builtins.int
+    IMPORTED_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
     """sha256 of the artifact bytes"""
     size: _builtins.int
@@ -1625,6 +1627,12 @@ class EntryMeta(_message.Message):
     """
     public_key: _builtins.str
     """the graph's public key the signature names (a private"""
+    signed_by: _builtins.str
+    """Origin of an entry `torchfarm cache import` stored (issue 27): the trusted public key
+    (base64) whose signature it verified and kept (never re-signed), and when. Empty for
+    entries this farm's workers stored. A trace for operators: clients check the signature.
+    """
+    imported: _builtins.float
     @_builtins.property
     def op_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -1673,10 +1681,12 @@ class EntryMeta(_message.Message):
         public_key: _builtins.str = ...,
         key_parts: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         key_values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        signed_by: _builtins.str = ...,
+        imported: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "kernels", b"kernels", "key_parts", b"key_parts", "key_values", b"key_values", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "created", b"created", "digest", b"digest", "graph_code", b"graph_code", "guards", b"guards", "hits", b"hits", "imported", b"imported", "kernels", b"kernels", "key_parts", b"key_parts", "key_values", b"key_values", "last_hit", b"last_hit", "mode", b"mode", "nodes", b"nodes", "objects", b"objects", "op_counts", b"op_counts", "pool", b"pool", "private", b"private", "public_key", b"public_key", "signature", b"signature", "signed_by", b"signed_by", "size", b"size", "stored_bytes", b"stored_bytes", "target", b"target", "tenant", b"tenant", "torch_version", b"torch_version", "tuned_kernels", b"tuned_kernels", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -166,7 +166,7 @@ def _compile_and_store(
         )
         return "uncached", 0
     if STRUCTURE in meta.key_parts:
-        store.structures.add(meta.key_parts[STRUCTURE], job.key)
+        store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(

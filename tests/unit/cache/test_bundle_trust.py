@@ -1,6 +1,8 @@
 """`torchfarm cache export/import` carry signatures, and import admits only entries a
 trusted key signed: a crafted bundle imports nothing; --unsigned imports with a warning;
-an importing farm with its own signing key re-signs what it verified."""
+imported entries keep the signature they came with and record its key (issue 27: they used
+to be re-signed with the importing farm's key, leaving no trace of their origin); entries
+private to a tenant are dropped."""
 
 import hashlib
 import json
@@ -56,15 +58,19 @@ def _signed_entry(store: Store, signer, n: int, private_to: str = "") -> str:
     return key
 
 
+def _export_and_drop(store: Store, path, keys: list[str]) -> None:
+    assert CliRunner().invoke(app, ["cache", "export", str(path)]).exit_code == 0
+    for key in keys:
+        store.artifacts.drop(key)
+
+
 def test_a_bundle_carries_signatures_and_imports_only_what_a_trusted_key_signed(
     scratch, tmp_path, monkeypatch
 ):
     farm = signing.generate(str(tmp_path / "farm.key"))
-    keys = [_signed_entry(scratch, farm, 1), _signed_entry(scratch, farm, 2, private_to="bob")]
+    keys = [_signed_entry(scratch, farm, 1), _signed_entry(scratch, farm, 2)]
     bundle = tmp_path / "b.tfbundle"
-    assert CliRunner().invoke(app, ["cache", "export", str(bundle)]).exit_code == 0
-    for key in keys:
-        scratch.artifacts.drop(key)
+    _export_and_drop(scratch, bundle, keys)
 
     refused = _import(str(bundle))  # no trusted key at all
     assert refused.exit_code != 0 and "nothing imported" in refused.output
@@ -82,21 +88,43 @@ def test_a_bundle_carries_signatures_and_imports_only_what_a_trusted_key_signed(
         assert signing.entry_verifies(signing.Verifier([farm.public_key]), entry.public_key, entry)
 
 
-def test_an_entry_from_another_farm_is_re_signed_with_this_farms_key(
-    scratch, tmp_path, monkeypatch
-):
+def test_an_entry_from_another_farm_keeps_its_origins_signature(scratch, tmp_path, monkeypatch):
+    """Finding 5 of issue 27: `--trust-key` entries were re-signed with this farm's key, so
+    every client of this farm trusted whatever the operator once trusted, with no trace."""
     theirs = signing.generate(str(tmp_path / "theirs.key"))
     key = _signed_entry(scratch, theirs, 3)
     bundle = tmp_path / "b.tfbundle"
-    assert CliRunner().invoke(app, ["cache", "export", str(bundle)]).exit_code == 0
-    scratch.artifacts.drop(key)
+    _export_and_drop(scratch, bundle, [key])
     ours = signing.generate(str(tmp_path / "ours.key"))
     monkeypatch.setenv("TORCHFARM_SIGNING_KEY", str(tmp_path / "ours.key"))
+    monkeypatch.setenv("TORCHFARM_VERIFY_KEYS", ours.public_key)  # what the gateway serves
     done = _import(str(bundle), "--trust-key", theirs.public_key)
     assert done.exit_code == 0, done.output
-    assert "re-signed 1 with this farm's key" in done.output
+    assert done.output.splitlines()[-1] == "imported 1 entries"
+    assert f"signed by {theirs.public_key} only once that key is among" in done.output
     (entry,) = scratch.artifacts.entries(key)
-    assert signing.entry_verifies(signing.Verifier([ours.public_key]), key, entry)
+    assert not signing.entry_verifies(signing.Verifier([ours.public_key]), key, entry)
+    assert signing.entry_verifies(signing.Verifier([theirs.public_key]), key, entry)
+    assert entry.signed_by == theirs.public_key and entry.imported > 0
+
+
+def test_entries_private_to_a_tenant_are_dropped_and_counted(scratch, tmp_path, monkeypatch):
+    """Finding 5 of issue 27: a bundle could place entries in any tenant's private namespace
+    (a private entry's key derives from the graph's and the tenant's name, both in the
+    bundle), which that tenant's client then preferred."""
+    farm = signing.generate(str(tmp_path / "farm.key"))
+    shared = _signed_entry(scratch, farm, 5)
+    private = [_signed_entry(scratch, farm, n, private_to="alice") for n in (6, 7)]
+    bundle = tmp_path / "b.tfbundle"
+    _export_and_drop(scratch, bundle, [shared, *private])
+    monkeypatch.setenv("TORCHFARM_VERIFY_KEYS", farm.public_key)
+    done = _import(str(bundle), "--json")
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.output.splitlines()[-1])
+    assert result["entries"] == 1 and result["private_dropped"] == 2
+    assert result["signed_by"] == {farm.public_key: 1}
+    assert scratch.artifacts.entries(shared)
+    assert not any(scratch.artifacts.entries(k) for k in private)
 
 
 def test_a_crafted_bundle_imports_nothing_unless_unsigned_is_asked_for(
@@ -105,8 +133,7 @@ def test_a_crafted_bundle_imports_nothing_unless_unsigned_is_asked_for(
     farm = signing.generate(str(tmp_path / "farm.key"))
     genuine = _signed_entry(scratch, farm, 4)
     bundle = tmp_path / "b.tfbundle"
-    assert CliRunner().invoke(app, ["cache", "export", str(bundle)]).exit_code == 0
-    scratch.artifacts.drop(genuine)
+    _export_and_drop(scratch, bundle, [genuine])
     # the author of the bundle re-labels the genuine, signed artifact for a public model's key
     raw = pb.CacheBundle()
     import zstandard

@@ -1,5 +1,6 @@
 """A miss explained against the nearest entry of the same program, one case per key part,
-against a bare redis-server; another tenant's private entries are never looked at."""
+against a bare redis-server; entries another tenant made are never compared, and its private
+entries never looked at."""
 
 import pytest
 import redis
@@ -64,7 +65,7 @@ def _store_entry(
         key_values=key_values(target, options),
     )
     store.artifacts.put(stored_key, data, meta)
-    store.structures.add(STRUCT, stored_key)
+    store.structures.add(tenant, STRUCT, stored_key)
     return key
 
 
@@ -155,3 +156,27 @@ def test_entries_without_a_structure_part_are_not_compared(store):
     del ask.key_parts[STRUCTURE]
     _store_entry(store)
     assert not explain(store, ask, "alice").nearest_found
+
+
+def test_entries_another_tenant_made_are_never_compared(store):
+    """Finding 5 of issue 27: bob's shared entries of the same program were alice's nearest,
+    telling her what bob compiled (architecture, mode, torch build)."""
+    _store_entry(store, tenant="bob", options=pb.Options(mode="max-autotune", state=OPTIONS.state))
+    explanation = explain(store, _ask(), "alice")
+    assert not explanation.nearest_found and explanation.same_program == 0
+    assert explain(store, _ask(), "bob").same_program == 1  # bob's own
+
+
+def test_a_hostile_child_joins_only_its_own_tenants_structure_group(store):
+    """Finding 5 of issue 27: the structure is what the compile child reports, so mallory's
+    child can claim alice's program; its entry then joins mallory's group, never alice's, and
+    alice hears only of her own entries."""
+    _store_entry(store, tenant="alice", payload=b"alice's graph at batch 8")
+    mallory = _store_entry(store, tenant="mallory", payload=b"anything")  # claims STRUCT
+    assert mallory not in store.structures.keys("alice", STRUCT)
+    assert store.structures.keys("mallory", STRUCT) == [mallory]
+    explanation = explain(store, _ask(payload=b"alice's graph at batch 16"), "alice")
+    assert explanation.same_program == 1 and _differs(explanation) == {"graph": ""}
+    # a Redis writer that adds mallory's key to alice's group still names no entry of his
+    store.structures.add("alice", STRUCT, mallory)
+    assert explain(store, _ask(payload=b"alice's graph at batch 16"), "alice").same_program == 1
