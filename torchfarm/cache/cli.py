@@ -15,6 +15,7 @@ import time
 import redis
 import typer
 import zstandard
+from google.protobuf.message import DecodeError
 from rich.console import Console
 from rich.table import Table
 
@@ -337,7 +338,7 @@ def import_(
     try:
         with open(path, "rb") as f:
             bundle = pb.CacheBundle.FromString(zstandard.ZstdDecompressor().decompress(f.read()))
-    except (OSError, zstandard.ZstdError, ValueError) as e:
+    except (OSError, zstandard.ZstdError, ValueError, DecodeError) as e:
         raise typer.BadParameter(f"{path}: not a torchfarm bundle ({e})") from e
     if bundle.format != BUNDLE_FORMAT:
         raise typer.BadParameter(

@@ -161,3 +161,12 @@ def test_a_crafted_bundle_imports_nothing_unless_unsigned_is_asked_for(
     assert "WARNING" in done.output and "imported 2 entries (1 unsigned)" in done.output
     (planted,) = scratch.artifacts.entries(victim)
     assert not signing.entry_verifies(signing.Verifier([farm.public_key]), victim, planted)
+
+
+def test_a_bundle_that_is_no_protobuf_gets_a_precise_refusal(scratch, tmp_path):
+    import zstandard
+
+    bundle = tmp_path / "garbage.tfbundle"
+    bundle.write_bytes(zstandard.ZstdCompressor().compress(b"\xff" * 64))
+    refused = _import(str(bundle))
+    assert refused.exit_code == 2 and "not a torchfarm bundle" in refused.output
