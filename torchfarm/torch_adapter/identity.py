@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import operator
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -146,13 +147,22 @@ def _code(code: types.CodeType) -> str:
     return repr((code.co_code, code.co_names, code.co_varnames, code.co_freevars, consts))
 
 
+def _state(value: Any) -> tuple:
+    """What a later call compares by identity once `value` matched: the object, and for a
+    function what can change in place (its defaults, its closure's contents)."""
+    if not isinstance(value, types.FunctionType):
+        return (value,)
+    cells = tuple(c.cell_contents if _filled(c) else None for c in value.__closure__ or ())
+    return (value, value.__defaults__, value.__kwdefaults__, *cells)
+
+
 class Guard:
     """The checks of one compiled frame, run by Dynamo as a guard with the frame's locals. An
     object that matched once is remembered, so a later call compares identities only."""
 
     def __init__(self, checks: list[Check], scope: Mapping, matched: list | None = None):
         self.checks, self.scope = checks, scope
-        self.matched: dict[int, Any] = dict(enumerate(matched or []))
+        self.matched: dict[int, tuple] = {i: _state(v) for i, v in enumerate(matched or [])}
 
     def __call__(self, frame_locals: Mapping) -> bool:
         for index, (steps, expected) in enumerate(self.checks):
@@ -160,11 +170,13 @@ class Guard:
                 value = resolve(steps, frame_locals, self.scope)
             except Exception:  # the path is gone: not the traced program
                 return False
-            if self.matched.get(index, self) is value:
+            state = _state(value)
+            known = self.matched.get(index)
+            if known and len(known) == len(state) and all(map(operator.is_, known, state)):
                 continue
             if fingerprint(value) != expected:
                 return False
-            self.matched[index] = value
+            self.matched[index] = state
         return True
 
     def describe(self) -> list[str]:
