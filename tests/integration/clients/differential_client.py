@@ -73,6 +73,14 @@ def matmul(x):
     return torch.mm(x, WEIGHT).sin()
 
 
+def elementwise(x):
+    return torch.sin(x) * 3 + x.mean()
+
+
+def row_sums(x):
+    return (x @ x.T).sum(-1)
+
+
 SCALE = 2.0
 
 
@@ -160,8 +168,8 @@ CASES = {
         lambda: _x(4, 8),
         ("context", lambda: torch.autocast("cpu", torch.bfloat16)),
     ),
-    "dtype": (lambda: matmul, lambda: _x(4, 8), ("input", lambda: _x(4, 8, dtype=torch.float64))),
-    "input_shape": (lambda: matmul, lambda: _x(4, 8), ("input", lambda: _x(6, 8))),
+    "dtype": (lambda: elementwise, _x, ("input", lambda: _x(dtype=torch.float64))),
+    "input_shape": (lambda: row_sums, _x, ("input", lambda: _x(6, 8))),
     "global_read": (lambda: global_read, _x, ("state", _module_rebind(__name__, "SCALE", 5.0))),
     "closure": (lambda: make_closure(2.0), _x, ("compile", lambda: make_closure(3.0))),
     "wraps_forward": (
