@@ -17,7 +17,8 @@ TOLERANCE = {"autocast": 0.1}  # bfloat16: compiled and eager round differently
 
 
 def _run(farm, *args: str) -> dict:
-    return run_client(farm, "differential_client.py", *args)
+    # on by default (tests/unit/client/test_skip_setting.py); the tier's conftest turns it off
+    return run_client(farm, "differential_client.py", *args, env={"TORCHFARM_SKIP_TRACING": "1"})
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -41,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torchfarm.torch_adapter import identity
 from torchfarm.torch_adapter.gate import release
 
-VERIFIED = ("2.13.0",)
+VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
 # Guards on an object's identity (a module, function, class, closure cell, dict version) and
 # guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
 # bypasses the whole frame), and loading the second raised AttributeError out of
