@@ -100,9 +100,11 @@ class Package(CompilePackage):
         if pending is not None:
             check_fn = sys._getframe(1).f_locals["check_fn"]
             _add_guard(check_fn.guard_manager, pending)
+        entry = self._current_entry
+        saved = len(entry.guarded_codes) if entry else 0
         super().add_guarded_code(guards_state, dynamo_code)
-        if self._current_entry is not None and self._current_entry.guarded_codes:
-            added = self._current_entry.guarded_codes[-1]
+        if entry is not None and len(entry.guarded_codes) > saved:  # not a bypassed frame
+            added = entry.guarded_codes[-1]
             added.torchfarm_checks = pending.checks if pending else []  # type: ignore[attr-defined]
 
     def _add_user_function(self, code: types.CodeType) -> None:
