@@ -54,6 +54,9 @@ def supported() -> bool:
     return release(torch.__version__) in VERIFIED
 
 
+_NO_VALUE = object()  # a guard without its object: its live check always fails (a retrace)
+
+
 def _replaced(entry: Any) -> bool:
     """A guard Dynamo's package cannot save or load: identity, or on a default argument."""
     return bool({entry.guard_type, *entry.derived_guard_types} & _IDENTITY_GUARDS) or any(
@@ -76,21 +79,29 @@ class Package(CompilePackage):
 
     def keep_guard(self, entries: Sequence[Any]) -> list[bool]:
         """Dynamo's guard_filter_fn, called once per compiled frame before its guards are
-        built: a guard it cannot save is replaced by an identity check where the guard's path
-        and object have a fingerprint, else kept (Dynamo then bypasses the frame)."""
+        built: each guard it cannot save becomes an identity check (see identity.py). Where
+        the guard's path or object has no fingerprint, the frame is left out of the package
+        (traced on a hit) and this process checks the object's identity by Dynamo's own
+        expression. (Keeping the guard is no way out: 2.13 then fails the compile with
+        "check_fn.guards_state must not be None".)"""
         checks: list[identity.Check] = []
         seen: list[Any] = []
-        keep = []
+        same: list[tuple[str, Any]] = []
         for e in entries:
-            steps = identity.path(e.orig_guard.originating_source) if _replaced(e) else None
+            if not _replaced(e):
+                continue
+            steps = identity.path(e.orig_guard.originating_source)
             expected = identity.fingerprint(e.value) if steps and e.has_value else None
-            keep.append(expected is None)
             if steps and expected is not None:
                 checks.append((steps, expected))
                 seen.append(e.value)
+            else:
+                same.append((e.name, e.value if e.has_value else _NO_VALUE))
+                if self._current_entry is not None:
+                    self.bypass_current_entry()
         scope = vars(sys.modules[self._current_entry.python_module]) if self._current_entry else {}
-        self._pending = identity.Guard(checks, scope, seen) if checks else None
-        return keep
+        self._pending = identity.Guard(checks, scope, seen, same) if checks or same else None
+        return [not _replaced(e) for e in entries]
 
     def add_guarded_code(self, guards_state: bytes, dynamo_code: types.CodeType) -> None:
         """Saves the frame's identity checks with its guards and adds them to the guard

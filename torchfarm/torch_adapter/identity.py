@@ -58,6 +58,8 @@ def path(source: Any) -> tuple[Step, ...] | None:
         step = ("kwdefaults" if source.is_kw else "defaults", source.idx_key)
     elif isinstance(source, sources.GetItemSource) and not source.index_is_slice:
         step = ("item", source.index)
+    elif isinstance(source, sources.DictGetItemSource):  # e.g. Dynamo's builtins dict
+        step = ("item", source.index)
     elif isinstance(source, sources.TypeSource):
         step = ("type", None)
     if step is None or not isinstance(step[1], (int, str, type(None))):
@@ -160,11 +162,27 @@ class Guard:
     """The checks of one compiled frame, run by Dynamo as a guard with the frame's locals. An
     object that matched once is remembered, so a later call compares identities only."""
 
-    def __init__(self, checks: list[Check], scope: Mapping, matched: list | None = None):
+    def __init__(
+        self,
+        checks: list[Check],
+        scope: Mapping,
+        matched: list | None = None,
+        same: list[tuple[str, Any]] | None = None,
+    ):
         self.checks, self.scope = checks, scope
         self.matched: dict[int, tuple] = {i: _state(v) for i, v in enumerate(matched or [])}
+        # in the tracing process only, never saved: Dynamo's own guard expressions (`G[...]`,
+        # `L[...]`) whose object has no fingerprint, and that object (an identity guard)
+        self.same = [(compile(expr, "<guard>", "eval"), value) for expr, value in same or []]
 
     def __call__(self, frame_locals: Mapping) -> bool:
+        names = {"G": self.scope, "L": frame_locals}
+        for expr, value in self.same:
+            try:
+                if eval(expr, names) is not value:  # Dynamo's expression, of this process
+                    return False
+            except Exception:
+                return False
         for index, (steps, expected) in enumerate(self.checks):
             try:
                 value = resolve(steps, frame_locals, self.scope)
