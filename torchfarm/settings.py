@@ -38,9 +38,9 @@ class ClientSettings:
     # TORCHFARM_WAIT=0: on a miss, run the graph eagerly while the farm compiles it, then switch
     # to its compiled code between two calls (client/switching.py); a hit is served as with 1
     wait: bool = True
-    # TORCHFARM_SKIP_TRACING=1: torchfarm.compile keeps Dynamo's output on the farm (per tenant)
-    # and a later process installs it instead of tracing (client/packages.py); needs a token
-    skip_tracing: bool = False
+    # TORCHFARM_SKIP_TRACING=0 turns off keeping Dynamo's output on the farm (per tenant) for a
+    # later process to install instead of tracing (client/packages.py); needs a token
+    skip_tracing: bool = True
     # TORCHFARM_PACKAGE_KEY: the secret (32+ characters) that authenticates this user's Dynamo
     # packages; it never leaves the client. Empty = a key file of this user's, made on first
     # use (user_cache_dir()/package.key, mode 0600). Give every machine of a job the same one.
@@ -60,7 +60,7 @@ class ClientSettings:
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
             wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
-            skip_tracing=_env("TORCHFARM_SKIP_TRACING", "0") in ("1", "true", "yes"),
+            skip_tracing=_env("TORCHFARM_SKIP_TRACING", "1") not in ("0", "false", "no"),
             package_key=_env("TORCHFARM_PACKAGE_KEY", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -1,5 +1,6 @@
 """Fixtures: one real embedded farm (redis-server, gateway, Celery worker) per session."""
 
+import os
 import subprocess
 
 import pytest
@@ -8,6 +9,10 @@ from tests.integration.helpers import ADMIN_TOKEN, OP_LIBRARIES, TOKENS
 from torchfarm.cache.store import Store
 from torchfarm.gateway.auth import hash_token
 from torchfarm.local_farm import LocalFarm
+
+# The tier tests the backend's own paths (a second compile in one process is a farm hit, not a
+# restored package); the skip's own tests turn it on (test_skip_*.py).
+os.environ.setdefault("TORCHFARM_SKIP_TRACING", "0")
 
 
 @pytest.fixture(scope="session")

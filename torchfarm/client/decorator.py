@@ -1,11 +1,12 @@
 """`@torchfarm.compile(...)`: torch.compile through the farm, on a function, a module or a
 module class.
 
-With TORCHFARM_SKIP_TRACING=1 (and a token, on a torch that torch_adapter/dynamo_package.py
-verified), a function or module instance also gets a Dynamo package (client/packages.py): a
-later process skips Dynamo's tracing where the farm holds one. A module class and
-`torch.compile(m, backend="torchfarm")` trace as always (Dynamo's package must be handed to
-Dynamo when the compiled function is made, which only this decorator does).
+With a token, on a torch that torch_adapter/dynamo_package.py verified, and unless
+TORCHFARM_SKIP_TRACING=0, a function or module instance also gets a Dynamo package
+(client/packages.py): a later process skips Dynamo's tracing where the farm holds one. A module
+class and `torch.compile(m, backend="torchfarm")` trace as always (Dynamo's package must be
+handed to Dynamo when the compiled function is made, which only this decorator does; see
+docs/architecture.md, "Skipping Dynamo on a hit").
 """
 
 from __future__ import annotations

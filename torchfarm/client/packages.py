@@ -66,6 +66,7 @@ class GraphRef:
     sizes: list[int]  # its SymInt inputs' sizes in that trace: choose among entries
     digest: str  # the artifact that trace loaded: Dynamo's saved guards include its guards
     device_index: int | None
+    key: str = ""  # its graph key: a hit names the entry, hashing no payload ("": compute it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ class Skipper:
             backend.request_observers.append(_observe)
         self.package = self._restore()
 
-    def _restore(self) -> dynamo_package.CompilePackage:
+    def _restore(self) -> dynamo_package.Package:
         started = time.monotonic()
         try:
             contents = self._fetch_contents()
@@ -243,7 +244,8 @@ def _graph_ref(bid: str) -> GraphRef:
     record = next(r for r in reversed(backend.history) if r.label == request.label)
     if record.source not in _FARM_SOURCES or not record.digest:
         raise LookupError(f"{request.label} was not served by the farm ({record.source})")
-    return GraphRef(request.SerializeToString(), sizes, record.digest, device_index)
+    key = public_key(request.graph, request.target, request.options)
+    return GraphRef(request.SerializeToString(), sizes, record.digest, device_index, key)
 
 
 def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Callable]:
@@ -255,7 +257,7 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
     started = time.monotonic()
     jobs = {
         bid: pool(max(1, settings.parallel_graphs)).submit(
-            functools.partial(fetch_graph, requests[bid], settings, ref.sizes, ref.digest)
+            functools.partial(fetch_graph, requests[bid], settings, ref)
         )
         for bid, ref in contents.graphs.items()
     }
@@ -275,19 +277,21 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
 
 
 def fetch_graph(
-    request: pb.CompileRequest, settings: ClientSettings, sizes: list[int], digest: str
+    request: pb.CompileRequest, settings: ClientSettings, ref: GraphRef
 ) -> backend.Fetched:
     """One graph's artifact as the backend fetches it (the one place that follows the
-    backend's fetch path when it changes): one Get for the very entry `digest` that the
-    package names, by the key computed here; the payload goes only if the farm lost it."""
+    backend's fetch path when it changes): one Get for the very entry the package names, by
+    its key and digest; nothing of the graph is serialized or hashed (payload_s 0); the
+    payload goes only if the farm lost the entry."""
     ask = pb.Ask(
-        key=public_key(request.graph, request.target, request.options),
+        key=ref.key or public_key(request.graph, request.target, request.options),
         private=request.private,
-        sizes=sizes,
+        sizes=ref.sizes,
         label=request.label,
-        digest=digest,
+        digest=ref.digest,
     )
-    return backend._fetch(request, ask, settings, dynamo_package.sized_symints(sizes), {})
+    symints = dynamo_package.sized_symints(ref.sizes)
+    return backend._fetch(request, ask, settings, symints, {"payload_s": 0.0, "key_s": 0.0})
 
 
 def _call(settings: ClientSettings, method: str, request):

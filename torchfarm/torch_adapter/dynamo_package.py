@@ -18,6 +18,7 @@ after `test_skip_tracing.py` passes on it is the whole change.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import itertools
@@ -25,24 +26,27 @@ import pickle
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._dynamo import bytecode_transformation
+from torch._dynamo import package as package_module
 from torch._dynamo.exc import PackageError
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.package import CompilePackage, _BackendId, _FunctionId
 from torch._dynamo.source import LocalSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+from torchfarm.torch_adapter import identity
 from torchfarm.torch_adapter.gate import release
 
-VERIFIED = ("2.13.0",)
-# Guards on an object's identity (a module, function, class, closure cell, dict version):
-# CompilePackage cannot serialize them and bypasses the whole frame if one is present.
-# Dropping them keeps every guard on values, types, shapes and tensors; what is lost is a
-# recompile when a global function, class or module is rebound to another object.
+VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
+# Guards on an object's identity (a module, function, class, closure cell, dict version) and
+# guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
+# bypasses the whole frame), and loading the second raised AttributeError out of
+# torch.compile on transformers' wrappers (issue 19). identity.py turns each into a check
+# that survives the process: see Package.keep_guard.
 _IDENTITY_GUARDS = frozenset(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
 
 
@@ -50,22 +54,69 @@ def supported() -> bool:
     return release(torch.__version__) in VERIFIED
 
 
-def keep_guard(entries: Sequence[Any]) -> list[bool]:
-    """Dynamo's guard_filter_fn: drop the identity guards (see above) and guards on a
-    function's `__defaults__` (transformers' wrappers: loading them raised AttributeError out
-    of torch.compile in the issue's probe)."""
-    return [
-        not ({e.guard_type, *e.derived_guard_types} & _IDENTITY_GUARDS)
-        and "__defaults__" not in e.name
-        for e in entries
-    ]
+_NO_VALUE = object()  # a guard without its object: its live check always fails (a retrace)
 
 
-class _Package(CompilePackage):
-    """A CompilePackage that never fails the step it records. It names a property's getter
-    (transformers' `loss_function`: 2.13's _get_code_source cannot, and the cold step failed
-    with PackageError in the issue's probe); a frame it still cannot name, or whose inlined
-    sources it cannot read, is left out of the package (bypassed: traced in a later process)."""
+def _replaced(entry: Any) -> bool:
+    """A guard Dynamo's package cannot save or load: identity, or on a default argument."""
+    return bool({entry.guard_type, *entry.derived_guard_types} & _IDENTITY_GUARDS) or any(
+        field in entry.name for field in ("__defaults__", "__kwdefaults__")
+    )
+
+
+class Package(CompilePackage):
+    """A CompilePackage that never fails the step it records, and whose frames keep their
+    identity and defaults guards as identity.Guard checks.
+
+    It names a property's getter (transformers' `loss_function`: 2.13's _get_code_source
+    cannot, and the cold step failed with PackageError in the issue's probe); a frame it still
+    cannot name, or whose inlined sources it cannot read, is left out of the package
+    (bypassed: traced in a later process)."""
+
+    def __init__(self) -> None:
+        super().__init__(fn=None)
+        self._pending: identity.Guard | None = None  # the frame whose guards are being built
+
+    def keep_guard(self, entries: Sequence[Any]) -> list[bool]:
+        """Dynamo's guard_filter_fn, called once per compiled frame before its guards are
+        built: each guard it cannot save becomes an identity check (see identity.py). Where
+        the guard's path or object has no fingerprint, the frame is left out of the package
+        (traced on a hit) and this process checks the object's identity by Dynamo's own
+        expression. (Keeping the guard is no way out: 2.13 then fails the compile with
+        "check_fn.guards_state must not be None".)"""
+        checks: list[identity.Check] = []
+        seen: list[Any] = []
+        same: list[tuple[str, Any]] = []
+        for e in entries:
+            if not _replaced(e):
+                continue
+            steps = identity.path(e.orig_guard.originating_source)
+            expected = identity.fingerprint(e.value) if steps and e.has_value else None
+            if steps and expected is not None:
+                checks.append((steps, expected))
+                seen.append(e.value)
+            else:
+                same.append((e.name, e.value if e.has_value else _NO_VALUE))
+                if self._current_entry is not None:
+                    self.bypass_current_entry()
+        scope = vars(sys.modules[self._current_entry.python_module]) if self._current_entry else {}
+        self._pending = identity.Guard(checks, scope, seen, same) if checks or same else None
+        return [not _replaced(e) for e in entries]
+
+    def add_guarded_code(self, guards_state: bytes, dynamo_code: types.CodeType) -> None:
+        """Saves the frame's identity checks with its guards and adds them to the guard
+        Dynamo built for this process (the caller's `check_fn`: convert_frame passes only the
+        guards' bytes)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            check_fn = sys._getframe(1).f_locals["check_fn"]
+            _add_guard(check_fn.guard_manager, pending)
+        entry = self._current_entry
+        saved = len(entry.guarded_codes) if entry else 0
+        super().add_guarded_code(guards_state, dynamo_code)
+        if entry is not None and len(entry.guarded_codes) > saved:  # not a bypassed frame
+            added = entry.guarded_codes[-1]
+            added.torchfarm_checks = pending.checks if pending else []  # type: ignore[attr-defined]
 
     def _add_user_function(self, code: types.CodeType) -> None:
         try:
@@ -88,6 +139,55 @@ class _Package(CompilePackage):
         except Exception:  # e.g. OSError: no source for a code object
             self.bypass_current_entry()
 
+    def install(self, backends: dict[_BackendId, Any]) -> None:
+        """CompilePackage.install, each frame's guard extended by its identity checks (the
+        package module's two guard loaders, wrapped for the call: install builds the guards
+        inline)."""
+        checks = {
+            id(guarded.guards_state): getattr(guarded, "torchfarm_checks", None)
+            for entry in self._codes.values()
+            for guarded in entry.guarded_codes
+        }
+        loading: list = []
+        load_state, load_manager = (
+            package_module.load_guards_state,
+            package_module.load_guard_manager,
+        )
+
+        def guards_state(state: bytes) -> Any:
+            loading[:] = [checks[id(state)]]
+            return load_state(state)
+
+        def guard_manager(state: Any, code: types.CodeType, scope: dict) -> Any:
+            manager = load_manager(state, code, scope)
+            (found,) = loading
+            if found is None:  # saved by a version without checks: not this package's
+                raise PackageError("a frame saved without its identity checks")
+            if found:
+                _add_guard(manager, identity.Guard(found, scope))
+            return manager
+
+        with _replaced_in(
+            package_module, load_guards_state=guards_state, load_guard_manager=guard_manager
+        ):
+            super().install(backends)
+
+
+@contextlib.contextmanager
+def _replaced_in(module: types.ModuleType, **values: Any) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _add_guard(manager: Any, guard: identity.Guard) -> None:
+    manager.root.add_lambda_guard(guard, guard.describe(), None)
+
 
 def _property_getter(module: types.ModuleType, code: types.CodeType) -> str | None:
     """`Class.name` where `code` is the getter of that class's property `name`, else None."""
@@ -102,8 +202,8 @@ def _property_getter(module: types.ModuleType, code: types.CodeType) -> str | No
     return None
 
 
-def new_package() -> CompilePackage:
-    return _Package(fn=None)
+def new_package() -> Package:
+    return Package()
 
 
 def entry_function(target: Callable) -> Callable:
@@ -112,11 +212,15 @@ def entry_function(target: Callable) -> Callable:
 
 
 def optimize(
-    backend: Callable, package: CompilePackage, dynamic: bool | None, fullgraph: bool
+    backend: Callable, package: Package, dynamic: bool | None, fullgraph: bool
 ) -> Callable[[Callable], Callable]:
     """torch.compile's Dynamo wrapper, recording into `package`."""
     return torch._dynamo.optimize(
-        backend, nopython=fullgraph, dynamic=dynamic, package=package, guard_filter_fn=keep_guard
+        backend,
+        nopython=fullgraph,
+        dynamic=dynamic,
+        package=package,
+        guard_filter_fn=package.keep_guard,
     )
 
 

@@ -1,14 +1,16 @@
-"""torch_adapter/dynamo_package.py in one process: a package recorded while Dynamo traces, then
-installed after Dynamo's caches are reset, runs the function with no frame traced."""
+"""torch_adapter/dynamo_package.py and identity.py in one process: a package recorded while
+Dynamo traces, then installed after Dynamo's caches are reset, runs the function with no frame
+traced; a rebound global or a changed default after the install is traced again."""
 
 import itertools
 import sys
+import types
 
 import torch
 from torch._dynamo import bytecode_transformation
 from torch._dynamo.utils import counters
 
-from torchfarm.torch_adapter import dynamo_package
+from torchfarm.torch_adapter import dynamo_package, identity
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 
 
@@ -59,19 +61,76 @@ def test_an_installed_package_runs_without_tracing():
     torch._dynamo.reset()
 
 
-def test_identity_and_defaults_guards_are_dropped():
-    class Entry:
-        def __init__(self, guard_type, name, derived=()):
-            self.guard_type, self.name, self.derived_guard_types = guard_type, name, derived
+def helper(x):
+    return torch.relu(x)
 
-    entries = [
-        Entry("TENSOR_MATCH", "L['x']"),
-        Entry("MODULE_MATCH", "G['torch']"),
-        Entry("BUILTIN_MATCH", "G['iter']", ("ID_MATCH",)),
-        Entry("EQUALS_MATCH", "L['fn'].__defaults__[0]"),
-        Entry("EQUALS_MATCH", "G['scale']"),
-    ]
-    assert dynamo_package.keep_guard(entries) == [True, False, False, False, True]
+
+def scaled(x, k=2.0):
+    return x * k
+
+
+def uses_globals(x):
+    return scaled(helper(x)) + 1
+
+
+def _restore(fn, x):
+    """`fn` compiled and recorded, then installed as a fresh process would: (compiled, saved
+    package)."""
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        graphs[dynamo_package.backend_id(gm)] = gm.forward
+        return gm.forward
+
+    torch._dynamo.reset()
+    package = dynamo_package.new_package()
+    dynamo_package.record(package, fn)
+    dynamo_package.optimize(backend, package, None, False)(fn)(x)
+    saved = dynamo_package.dumps(package)
+    torch._dynamo.reset()
+    counters.clear()
+    bytecode_transformation._unique_id_counter = itertools.count()
+    restored = dynamo_package.new_package()
+    dynamo_package.install(restored, fn, saved, graphs)
+    return dynamo_package.optimize(backend, restored, None, False)(fn)
+
+
+def test_a_rebound_global_or_changed_default_is_traced_again(monkeypatch):
+    x = torch.randn(4, 8)
+    compiled = _restore(uses_globals, x)
+    assert torch.equal(compiled(x), uses_globals(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setitem(globals(), "helper", torch.tanh)  # a rebound global
+    assert torch.equal(compiled(x), uses_globals(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(scaled, "__defaults__", (3.0,))  # a default argument
+    assert torch.equal(compiled(x), uses_globals(x))
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+def _source(name: str) -> types.FunctionType:
+    scope: dict = {"__name__": "elsewhere"}
+    exec(f"def fn(x, k={name!r}):\n    return x * len(k)", scope)
+    return scope["fn"]
+
+
+def test_fingerprints_name_what_a_fresh_process_can_find_again():
+    fingerprint = identity.fingerprint
+    # the same source read twice (two processes) is the same function; other defaults are not
+    assert fingerprint(_source("a")) == fingerprint(_source("a"))
+    assert fingerprint(_source("a")) != fingerprint(_source("bb"))
+    assert fingerprint(torch.nn.functional) == "module:torch.nn.functional"
+    assert fingerprint(torch.nn.Linear) == "class:torch.nn.modules.linear.Linear"
+    assert fingerprint(torch.relu) == fingerprint(torch.relu) is not None
+    # closures: their cells' values count; a tensor or an instance has no fingerprint
+    assert fingerprint(_closure(2.0)) != fingerprint(_closure(3.0))
+    assert fingerprint(_closure(torch.ones(1))) is None
+    assert fingerprint(object()) is None
+
+
+def _closure(k):
+    return lambda x: x * k
 
 
 def test_sized_symints_carry_their_sizes():
