@@ -153,6 +153,7 @@ def package_key(mac: bytes, target: Callable, options: dict) -> str:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "torchfarm": importlib.metadata.version("torchfarm"),
+        "checks": dynamo_package.CHECKS,  # what a saved frame's guards mean
         "name": f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}",
         "source": hashlib.sha256(inspect.getsource(module).encode()).hexdigest() if module else "",
         "options": options,

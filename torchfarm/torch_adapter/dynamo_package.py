@@ -8,12 +8,12 @@ ShapeEnv.create_symbol/create_symintnode, and bytecode_transformation._unique_id
 _skip_installed_ids). Stock `caching_precompile` (which uses the same
 package) and `aot_compile` are not used: both failed on transformers models in 2.13 (issue 19).
 
-Verified: torch 2.13.0 (CPU: the unit test and tests/integration/test_skip_tracing.py, fresh
-processes through a real farm). On 2.11.0 and 2.15.0 every name above exists with the same
-signature (read in their sources) and the unit test (record, reset, install, no frame traced,
-a failed guard traced again) passes, but no farm run was made: they are not in VERIFIED, so
-there `supported()` is False and every compile traces as before. Adding a release to VERIFIED
-after `test_skip_tracing.py` passes on it is the whole change.
+Verified (VERIFIED): the releases where the differential suite passed, fresh processes
+through a real farm (tests/integration/test_skip_differential.py, test_skip_tracing.py) and in
+one process (the unit tests); elsewhere `supported()` is False and every compile traces. The
+internals this adds to (CompilePackage.add_guarded_code's caller's `check_fn`, the package
+module's `load_guards_state`/`load_guard_manager`, guard sources' classes,
+`add_lambda_guard(fn, parts, stack)`) are why a release must pass the suite to be listed.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def supported() -> bool:
     return release(torch.__version__) in VERIFIED
 
 
+# The identity checks' version, in the package key: a frame saved bypassed under other rules
+# stays bypassed in every process that restores it, so packages of other rules are not used.
+CHECKS = 2
 _NO_VALUE = object()  # a guard without its object: its live check always fails (a retrace)
 
 

@@ -19,6 +19,7 @@ import enum
 import functools
 import hashlib
 import operator
+import threading
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -26,12 +27,17 @@ from typing import Any
 import torch
 from torch._dynamo import source as sources
 
-# One step of a path: ("local" | "global" | "attr" | "item" | "defaults" | "kwdefaults" |
-# "type", name or index)
+# One step of a path: ("local" | "global" | "attr" | "item" | "key_at" | "defaults" |
+# "kwdefaults" | "type", name or index)
 Step = tuple[str, Any]
 Check = tuple[tuple[Step, ...], str]  # a path and the fingerprint of what it must reach
-_DEPTH = 6  # nested closures / containers a fingerprint follows before it gives up
+_DEPTH = 24  # nested closures / containers a fingerprint follows before it gives up
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_ATTRIBUTES = {  # sources that read one attribute
+    sources.TypeDictSource: "__dict__",
+    sources.TypeMROSource: "__mro__",
+    sources.ClosureSource: "__closure__",
+}
 _BUILTINS = (
     types.BuiltinFunctionType,
     types.WrapperDescriptorType,
@@ -58,10 +64,16 @@ def path(source: Any) -> tuple[Step, ...] | None:
         step = ("kwdefaults" if source.is_kw else "defaults", source.idx_key)
     elif isinstance(source, sources.GetItemSource) and not source.index_is_slice:
         step = ("item", source.index)
-    elif isinstance(source, sources.DictGetItemSource):  # e.g. Dynamo's builtins dict
-        step = ("item", source.index)
+    elif isinstance(source, (sources.DictGetItemSource, sources.DictSubclassGetItemSource)):
+        index = source.index
+        if isinstance(index, sources.ConstDictKeySource):  # the dict's key number i
+            step = ("key_at", index.index)
+        else:
+            step = ("item", index)
     elif isinstance(source, sources.TypeSource):
         step = ("type", None)
+    elif type(source) in _ATTRIBUTES:
+        step = ("attr", _ATTRIBUTES[type(source)])
     if step is None or not isinstance(step[1], (int, str, type(None))):
         return None
     base = path(source.base)
@@ -77,6 +89,8 @@ def resolve(steps: tuple[Step, ...], frame_locals: Mapping, scope: Mapping) -> A
             value = getattr(value, name)
         elif kind == "item":
             value = value[name]
+        elif kind == "key_at":  # as Dynamo reads it: past a subclass's __getitem__
+            value = dict.__getitem__(value, list(dict.keys(value))[name])
         elif kind == "defaults":
             value = value.__defaults__[name]
         elif kind == "kwdefaults":
@@ -102,6 +116,8 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
         return None if None in parts else f"{type(value).__name__}({','.join(parts)})"  # type: ignore[arg-type]
     if isinstance(value, types.FunctionType):
         return _function(value, depth)
+    if isinstance(value, types.CodeType):
+        return f"code:{hashlib.sha256(_code(value).encode()).hexdigest()[:32]}"
     if isinstance(value, types.MethodType):
         parts = [fingerprint(value.__func__, depth + 1), fingerprint(value.__self__, depth + 1)]
         return None if None in parts else f"method:{parts[0]}@{parts[1]}"
@@ -123,6 +139,20 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
 
 
 def _function(fn: types.FunctionType, depth: int) -> str | None:
+    within = _local.__dict__.setdefault("within", [])  # being fingerprinted, on this thread
+    if fn in within:  # a closure that reaches itself (a recursive inner function)
+        return f"recursion:{fn.__qualname__}"
+    within.append(fn)
+    try:
+        return _function_parts(fn, depth)
+    finally:
+        within.pop()
+
+
+_local = threading.local()
+
+
+def _function_parts(fn: types.FunctionType, depth: int) -> str | None:
     cells = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
     parts = [
         fingerprint(fn.__defaults__, depth + 1),
