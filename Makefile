@@ -16,25 +16,34 @@ COMPOSE_SCHEMA := .cache/compose-spec.json
 # on a new machine of this project's kind).
 OTHER_TORCH := 2.11 2.12 2.14 2.15
 
-.PHONY: demo test checks unit integration lint deps system proto bench coverage clean test-versions other-venvs
+.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage clean test-versions other-venvs
 
 demo: deps
 	$(PY) examples/demo.py
 
-# The integration tier (~32 min on 2 cores, much of it waiting on farms) runs beside the
-# rest, one after another: lint, the unit tier, then the other torch releases' venvs (5.3 GB
-# each, mostly download and unpack) and their tests.
+# The integration tier runs on two pytest-xdist workers, one test file at a time each (every
+# farm a test starts is its own: redis-server, gateway and workers on ports picked at run
+# time, in private temporary dirs), much of it waiting on farms. Beside it: the other torch
+# releases' venvs install (5.3 GB each, mostly download and unpack) while lint and the unit
+# tier run, then those releases' tests.
+INTEGRATION_WORKERS := 2
+
 test: deps $(COMPOSE_SCHEMA)
 	$(MAKE) -j2 integration checks
 
 checks:
-	$(MAKE) -j1 lint unit test-versions
+	$(MAKE) -j2 other-venvs lint-and-unit
+	$(MAKE) test-versions
+
+lint-and-unit:
+	$(MAKE) -j1 lint unit
 
 unit: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 integration: deps
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests/integration
+	$(PY) -m pytest -q -p no:cacheprovider -n $(INTEGRATION_WORKERS) --dist loadfile \
+		--durations=25 tests/integration
 
 other-venvs:
 	@set -e; for version in $(OTHER_TORCH); do \
@@ -43,7 +52,7 @@ other-venvs:
 			python3 -m venv $$venv; \
 			$$venv/bin/pip install -q --upgrade pip; \
 			$$venv/bin/pip install -q --no-compile -r $$pins; \
-			$$venv/bin/pip install -q -e '.[server,dev]'; \
+			$$venv/bin/pip install -q -c $$pins -e '.[server,dev]'; \
 			touch $$venv/.installed; \
 		fi; \
 	done
@@ -71,7 +80,7 @@ $(STAMP): pyproject.toml requirements/torch-2.13.txt
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel.
 	$(VENV)/bin/pip install -q -r requirements/torch-2.13.txt
-	$(VENV)/bin/pip install -q -e '.[server,dev]'
+	$(VENV)/bin/pip install -q -c requirements/torch-2.13.txt -e '.[server,dev]'
 	touch $@
 
 $(COMPOSE_SCHEMA): $(STAMP)

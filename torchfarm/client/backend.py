@@ -98,10 +98,11 @@ history: list[GraphRecord] = []
 # that skips Dynamo's tracing in a later process.
 request_observers: list[Callable[[torch.fx.GraphModule, pb.CompileRequest], None]] = []
 # Dynamo imports this module when torch.compile names the backend: the one-time work of the
-# first load, the connection to the farm and its keys start now and overlap the tracing of
-# the first graph.
-load_prewarm.start()
-remote.connect_early(ClientSettings.from_env())
+# first load (in no-wait mode from the second step: client/switching.py), the connection to
+# the farm, its keys and the target's probes start now and overlap the tracing of the first
+# graph.
+load_prewarm.start(defer=not ClientSettings.from_env().wait)
+remote.connect_early(ClientSettings.from_env(), local_target)
 
 
 def torchfarm_backend(
@@ -203,7 +204,9 @@ def _eager_while_compiling(
         _farm_code, options, serialize.local_device_index(gm), label, submitted, settings.progress
     )
     inputs = serialize.example_inputs(gm)
-    return switching.SwitchingGraph(gm, inputs, job, resolve, label)
+    return switching.SwitchingGraph(
+        gm, inputs, job, resolve, label, after_first_call=load_prewarm.resume
+    )
 
 
 def _farm_code(

@@ -99,19 +99,22 @@ def _stub(settings: ClientSettings) -> pb_grpc.FarmStub:
     return _farm_stub(farm_channel)
 
 
-def connect_early(settings: ClientSettings) -> None:
+def connect_early(settings: ClientSettings, key_work: Callable[[], object] = lambda: None) -> None:
     """Connect to the farm and fetch its verify keys (which checks the token) on a thread,
     while Dynamo traces the first graph: the first graph's ask then costs one round trip,
-    not a connection, a TLS handshake and an Info call too. Errors are left for the first
-    real call to meet and report."""
+    not a connection, a TLS handshake and an Info call too. `key_work` (the key's one-time
+    parts: the target's compiler and CPU probes, memoized) runs there first: milliseconds,
+    where the connection may take up to TORCHFARM_CONNECT_TIMEOUT. Errors are left for the
+    first real call to meet and report."""
     if not settings.addr:
         return
 
     def run() -> None:
-        try:
-            verifier(settings)
-        except Exception:  # reported by the first real call
-            return
+        for work in (key_work, functools.partial(verifier, settings)):
+            try:
+                work()
+            except Exception:  # reported by the first real call
+                pass
 
     threading.Thread(target=run, name="torchfarm-connect", daemon=True).start()
 

@@ -76,7 +76,8 @@ class SwitchingGraph:
     (called then, on the calling thread, between two calls) gives code to switch to; then that
     code for every call whose sizes its shape guards cover, other sizes running eagerly. If
     `resolve` gives None (the farm failed) the graph stays eager. `eager_calls` counts the
-    calls that ran eagerly."""
+    calls that ran eagerly. `after_first_call` runs at the start of the second call: work
+    for the switch that must not slow the first step (the load's prewarm)."""
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class SwitchingGraph:
         job: Job,
         resolve: Callable[[Job, SwitchingGraph], Switch | None],
         label: str,
+        after_first_call: Callable[[], object] | None = None,
     ):
         self._eager = gm.forward
         self.label = label
@@ -97,8 +99,14 @@ class SwitchingGraph:
         self._covered: dict[tuple[int, ...], bool] = {}
         self._lock = threading.Lock()
         self.eager_calls = 0
+        self._after_first_call = after_first_call
+        self._called = False
 
     def __call__(self, *args: Any) -> Any:
+        if self._after_first_call is not None and self._called:
+            after, self._after_first_call = self._after_first_call, None
+            after()
+        self._called = True
         job = self._job
         if job is not None and job.future.done():
             with self._lock:

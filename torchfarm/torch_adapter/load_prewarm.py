@@ -11,7 +11,10 @@ pays the imports inside torch.compile and the rest along its first step, one aft
 imports are): it imports on the calling thread — imports on two threads at once can meet a
 half-initialised module of torch's circular imports — and leaves the hashing and the
 compiler run to a thread, where they overlap Dynamo's tracing. A load `wait`s for that
-thread: it never races it.
+thread: it never races it. In no-wait mode the first step runs eagerly and loads nothing,
+and that thread, which takes the GIL between files, slowed Dynamo's tracing of it (issue 27,
+finding 7): there `start(defer=True)` imports only, and the thread starts at `resume` (after
+the first step) or in the first load's `wait`.
 
 Uses `torch._inductor.compile_fx` (import), `torch._inductor.codecache.torch_key` and
 `torch.utils._triton.triton_hash_with_backend`. Verified (source read): torch 2.11.0,
@@ -28,21 +31,36 @@ from collections.abc import Callable
 log = logging.getLogger("torchfarm")
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
+_deferred: list[Callable[[], object]] | None = None  # imported, its thread not started yet
 
 
-def start() -> None:
-    """Import what a load needs, then hash and build on a thread; once per process."""
-    global _thread
+def start(defer: bool = False) -> None:
+    """Import what a load needs, then hash and build on a thread (with `defer`: from
+    `resume` on); once per process."""
+    global _deferred
     with _lock:
-        if _thread is None:
+        if _thread is None and _deferred is None:
+            _deferred = _imported()
+    if not defer:
+        resume()
+
+
+def resume() -> None:
+    """Start the hashing and building thread of a deferred `start` (at most once)."""
+    global _thread, _deferred
+    with _lock:
+        if _deferred is not None:
             _thread = threading.Thread(
-                target=_run, args=(_imported(),), name="torchfarm-prewarm", daemon=True
+                target=_run, args=(_deferred,), name="torchfarm-prewarm", daemon=True
             )
+            _deferred = None
             _thread.start()
 
 
 def wait() -> None:
-    """Block until the work has finished (at once if it never started)."""
+    """Block until the work has finished (started here if it was deferred; at once if it
+    never started)."""
+    resume()
     if _thread is not None:
         _thread.join()
 

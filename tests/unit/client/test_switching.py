@@ -162,3 +162,25 @@ def test_wait_is_on_unless_turned_off_by_the_environment_or_the_call(monkeypatch
     monkeypatch.setenv("TORCHFARM_WAIT", "0")
     assert not ClientSettings.from_env().wait
     assert ClientSettings.from_env(wait=True).wait  # torchfarm.compile(wait=True) wins
+
+
+def test_work_for_the_switch_starts_at_the_second_call_not_in_the_first():
+    # The load's prewarm (backend.py) would slow the first step's tracing: it starts after it.
+    gm = _graph(dynamic=False)
+    farm = _Farm(None)
+    started: list[int] = []
+    graph = SwitchingGraph(
+        gm,
+        serialize.example_inputs(gm),
+        farm.job,
+        farm.resolve,
+        "graph t",
+        after_first_call=lambda: started.append(graph.eager_calls),
+    )
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    graph(x, w)
+    assert started == []
+    graph(x, w)
+    graph(x, w)
+    assert started == [1]  # once, before the second call ran
+    farm.finish()

@@ -1,3 +1,5 @@
+import os
+import socket
 import subprocess
 import sys
 
@@ -16,4 +18,39 @@ assert not load_prewarm._thread.is_alive()
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_in_no_wait_mode_the_thread_starts_after_the_first_step_and_the_keys_parts_early():
+    # TORCHFARM_WAIT=0 (issue 27, finding 7): importing the backend imports the load's modules
+    # but starts no thread to take the GIL from the first step's tracing; `resume` (a no-wait
+    # graph's second call) starts it. The target's compiler probe runs on the connecting
+    # thread (a farm address that refuses: the probe does not wait for it).
+    code = """
+import os, socket, time
+import torchfarm.client.backend
+from torchfarm.compiler import target
+from torchfarm.torch_adapter import load_prewarm
+assert "torch._inductor.compile_fx" in sys.modules
+assert load_prewarm._thread is None, "the prewarm thread started before the first step"
+load_prewarm.resume()
+assert load_prewarm._thread is not None
+load_prewarm.wait()
+deadline = time.monotonic() + 60
+while target._compiler.cache_info().currsize == 0:
+    assert time.monotonic() < deadline, "the target's compiler was never probed"
+    time.sleep(0.01)
+print("ok")
+"""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{closed.getsockname()[1]}"
+    env = dict(os.environ, TORCHFARM_WAIT="0", TORCHFARM_ADDR=addr)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
