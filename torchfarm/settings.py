@@ -201,8 +201,9 @@ class WorkerSettings:
     sandbox: str = "bwrap"  # TORCHFARM_SANDBOX: bwrap, or none (insecure, loud warning)
     compile_timeout_s: float = 1800.0  # TORCHFARM_COMPILE_TIMEOUT_WORKER: wall clock per compile
     # TORCHFARM_COMPILE_MEMORY_MB: address-space limit of a CPU compile child, 0 = none;
-    # default min(32 GiB, 75% of RAM). Not applied on CUDA (see docs/self-hosting.md).
-    memory_limit_mb: int = dataclasses.field(default_factory=lambda: default_compile_memory_mb())
+    # -1 = the default: the host's memory shared among the children that can run at once
+    # (compile_memory_mb). Not applied on CUDA (see docs/self-hosting.md).
+    memory_limit_mb: int = -1
     cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
     cache_ttl_s: float = 0  # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
     # TORCHFARM_REDELIVERY_TIMEOUT: a task whose worker died unacknowledged goes to another
@@ -218,8 +219,9 @@ class WorkerSettings:
     # answered with that error, without compiling again, for this long; 0 = always retry
     failure_memory_s: float = 600
     # TORCHFARM_COMPILE_DISK_MB: size of the compile child's private work dir (a tmpfs in its
-    # sandbox: counts against the machine's memory, vanishes with the child)
-    compile_disk_mb: int = 4096
+    # sandbox: counts against the machine's memory, vanishes with the child); 0 = the default,
+    # 4 GiB or a quarter of a compile's share of the host's memory if less
+    compile_disk_mb: int = 0
     # TORCHFARM_MAX_ARTIFACT_BYTES: the largest artifact a compile child may hand back
     max_artifact_bytes: int = 1 << 30
     # TORCHFARM_SANDBOX_BINDS: comma-separated extra paths bound read-only into the sandbox,
@@ -252,6 +254,15 @@ class WorkerSettings:
             object.__setattr__(self, "concurrency", default_concurrency(self.device))
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
+        share_mb = compile_share_mb(self.concurrency, self.warm_children)
+        if not self.compile_disk_mb:
+            object.__setattr__(self, "compile_disk_mb", max(256, min(4096, share_mb // 4)))
+        if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
+            object.__setattr__(self, "memory_limit_mb", 0)
+        elif self.memory_limit_mb == -1:
+            object.__setattr__(
+                self, "memory_limit_mb", compile_memory_mb(share_mb, self.compile_disk_mb)
+            )
         if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
             raise ValueError(
                 f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
@@ -275,9 +286,7 @@ class WorkerSettings:
             warm_up_timeout_s=float(_env("TORCHFARM_WARM_UP_TIMEOUT", "300")),
             sandbox=_env("TORCHFARM_SANDBOX", "bwrap"),
             compile_timeout_s=float(_env("TORCHFARM_COMPILE_TIMEOUT_WORKER", "1800")),
-            memory_limit_mb=int(
-                _env("TORCHFARM_COMPILE_MEMORY_MB", "") or default_compile_memory_mb()
-            ),
+            memory_limit_mb=int(_env("TORCHFARM_COMPILE_MEMORY_MB", "") or -1),
             cache_max_bytes=int(_env("TORCHFARM_CACHE_MAX_BYTES", str(cls.cache_max_bytes))),
             cache_ttl_s=float(_env("TORCHFARM_CACHE_TTL", "0")),
             redelivery_s=float(_env("TORCHFARM_REDELIVERY_TIMEOUT", "0")),
@@ -285,7 +294,7 @@ class WorkerSettings:
             metrics_host=_env("TORCHFARM_WORKER_METRICS_HOST", cls.metrics_host),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
             failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
-            compile_disk_mb=int(_env("TORCHFARM_COMPILE_DISK_MB", str(cls.compile_disk_mb))),
+            compile_disk_mb=_whole("TORCHFARM_COMPILE_DISK_MB", "0"),
             max_artifact_bytes=int(
                 _env("TORCHFARM_MAX_ARTIFACT_BYTES", str(cls.max_artifact_bytes))
             ),
@@ -330,10 +339,48 @@ def default_concurrency(device: str) -> int:
     return max(2, min(8, (os.cpu_count() or 1) // 4))
 
 
-def default_compile_memory_mb() -> int:
-    """A compile child's default memory cap: 75% of this machine's RAM, at most 32 GiB."""
-    ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    return min(32 << 10, ram_mb * 3 // 4)
+COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
+WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
+
+
+def host_memory_mb() -> int:
+    """This machine's memory, or its cgroup's limit where lower (a container's)."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            limit = min(limit, int(value) >> 20)
+    return limit
+
+
+def compile_share_mb(concurrency: int, warm_children: int) -> int:
+    """One running compile's share of the host's memory (MiB): what is left after an eighth
+    (at least 1 GiB) for the worker, Redis and the system, and WARM_CHILD_MB for each warm
+    child that waits while `concurrency` compiles run, split among those compiles. A compile's
+    share holds its address space, its RAM-backed work dir and its /dev/shm (docs/reliability.md,
+    "Memory arithmetic")."""
+    host = host_memory_mb()
+    free = host - max(1024, host // 8) - warm_children * WARM_CHILD_MB
+    return max(0, free // concurrency)
+
+
+def compile_memory_mb(share_mb: int, disk_mb: int) -> int:
+    """A compile child's default address-space cap: its share less its work dir and /dev/shm,
+    at most 32 GiB; a host too small for its concurrency gets a clear error."""
+    cap = min(32 << 10, share_mb - disk_mb - COMPILE_SHM_MB)
+    if cap < MIN_COMPILE_MEMORY_MB:
+        raise ValueError(
+            f"this host's memory ({host_memory_mb()} MiB) leaves a compile {share_mb} MiB: "
+            f"lower TORCHFARM_WORKER_CONCURRENCY or TORCHFARM_WARM_CHILDREN, or set "
+            f"TORCHFARM_COMPILE_MEMORY_MB and TORCHFARM_COMPILE_DISK_MB yourself"
+        )
+    return cap
+
+
+MIN_COMPILE_MEMORY_MB = 2048  # below this a CPU compile child cannot even start Inductor
 
 
 def broker_url(redis_url: str, broker: str) -> str:

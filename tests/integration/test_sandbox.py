@@ -23,7 +23,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import default_compile_memory_mb
+from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter import precompiled_headers
 from torchfarm.workers import sandbox
 from torchfarm.workers.sandbox import ERROR_TAIL_BYTES, HostLayout
@@ -202,7 +202,7 @@ def test_the_child_runs_under_the_default_memory_cap(sandbox_farm):
         "import json, resource\n"
         "raise RuntimeError('report: ' + json.dumps(resource.getrlimit(resource.RLIMIT_AS)))",
     )
-    assert found == [default_compile_memory_mb() << 20] * 2
+    assert found == [WorkerSettings().memory_limit_mb << 20] * 2
 
 
 def test_the_childs_work_dir_is_capped(sandbox_farm):

@@ -55,14 +55,52 @@ return -1
 """
 
 
+# Lua, not MULTI: a Redis at its memory limit refuses every transaction that holds a write
+# (7.0), but runs a script whose writes need no memory (DEL, PUBLISH). So a claim goes back
+# and a stranded job is taken over even then.
+# KEYS: the claim, the events channel. ARGV: the claim's token ("" = whoever holds it).
+_RELEASE = """
+local held = redis.call('GET', KEYS[1])
+if not held or (ARGV[1] ~= '' and held ~= ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', KEYS[2], 'released')
+return 1
+"""
+# KEYS: the claim, stage, heartbeat, outcome, events. ARGV: the claim's token and the stage
+# seen, the QUEUED stage (an absent stage key). Drops claim and stage if nothing moved.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(redis.call('GET', KEYS[2]) or ARGV[3]) ~= tonumber(ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('PUBLISH', KEYS[5], 'released')
+return 1
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class JobState:
     """One read of a job: whether someone compiles it, its stage, how it ended (if it did)."""
 
-    claimed: bool
+    claim: str  # the claim's token ("" if none): a new token is a new attempt
     stage: pb.Progress.Stage.ValueType
     outcome: pb.JobOutcome | None
     alive: bool = False  # a worker's heartbeat is fresh
+
+    @property
+    def claimed(self) -> bool:
+        return bool(self.claim)
+
+    @property
+    def queued(self) -> bool:
+        """Claimed and waiting in the queue: no worker has taken it (a worker's heartbeat
+        starts the moment its task does), and it has not ended."""
+        return (
+            self.claimed
+            and self.outcome is None
+            and self.stage == pb.Progress.QUEUED
+            and not self.alive
+        )
 
     @property
     def orphaned(self) -> bool:
@@ -89,6 +127,8 @@ class JobBoard:
     def __init__(self, client: redis.Redis, codec: Codec | None = None):
         self.redis = client
         self.codec = codec or Codec()
+        self._release = client.register_script(_RELEASE)
+        self._take_over = client.register_script(_TAKE_OVER)
 
     # ---- single flight -----------------------------------------------------------------
     def claim(self, job: str, ttl_s: int) -> str | None:
@@ -96,22 +136,21 @@ class JobBoard:
         token = uuid.uuid4().hex
         return token if self.redis.set(keys.claim(job), token, nx=True, ex=ttl_s) else None
 
-    def release(self, job: str) -> None:
-        """Drop the claim and tell the waiters at once, so that one of them (or the next
-        request) takes the job over instead of waiting on nothing."""
-        pipe = self.redis.pipeline()
-        pipe.delete(keys.claim(job))
-        pipe.publish(keys.events(job), b"released")
-        pipe.execute()
+    def release(self, job: str, token: str = "") -> None:
+        """Drop the claim (only if it is still `token`'s, when given) and tell the waiters at
+        once, so that one of them (or the next request) takes the job over instead of waiting
+        on nothing."""
+        self._release(keys=[keys.claim(job), keys.events(job)], args=[token])
 
     # ---- who waits: waiters per job, jobs per tenant -----------------------------------
-    def _now(self) -> float:
+    def now(self) -> float:
+        """The broker's clock (every expiry and heartbeat here is in it)."""
         seconds, micros = self.redis.time()
         return seconds + micros / 1e6
 
     def join(self, job: str, waiter: str, ttl_s: float) -> None:
         """Record (or refresh) a waiter of the job; it counts for `ttl_s` from now."""
-        expiry = self._now() + ttl_s
+        expiry = self.now() + ttl_s
         pipe = self.redis.pipeline()
         pipe.zadd(keys.waiters(job), {waiter: expiry})
         pipe.expire(keys.waiters(job), max(1, int(ttl_s) + 1))
@@ -120,17 +159,21 @@ class JobBoard:
     def leave(self, job: str, waiter: str) -> None:
         self.redis.zrem(keys.waiters(job), waiter)
 
+    def waiting(self, job: str) -> int:
+        """How many waiters the job has (each counts until it leaves or stops refreshing)."""
+        pipe = self.redis.pipeline()
+        pipe.zremrangebyscore(keys.waiters(job), "-inf", self.now())
+        pipe.zcard(keys.waiters(job))
+        return int(pipe.execute()[1])
+
     def abandoned(self, job: str) -> bool:
         """True if no waiter of the job is left (each left, or stopped refreshing)."""
-        pipe = self.redis.pipeline()
-        pipe.zremrangebyscore(keys.waiters(job), "-inf", self._now())
-        pipe.zcard(keys.waiters(job))
-        return pipe.execute()[1] == 0
+        return self.waiting(job) == 0
 
     def take_tenant_slot(self, tenant: str, job: str, limit: int, ttl_s: float) -> int | None:
         """Count `job` among the tenant's queued and running jobs (until its claim is gone);
         None if it counts, else the tenant's count when `limit` (> 0) is reached."""
-        now = self._now()
+        now = self.now()
         count = self.redis.eval(
             _TAKE_TENANT_SLOT,
             1,
@@ -173,13 +216,13 @@ class JobBoard:
         """The claim, stage and outcome, in one round trip. The claim is read first: a
         worker writes the outcome and drops the claim together."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(keys.claim(job))
+        pipe.get(keys.claim(job))
         pipe.get(keys.stage(job))
         pipe.get(keys.outcome(job))
         pipe.exists(keys.alive(job))
-        claimed, stage, outcome, alive = pipe.execute()
+        claim, stage, outcome, alive = pipe.execute()
         return JobState(
-            claimed=bool(claimed),
+            claim=claim.decode() if claim else "",
             stage=pb.Progress.Stage.ValueType(int(stage)) if stage else pb.Progress.QUEUED,
             outcome=pb.JobOutcome.FromString(outcome) if outcome else None,
             alive=bool(alive),
@@ -237,23 +280,24 @@ class JobBoard:
             stop.set()
             thread.join()
 
-    def orphan_taken_over(self, job: str) -> bool:
-        """Drop the claim of an orphaned job (see JobState.orphaned), if it is still one, so
-        that the caller can claim and queue it afresh; True if this caller dropped it."""
-        with self.redis.pipeline() as pipe:
-            try:
-                pipe.watch(keys.claim(job), keys.alive(job), keys.outcome(job))
-                if not pipe.exists(keys.claim(job)) or pipe.exists(
-                    keys.alive(job), keys.outcome(job)
-                ):
-                    return False
-                pipe.multi()
-                pipe.delete(keys.claim(job), keys.stage(job))
-                pipe.publish(keys.events(job), b"released")
-                pipe.execute()
-                return True
-            except redis.WatchError:  # another waiter or the worker moved first
-                return False
+    def take_over(self, job: str, seen: JobState) -> bool:
+        """Drop the claim of a job its caller found stranded in state `seen` (orphaned, or lost
+        in the queue) if nothing moved since (no worker took it, beat or ended it, no other
+        waiter took it over), so that the caller can claim and queue it afresh; True if this
+        caller dropped it."""
+        if not (seen.orphaned or seen.queued):
+            return False
+        dropped = self._take_over(
+            keys=[
+                keys.claim(job),
+                keys.stage(job),
+                keys.alive(job),
+                keys.outcome(job),
+                keys.events(job),
+            ],
+            args=[seen.claim, seen.stage, pb.Progress.QUEUED],
+        )
+        return bool(dropped)
 
     def finish(
         self,

@@ -44,6 +44,8 @@ class WorkerEntry:
     host: str = ""
     concurrency: int = 0  # compiles it runs at once
     warm_children: int = 0  # compile children it keeps warm
+    # how long it had had a free compile slot at the heartbeat (-1: all busy, or not told)
+    free_for_s: float = -1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,18 @@ class PoolState:
         """The latest canary failure of the pool's workers ("" if none failed)."""
         failed = [w.readiness for w in self.workers.values() if w.readiness.state == "failed"]
         return max(failed, key=lambda r: r.checked_at).error if failed else ""
+
+    def took_nothing_since(self, since: float, grace_s: float) -> bool:
+        """Whether a ready worker had a free compile slot for `grace_s` between `since` (the
+        broker's time) and its last heartbeat. A free worker takes a queued job within
+        milliseconds, so a job queued before `since` and still untaken is not waiting its turn:
+        its message was lost (a worker that died between taking it and starting it)."""
+        return any(
+            w.readiness.state == "ready"
+            and w.free_for_s >= 0
+            and min(w.free_for_s, w.seen - since) >= grace_s
+            for w in self.workers.values()
+        )
 
     def cannot_compile(self) -> str:
         """Why this pool cannot take a compile now, in one line ("" if it can, or soon will)."""
@@ -136,6 +150,7 @@ class PoolRegistry:
                         data["host"],
                         data.get("concurrency", 0),
                         data.get("warm_children", 0),
+                        data.get("free_for_s", -1.0),
                     )
                     describe, target = data.get("describe", ""), data.get("target", {})
             if workers:

@@ -42,6 +42,10 @@ from torchfarm.proto import torchfarm_pb2 as pb
 log = logging.getLogger("torchfarm.gateway")
 PROGRESS_EVERY_S = 1.0  # a waiting client hears from the gateway at least this often
 WAITER_TTL_S = 10.0  # a waiter that stopped refreshing (its gateway hung or died) is gone
+LIVENESS_EVERY_S = 5.0  # how often a waiter of a queued job asks whether its pool took it
+# A queued job still untaken while a worker of its pool had a free slot this long was lost
+# (its message went with a worker that died taking it): its waiter queues it again.
+QUEUE_GRACE_S = 5.0
 Enqueue = Callable[[pb.Job, str], None]  # (job, pool): queue the job on the pool's queue
 
 
@@ -105,8 +109,17 @@ class CompileCall:
     request_id: str
 
 
+@dataclasses.dataclass
+class _Claims:
+    """The job's claim this request took last (its token), and whether it handed it to a
+    worker."""
+
+    token: str = ""  # the claim's, while this request holds it
+    queued: bool = False
+
+
 class _NotQueued(Exception):
-    """Posting or queueing a claimed job failed; the claim is released already."""
+    """Posting or queueing a claimed job failed."""
 
 
 class Coordinator:
@@ -242,40 +255,72 @@ class Coordinator:
         if unable:  # its workers failed their canary: queueing would wait for nothing
             yield Failed(Failure.UNAVAILABLE, unable)
             return
-        with self._waiting_on(job.job_id) as waiter:
-            claimed = self._claim(job)
-            try:
-                refused = self._over_tenant_limit(job)
-            except Exception:
-                if claimed:
-                    self._release(job)
-                raise
-            if refused:
-                if claimed:
-                    self._release(job)
-                yield Failed(Failure.TENANT_LIMIT, refused)
-                return
-            try:
-                if claimed:
-                    self._queue(job, request.graph, pool)
-            except _NotQueued as e:
-                yield Failed(Failure.UNAVAILABLE, str(e))
-                return
-            source = "miss" if claimed else "merged"
+        try:
+            with self._waiting_on(job.job_id) as waiter, self._claims(job) as claims:
+                yield from self._claim_and_wait(
+                    job, request.graph, pool, started, is_active, claims, waiter
+                )
+        except OutOfMemoryError as e:  # a claim or a queue write refused: compile locally
+            log.warning("Redis is at its memory limit: %s not queued: %s", job.job_id[:16], e)
+            yield Failed(Failure.UNAVAILABLE, f"the farm's Redis is at its memory limit: {e}")
+
+    def _claim_and_wait(
+        self,
+        job: pb.Job,
+        payload: bytes,
+        pool: str,
+        started: float,
+        is_active: Callable[[], bool],
+        claims: _Claims,
+        waiter: str,
+    ) -> Iterator[Event]:
+        claimed = self._claim(job, claims)
+        refused = self._over_tenant_limit(job)
+        if refused:
+            yield Failed(Failure.TENANT_LIMIT, refused)
+            return
+        try:
             if claimed:
-                self.store.counters.count(pool, misses=1)
-            else:
-                self.store.counters.count(pool, merges=1)
-            metrics.RESULTS.labels(source).inc()
-            log.info(
-                "%s %s for %s: %s",
-                source,
-                key[:16],
-                tenant,
-                request.label,
-                extra=dict(extra, pool=pool),
-            )
-            yield from self._wait(job, request.graph, pool, started, source, is_active, waiter)
+                self._queue(job, payload, pool, claims)
+        except _NotQueued as e:
+            yield Failed(Failure.UNAVAILABLE, str(e))
+            return
+        source = "miss" if claimed else "merged"
+        if claimed:
+            self.store.counters.count(pool, misses=1)
+        else:
+            self.store.counters.count(pool, merges=1)
+        metrics.RESULTS.labels(source).inc()
+        extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key, "pool": pool}
+        log.info("%s %s for %s: %s", source, job.key[:16], job.tenant, job.label, extra=extra)
+        yield from self._wait(job, payload, pool, started, source, is_active, claims, waiter)
+
+    @contextlib.contextmanager
+    def _claims(self, job: pb.Job) -> Iterator[_Claims]:
+        """The one place a claim is given back, however the request ends: a claim it took and
+        did not hand to a worker (refused, queueing failed, any error); and, on an error, one it
+        handed off too when no other client waits for the job (the worker would only skip it:
+        its tenant's slot is free at once). Other waiters keep their claim: they watch its
+        job's liveness. A cancelled request releases nothing (its job still counts against its
+        tenant until a worker skips it)."""
+        claims = _Claims()
+        try:
+            yield claims
+        except Exception:
+            if claims.token and claims.queued and self._waiting_without(job) == 0:
+                self._release(job, claims.token)
+            raise
+        finally:
+            if claims.token and not claims.queued:
+                self._release(job, claims.token)
+
+    def _waiting_without(self, job: pb.Job) -> int:
+        """The job's waiters other than this request (whose id is still in the set); -1 if
+        that cannot be read."""
+        try:
+            return self.store.jobs.waiting(job.job_id) - 1
+        except Exception:
+            return -1
 
     @contextlib.contextmanager
     def _waiting_on(self, job: str) -> Iterator[str]:
@@ -324,26 +369,31 @@ class Coordinator:
     def _claim_ttl(self) -> int:
         return int(self.compile_timeout_s) + 60
 
-    def _claim(self, job: pb.Job) -> bool:
+    def _claim(self, job: pb.Job, claims: _Claims) -> bool:
         """Single flight: True if this request compiles the job, False if it merges."""
-        return self.store.jobs.claim(job.job_id, self._claim_ttl) is not None
+        token = self.store.jobs.claim(job.job_id, self._claim_ttl)
+        if token is None:
+            return False
+        claims.token, claims.queued = token, False
+        return True
 
-    def _queue(self, job: pb.Job, payload: bytes, pool: str) -> None:
-        """Post the payload and queue the claimed job; on any failure release the claim (its
-        waiters hear it at once and the next request queues afresh) and raise _NotQueued."""
+    def _queue(self, job: pb.Job, payload: bytes, pool: str, claims: _Claims) -> None:
+        """Post the payload and queue the claimed job (handing the claim to a worker); on any
+        failure raise _NotQueued (the claim goes back as the request ends: see _claims)."""
         try:
             self.store.jobs.post(job.job_id, payload)
             job.queued_at = time.time()
             self.enqueue(job, pool)
         except Exception as e:
             log.warning("could not queue %s: %s", job.job_id[:16], e)
-            self._release(job)
             raise _NotQueued(f"the farm could not queue the compile: {e}") from e
+        claims.queued = True
 
-    def _release(self, job: pb.Job) -> None:
-        """Give a claim back (its waiters hear it at once)."""
+    def _release(self, job: pb.Job, token: str) -> None:
+        """Give this request's claim back, if it still holds it (its waiters hear it at once);
+        a Redis at its memory limit still takes it."""
         try:
-            self.store.jobs.release(job.job_id)
+            self.store.jobs.release(job.job_id, token)
         except Exception as e:  # the broker is gone: the claim expires by itself
             log.warning("could not release the claim of %s: %s", job.job_id[:16], e)
 
@@ -355,10 +405,12 @@ class Coordinator:
         started: float,
         source: str,
         is_active: Callable[[], bool],
+        claims: _Claims,
         waiter: str,
     ) -> Iterator[Event]:
         deadline = started + self.compile_timeout_s
-        next_progress = 0.0
+        next_progress = next_check = 0.0
+        attempt = ("", 0.0)  # the claim token waited on, and since when (the broker's clock)
         with self.store.jobs.watch(job.job_id) as watch:
             while is_active():
                 state = self.store.jobs.state(job.job_id)
@@ -375,14 +427,28 @@ class Coordinator:
                         f"compile did not finish in {self.compile_timeout_s:.0f} s",
                     )
                     return
-                # The compiler vanished without an outcome (released, abandoned, or its worker
-                # died: no heartbeat), or its artifact is gone: take over.
-                if state.orphaned and self.store.jobs.orphan_taken_over(job.job_id):
+                if state.claim != attempt[0]:
+                    attempt = (state.claim, self.store.jobs.now())
+                # The compiler vanished without an outcome (released, abandoned, its worker
+                # died: no heartbeat, or its message was lost in the queue), or its artifact is
+                # gone: take over. Progress ticks never hide a dead job.
+                lost = False
+                if state.queued and now >= next_check:
+                    next_check = now + LIVENESS_EVERY_S
+                    live = self.store.pools.live().get(pool)
+                    if live is None:
+                        yield Failed(
+                            Failure.UNAVAILABLE, f"no worker of pool {pool} is left to compile it"
+                        )
+                        return
+                    lost = live.took_nothing_since(attempt[1], QUEUE_GRACE_S)
+                stranded = state.orphaned or lost
+                if stranded and self.store.jobs.take_over(job.job_id, state):
                     log.warning("job %s lost its worker: queued again", job.job_id[:16])
-                    state = dataclasses.replace(state, claimed=False)
-                if not state.claimed and self._claim(job):
+                    state = dataclasses.replace(state, claim="")
+                if not state.claimed and self._claim(job, claims):
                     try:
-                        self._queue(job, payload, pool)
+                        self._queue(job, payload, pool, claims)
                     except _NotQueued as e:
                         yield Failed(Failure.UNAVAILABLE, str(e))
                         return

@@ -7,6 +7,7 @@ or worker error), which wakes its waiters at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -15,6 +16,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 from celery import Celery
 from google.protobuf import json_format
@@ -42,6 +44,11 @@ def worker_celery(settings: WorkerSettings) -> Celery:
         settings.redis_url, settings.broker_url, visibility_timeout_s=settings.visibility_timeout_s
     )
     app.conf.torchfarm_worker = dataclasses.asdict(settings)
+    # A broker at its memory limit refuses the write that records a delivered task: Celery
+    # counts that a channel error, fatal unless retried ("Unrecoverable error:
+    # OutOfMemoryError" ended the worker). Retried, the consumer reconnects and waits for
+    # room; a task lost that way is queued again by its waiters (gateway/coordinator.py).
+    app.conf.broker_channel_error_retry = True
     app.task(name=TASK_NAME, bind=True)(compile_graph)
     return app
 
@@ -59,22 +66,12 @@ def compile_graph(task, job_json: dict) -> str:
     job = job_from_json(job_json)
     started = time.perf_counter()
     try:
-        with store.jobs.heartbeat(job.job_id):
+        with SLOTS.taken(), store.jobs.heartbeat(job.job_id):
             result, stored_bytes = _compile_and_store(task, job, settings, store)
     except Exception as e:
         log.exception("worker error on %s", job.key[:16])
         result, stored_bytes = "error", 0
-        try:
-            store.jobs.finish(
-                job.job_id,
-                pb.JobOutcome(
-                    kind=pb.JobOutcome.WORKER_ERROR, error=f"worker error: {type(e).__name__}: {e}"
-                ),
-            )
-            store.counters.count(_pool_of(task), compile_failures=1)
-        except Exception:  # a full or unreachable Redis: the worker lives on, and the job's
-            # waiters take it over once its heartbeat stops (cache/jobs.py ALIVE_TTL_S)
-            log.exception("could not record the end of %s", job.key[:16])
+        _end_with_worker_error(task, store, job, e)
     metrics.record(
         _pool_of(task),
         job.options.mode or "default",
@@ -83,6 +80,27 @@ def compile_graph(task, job_json: dict) -> str:
         stored_bytes,
     )
     return result
+
+
+def _end_with_worker_error(task, store: Store, job: pb.Job, error: Exception) -> None:
+    """End a job the worker could not run with WORKER_ERROR; if even that cannot be written
+    (the broker full or away), give its claim back (a release needs no memory), so that its
+    waiters queue it again at once and its tenant's slot is free. The worker lives on."""
+    try:
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(
+                kind=pb.JobOutcome.WORKER_ERROR,
+                error=f"worker error: {type(error).__name__}: {error}",
+            ),
+        )
+        store.counters.count(_pool_of(task), compile_failures=1)
+    except Exception:
+        log.exception("could not record the end of %s: its claim goes back", job.key[:16])
+        try:
+            store.jobs.release(job.job_id)
+        except Exception:  # unreachable: its heartbeat stops, and its waiters take it over
+            log.exception("could not release the claim of %s", job.key[:16])
 
 
 def _compile_and_store(
@@ -263,6 +281,38 @@ def _pool_of(task) -> str:
     return task.request.delivery_info.get("routing_key", "")
 
 
+class _Slots:
+    """How many compiles this worker runs, and since when it has had a free slot: what its
+    heartbeat reports, so that a job's waiters can tell a job waiting its turn from one lost
+    in the queue (cache/pools.py PoolState.took_nothing_since)."""
+
+    def __init__(self) -> None:
+        self.concurrency = 1
+        self.running = 0
+        self.free_since = time.monotonic()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def taken(self) -> Iterator[None]:
+        with self.lock:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
+                if self.running == self.concurrency - 1:  # a slot has just come free
+                    self.free_since = time.monotonic()
+
+    def free_for_s(self) -> float:
+        """Seconds this worker has had a free slot without a break; -1 while all are busy."""
+        with self.lock:
+            return -1.0 if self.running >= self.concurrency else time.monotonic() - self.free_since
+
+
+SLOTS = _Slots()  # the compile tasks of this worker process
+
+
 class _Heartbeat:
     """This worker's entry in the pool registry: its target and readiness, refreshed every
     `every_s` so the registry forgets a worker that died."""
@@ -279,7 +329,7 @@ class _Heartbeat:
                 self.store.pools.register(
                     self.pool,
                     self.worker,
-                    self.info,
+                    dict(self.info, free_for_s=SLOTS.free_for_s()),
                     self.readiness,
                     os.getpid(),
                     socket.gethostname(),
@@ -309,6 +359,7 @@ def run_worker(settings: WorkerSettings) -> None:
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool
     app = worker_celery(settings)
+    SLOTS.concurrency = settings.concurrency
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, settings.metrics_host)
     info = {

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings, visible_gpus
+from torchfarm.settings import COMPILE_SHM_MB, WorkerSettings, visible_gpus
 from torchfarm.torch_adapter import isa_probe, precompiled_headers
 from torchfarm.workers import child_pool, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
@@ -44,7 +44,7 @@ SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
 LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
 CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
-SHM_BYTES = 256 << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
+SHM_BYTES = COMPILE_SHM_MB << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
 _MAX_STAGE_FRAME = 64
 # /etc is not bound, except the dynamic linker's cache: a CPU compile here ran without it (the

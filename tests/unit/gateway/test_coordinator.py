@@ -4,6 +4,9 @@ and the "worker" is this test writing to the job board as a worker does."""
 import threading
 import time
 
+import pytest
+import redis
+
 from tests.unit.gateway.conftest import TARGET
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import digest_of
@@ -12,6 +15,7 @@ from torchfarm.cache.store import Store
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.options import canonical_options
 from torchfarm.contract.pools import pool_name
+from torchfarm.gateway import coordinator as coordinator_module
 from torchfarm.gateway.coordinator import (
     CompileCall,
     Coordinator,
@@ -185,12 +189,13 @@ def test_a_live_heartbeat_keeps_a_long_compile_its_own(store):
         store.jobs.claim("j1", 60)
         store.jobs.set_stage("j1", pb.Progress.COMPILING)
         assert store.jobs.state("j1").alive and not store.jobs.state("j1").orphaned
-        assert not store.jobs.orphan_taken_over("j1")
+        assert not store.jobs.take_over("j1", store.jobs.state("j1"))
     store.jobs.redis.delete(keys.alive("j1"))
-    assert store.jobs.state("j1").orphaned
-    assert store.jobs.orphan_taken_over("j1")
+    orphaned = store.jobs.state("j1")
+    assert orphaned.orphaned
+    assert store.jobs.take_over("j1", orphaned)
     assert not store.jobs.state("j1").claimed
-    assert not store.jobs.orphan_taken_over("j1")  # once
+    assert not store.jobs.take_over("j1", orphaned)  # once
 
 
 def test_a_full_redis_does_not_end_a_wait(store):
@@ -431,3 +436,83 @@ def test_a_pool_whose_workers_failed_their_canary_is_refused_at_once_a_starting_
     _store_as_worker(store, job)
     thread.join(30)
     assert events[-1].source == "miss"
+
+
+def test_an_error_after_the_claim_releases_it_and_the_tenants_slot(store, monkeypatch):
+    """An error while the claimant waits (here the broker drops the state read) gives its
+    claim back when no other client waits for the job, so the tenant's next graph is not
+    refused for a job nobody waits for (issue 27, finding 2)."""
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60, tenant_max_compiles=1)
+
+    def broken(job_id):
+        raise redis.ConnectionError("the broker went away")
+
+    monkeypatch.setattr(store.jobs, "state", broken)
+    with pytest.raises(redis.ConnectionError):
+        _run(coordinator, _call())
+    monkeypatch.undo()
+    job = queue.next()
+    assert not _claimed(store, job.job_id)
+    events: list = []
+    thread = _in_background(events, coordinator, _call(graph=b"the tenant's next graph"))
+    _store_as_worker(store, queue.next())
+    thread.join(30)
+    assert events[-1].source == "miss"
+
+
+def test_a_full_redis_refuses_a_new_compile_as_unavailable_and_keeps_no_claim(store):
+    """At maxmemory a miss cannot be queued: UNAVAILABLE (the client compiles locally), not an
+    error out of the coordinator."""
+    used = store.jobs.redis.info("memory")["used_memory"]
+    store.jobs.redis.config_set("maxmemory-policy", "noeviction")
+    store.jobs.redis.config_set("maxmemory", used // 2)
+    try:
+        refused = _run(Coordinator(store, Queue(), compile_timeout_s=60), _call())
+    finally:
+        store.jobs.redis.config_set("maxmemory", 0)
+    assert refused[-1].kind is Failure.UNAVAILABLE and "memory limit" in refused[-1].message
+    assert not _claimed(store, job_id_of(_call()))
+
+
+def _beat(store: Store, free_for_s: float) -> None:
+    """A heartbeat of the test pool's worker: free for `free_for_s` (-1: all slots busy)."""
+    info = {"describe": "a test pool", "free_for_s": free_for_s}
+    store.pools.register(pool_name(TARGET), "w1", info, Readiness("ready"))
+
+
+def test_a_waiter_queues_again_a_job_lost_in_the_queue(store, monkeypatch):
+    """The job's message went with a worker that died taking it (a Celery worker ended by a
+    full broker): the job stays QUEUED, claimed, with no heartbeat. Before, its waiters got a
+    progress tick every second for up to 1,860 s; now, once a worker of the pool reports a
+    free slot for QUEUE_GRACE_S while the job waited, a waiter queues it again. A busy pool
+    keeps its queue (issue 27, finding 2)."""
+    monkeypatch.setattr(coordinator_module, "QUEUE_GRACE_S", 1.0)
+    monkeypatch.setattr(coordinator_module, "LIVENESS_EVERY_S", 0.2)
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=600)
+    _beat(store, -1)  # every slot busy: the job waits its turn
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    time.sleep(2.5)
+    _beat(store, -1)
+    time.sleep(1)
+    assert len(queue.jobs) == 1, "a job waiting its turn was queued again"
+    _beat(store, 60)  # a free slot for a minute, and the job still untaken: lost
+    retried = queue.next()
+    assert retried == job and len(queue.jobs) == 2
+    _store_as_worker(store, retried)
+    thread.join(30)
+    assert events[-1].source == "miss"
+
+
+def test_a_waiter_of_a_pool_whose_workers_are_gone_is_told_to_compile_locally(store, monkeypatch):
+    monkeypatch.setattr(coordinator_module, "LIVENESS_EVERY_S", 0.2)
+    coordinator = Coordinator(store, Queue(), compile_timeout_s=600)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    coordinator.enqueue.next()
+    store.jobs.redis.delete(keys.pool(pool_name(TARGET)))  # its workers' heartbeats expired
+    thread.join(30)
+    assert events[-1].kind is Failure.UNAVAILABLE and "no worker of pool" in events[-1].message

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings, default_compile_memory_mb
+from torchfarm.settings import WorkerSettings, compile_memory_mb, compile_share_mb
 from torchfarm.workers import child_pool, sandbox
 from torchfarm.workers.compile_child import FRAME
 
@@ -150,9 +150,10 @@ def test_limits_by_default(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("TORCHFARM_MAX_ARTIFACT_BYTES", raising=False)
     settings = WorkerSettings.from_env()
-    ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    assert settings.memory_limit_mb == default_compile_memory_mb() == min(32768, ram_mb * 3 // 4)
-    assert settings.compile_disk_mb == 4096 and settings.max_artifact_bytes == 1 << 30
+    share = compile_share_mb(settings.concurrency, settings.warm_children)
+    assert settings.compile_disk_mb == min(4096, share // 4)
+    assert settings.memory_limit_mb == compile_memory_mb(share, settings.compile_disk_mb)
+    assert settings.max_artifact_bytes == 1 << 30
     monkeypatch.setenv("TORCHFARM_SANDBOX_BINDS", "/opt/a, /opt/b")
     assert WorkerSettings.from_env().sandbox_binds == ("/opt/a", "/opt/b")
 
