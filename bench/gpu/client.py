@@ -139,7 +139,12 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     # (backend="inductor" imports Inductor's compile_fx there, before the first step)
     started = time.perf_counter()
     if backend == "farm-skip":  # torchfarm.compile: Dynamo's package kept on the farm
+        import logging
+
         import torchfarm
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("torchfarm").setLevel(logging.INFO)  # the package's fate, on stderr
 
         compiled_model = torchfarm.compile(model, mode=mode)
     else:

@@ -114,6 +114,15 @@ class Runner:
             row.update(json.loads(out.strip().splitlines()[-1]))
         except (IndexError, json.JSONDecodeError):
             row["error"] = err[-2000:]
+        if backend == "farm-skip":  # what became of Dynamo's package, and why a frame traced
+            row["package_log"] = [
+                line[-300:]
+                for line in err.splitlines()
+                if "dynamo package" in line
+                or "Recompiling" in line
+                or "triggered by" in line
+                or "identity" in line
+            ][-8:]
         if backend.startswith("farm") and set(row.get("graphs", [])) & {"local", "eager"}:
             row["fallback"] = [line for line in err.splitlines() if "torchfarm" in line][-3:]
         print(json.dumps(row), flush=True)
@@ -317,7 +326,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--part",
-        choices=("default", "autotune", "smoke", "miss", "hit", "profile"),
+        choices=("default", "autotune", "smoke", "miss", "hit", "profile", "skipcheck"),
         required=True,
     )
     parser.add_argument("--out", required=True)
@@ -346,6 +355,19 @@ def main() -> None:
                     geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                     runner.rows.append({"case": f"geomean {field}", "value": geomean})
                     print(f"geomean {field} over {len(ratios)}: {geomean:.3f}")
+        elif args.part == "skipcheck":  # the skip alone: miss, save the package, restore it
+            os.environ.setdefault("BENCH_STEADY", "0")
+            for model in os.environ.get("MODELS", "gpt").split(","):
+                runner.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
+                runner.run(model, "default", "farm-skip", "skip record", tempfile.mkdtemp())
+                runner.run(
+                    model,
+                    "default",
+                    "farm-skip",
+                    "farm hit",
+                    tempfile.mkdtemp(),
+                    {"TORCH_LOGS": "recompiles"},
+                )
         elif args.part == "profile":
             with plain_redis() as redis_port:
                 runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)
