@@ -1,7 +1,8 @@
 """Run an artifact compiled for `cuda:0` on the caller's `cuda:N` (one compile for all ranks).
 
 Payloads name the canonical index 0 (compiler/serialize.py), so Inductor bakes 0 into what it
-compiles. Read in the sources of torch 2.11.0, 2.13.0 and 2.15.0, the index lives in:
+compiles. Read in the sources of torch 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0, the index
+lives in:
 - the output code's source (`CompiledFxGraph.source_code`): `torch.cuda._DeviceGuard(0)`,
   `torch.cuda.set_device(0)`, `get_raw_stream(0)`, `device(type='cuda', index=0)` (tensor
   constants, empty tensors), `torch.device("cuda:0")`, `torch.cuda.default_generators[0]`,
@@ -32,8 +33,9 @@ graph used only to wrap compiled regions, off by default), which keeps cuda:0.
 torch 2.15's own rank-agnostic codegen (`torch.compiler.config.compile_on_one_rank`) is not
 used: it changes Dynamo's guards and tracing on the client too.
 
-Verified: the names above read in torch 2.11.0, 2.13.0 and 2.15.0; the rewrite hooks are hit
-by real CPU loads on all three (tests/integration/test_device_index.py); on an H100 with
+Verified: the names above read in torch 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 (2.12.1
+has 2.11's signatures, 2.14.1 those of 2.13 and 2.15); the rewrite hooks are hit by real CPU
+loads on all five (tests/integration/test_device_index.py); on an H100 with
 torch 2.11 the whole rewrite (0 -> 0) of a real training artifact kept all its statically
 launched kernels and ran equal to eager. An index other than 0 was never run (no machine
 with two GPUs): bench/gpu/device_index.py checks it where one is.
@@ -60,7 +62,13 @@ from torchfarm.torch_adapter import gate
 CANONICAL_INDEX = 0
 # The releases whose sources were read for every place listed above. On any other the
 # payload keeps the caller's index (no sharing between ranks, nothing remapped).
-SUPPORTED = gate.release(gate.installed_version()) in ("2.11.0", "2.13.0", "2.15.0")
+SUPPORTED = gate.release(gate.installed_version()) in (
+    "2.11.0",
+    "2.12.1",
+    "2.13.0",
+    "2.14.1",
+    "2.15.0",
+)
 
 # Every form in which Inductor's CUDA output code names a device index: (prefix, index, end).
 _INDEX_FORMS = tuple(
