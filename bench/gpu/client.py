@@ -127,6 +127,41 @@ def record_runtime_tuning() -> None:
     recording("_coordinate_descent_tuning", "coordesc")
 
 
+def capture_restored_guards() -> list:
+    """(code, guard manager) of every frame a package restores: Dynamo checks these before
+    its own cache, and a frame whose restored guard fails is traced as if new (no recompile
+    log), so a failing guard is found only by asking the manager (BENCH_GUARD_DEBUG=1)."""
+    from torch._C._dynamo import eval_frame
+
+    restored: list = []
+    original = eval_frame._load_precompile_entry
+
+    def load(code, guard_manager, dynamo_code):
+        restored.append((code, guard_manager))
+        return original(code, guard_manager, dynamo_code)
+
+    eval_frame._load_precompile_entry = load
+    return restored
+
+
+def report_restored_guards(restored: list, model, x, spec) -> None:
+    """Each restored frame's guard, checked against the first step's locals, on stderr."""
+    for code, manager in restored:
+        names = code.co_varnames[: code.co_argcount]
+        if code.co_name != "forward" or len(names) != 1 + len(x):
+            continue
+        with (
+            torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]),
+            torch.set_grad_enabled(spec["train"]),
+        ):
+            result = manager.check_verbose(dict(zip(names, [model, *x])))
+        print(
+            f"restored guard check: {code.co_qualname} passed={result.result} "
+            f"failed={list(result.verbose_code_parts)[:6]}",
+            file=sys.stderr,
+        )
+
+
 def main(name: str, mode: str, backend: str, outfile: str) -> None:
     record_runtime_tuning()
     model, x, spec = build(name)
@@ -147,6 +182,7 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
         logging.getLogger("torchfarm").setLevel(logging.INFO)  # the package's fate, on stderr
 
         compiled_model = torchfarm.compile(model, mode=mode)
+        restored = capture_restored_guards() if os.environ.get("BENCH_GUARD_DEBUG") else []
     else:
         compiled_model = torch.compile(
             model,
@@ -157,6 +193,8 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     out, grads = compiled(*x)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - started
+    if backend == "farm-skip":
+        report_restored_guards(restored, model, x, spec)
     ptxas_first = ptxas_calls()
     tuned_first = len(TUNED_AT_RUN)
     errors = [rel_err(out, ref_out)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]

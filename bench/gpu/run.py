@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,9 @@ class Runner:
         except (IndexError, json.JSONDecodeError):
             row["error"] = err[-2000:]
         if backend == "farm-skip":  # what became of Dynamo's package, and why a frame traced
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{model}-{case}")
+            with open(os.path.join(self.outdir, f"{name}.stderr.txt"), "w") as f:
+                f.write(err)
             row["package_log"] = [
                 line[-300:]
                 for line in err.splitlines()
@@ -122,6 +126,8 @@ class Runner:
                 or "Recompiling" in line
                 or "triggered by" in line
                 or "identity" in line
+                or "guard check" in line
+                or "traces on every hit" in line
             ][-8:]
         if backend.startswith("farm") and set(row.get("graphs", [])) & {"local", "eager"}:
             row["fallback"] = [line for line in err.splitlines() if "torchfarm" in line][-3:]
@@ -359,14 +365,21 @@ def main() -> None:
             os.environ.setdefault("BENCH_STEADY", "0")
             for model in os.environ.get("MODELS", "gpt").split(","):
                 runner.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
-                runner.run(model, "default", "farm-skip", "skip record", tempfile.mkdtemp())
+                runner.run(
+                    model,
+                    "default",
+                    "farm-skip",
+                    "skip record",
+                    tempfile.mkdtemp(),
+                    {"TORCH_LOGS": "recompiles,dynamo"},
+                )
                 runner.run(
                     model,
                     "default",
                     "farm-skip",
                     "farm hit",
                     tempfile.mkdtemp(),
-                    {"TORCH_LOGS": "recompiles"},
+                    {"TORCH_LOGS": "recompiles,dynamo", "BENCH_GUARD_DEBUG": "1"},
                 )
         elif args.part == "profile":
             with plain_redis() as redis_port:

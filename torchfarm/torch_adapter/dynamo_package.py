@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import inspect
 import itertools
+import logging
 import pickle
 import re
 import sys
@@ -41,6 +42,8 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torchfarm.torch_adapter import identity
 from torchfarm.torch_adapter.gate import release
 
+log = logging.getLogger("torchfarm")
+
 VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
 # Guards on an object's identity (a module, function, class, closure cell, dict version) and
 # guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
@@ -54,9 +57,10 @@ def supported() -> bool:
     return release(torch.__version__) in VERIFIED
 
 
-# The identity checks' version, in the package key: a frame saved bypassed under other rules
-# stays bypassed in every process that restores it, so packages of other rules are not used.
-CHECKS = 2
+# The saved frames' format (identity checks, dispatch state), in the package key: a frame saved
+# bypassed under other rules stays bypassed in every process that restores it, so packages of
+# other rules are not used.
+CHECKS = 3
 _NO_VALUE = object()  # a guard without its object: its live check always fails (a retrace)
 
 
@@ -79,6 +83,7 @@ class Package(CompilePackage):
     def __init__(self) -> None:
         super().__init__(fn=None)
         self._pending: identity.Guard | None = None  # the frame whose guards are being built
+        self._pending_dispatch = _dispatch_state()
 
     def keep_guard(self, entries: Sequence[Any]) -> list[bool]:
         """Dynamo's guard_filter_fn, called once per compiled frame before its guards are
@@ -101,9 +106,10 @@ class Package(CompilePackage):
             else:
                 same.append((e.name, e.value if e.has_value else _NO_VALUE))
                 if self._current_entry is not None:
-                    self.bypass_current_entry()
+                    self._bypass(f"the guard on {e.name} has no fingerprint")
         scope = vars(sys.modules[self._current_entry.python_module]) if self._current_entry else {}
         self._pending = identity.Guard(checks, scope, seen, same) if checks or same else None
+        self._pending_dispatch = _dispatch_state()
         return [not _replaced(e) for e in entries]
 
     def add_guarded_code(self, guards_state: bytes, dynamo_code: types.CodeType) -> None:
@@ -120,6 +126,7 @@ class Package(CompilePackage):
         if entry is not None and len(entry.guarded_codes) > saved:  # not a bypassed frame
             added = entry.guarded_codes[-1]
             added.torchfarm_checks = pending.checks if pending else []  # type: ignore[attr-defined]
+            added.torchfarm_dispatch = self._pending_dispatch  # type: ignore[attr-defined]
 
     def _add_user_function(self, code: types.CodeType) -> None:
         try:
@@ -135,19 +142,37 @@ class Package(CompilePackage):
             else:
                 self._add_function(code, module.__name__)
                 self._codes[code].bypassed = True
+                log.info("dynamo package: %s traces on every hit: no name", _name(code))
 
     def add_inlined_source(self, sources: list[types.CodeType]) -> None:
         try:
             super().add_inlined_source(sources)
-        except Exception:  # e.g. OSError: no source for a code object
-            self.bypass_current_entry()
+        except Exception as e:  # e.g. OSError: no source for a code object
+            self._bypass(f"an inlined function's source is unreadable ({e})")
+
+    def _bypass(self, reason: str) -> None:
+        """Leaves the current frame out of the package, saying why (a hit will trace it)."""
+        assert self._current_entry is not None
+        self.bypass_current_entry()
+        log.info("dynamo package: %s traces on every hit: %s", self._current_name(), reason)
+
+    def _current_name(self) -> str:
+        code = next((c for c, e in self._codes.items() if e is self._current_entry), None)
+        return _name(code) if code is not None else "a frame"
 
     def install(self, backends: dict[_BackendId, Any]) -> None:
-        """CompilePackage.install, each frame's guard extended by its identity checks (the
-        package module's two guard loaders, wrapped for the call: install builds the guards
-        inline)."""
-        checks = {
-            id(guarded.guards_state): getattr(guarded, "torchfarm_checks", None)
+        """CompilePackage.install, each frame's guard extended by its identity checks and
+        built in the dispatch state its frame was traced in (the package module's two guard
+        loaders, wrapped for the call: install builds the guards inline).
+
+        A tensor guard expects the tensor's dispatch keys as modified by the thread's
+        dispatch state when the guard is built: built outside the caller's autocast, it
+        expects no Autocast key, fails inside it, and the frame traces on every hit."""
+        saved = {
+            id(guarded.guards_state): (
+                getattr(guarded, "torchfarm_checks", None),
+                getattr(guarded, "torchfarm_dispatch", None),
+            )
             for entry in self._codes.values()
             for guarded in entry.guarded_codes
         }
@@ -158,14 +183,15 @@ class Package(CompilePackage):
         )
 
         def guards_state(state: bytes) -> Any:
-            loading[:] = [checks[id(state)]]
+            loading[:] = [saved[id(state)]]
             return load_state(state)
 
         def guard_manager(state: Any, code: types.CodeType, scope: dict) -> Any:
-            manager = load_manager(state, code, scope)
-            (found,) = loading
-            if found is None:  # saved by a version without checks: not this package's
-                raise PackageError("a frame saved without its identity checks")
+            ((found, dispatch),) = loading
+            if found is None or dispatch is None:  # saved by another version of this module
+                raise PackageError("a frame saved without its identity checks or dispatch state")
+            with _in_dispatch_state(dispatch):
+                manager = load_manager(state, code, scope)
             if found:
                 _add_guard(manager, identity.Guard(found, scope))
             return manager
@@ -174,6 +200,10 @@ class Package(CompilePackage):
             package_module, load_guards_state=guards_state, load_guard_manager=guard_manager
         ):
             super().install(backends)
+
+
+def _name(code: types.CodeType) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # Python >= 3.11
 
 
 @contextlib.contextmanager
@@ -186,6 +216,19 @@ def _replaced_in(module: types.ModuleType, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def _dispatch_state() -> tuple[int, int]:
+    """This thread's included and excluded dispatch keys (autocast among them)."""
+    return (
+        torch._C._dispatch_tls_local_include_set().raw_repr(),
+        torch._C._dispatch_tls_local_exclude_set().raw_repr(),
+    )
+
+
+def _in_dispatch_state(state: tuple[int, int]) -> Any:
+    include, exclude = (torch._C.DispatchKeySet.from_raw_repr(raw) for raw in state)
+    return torch._C._ForceDispatchKeyGuard(include, exclude)
 
 
 def _add_guard(manager: Any, guard: identity.Guard) -> None:

@@ -131,6 +131,10 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
         return f"op:{value}"
     if isinstance(value, _BUILTINS):
         owner = getattr(value, "__self__", None)
+        if type(owner).__name__.startswith("pybind11_detail_function_record"):
+            # a pybind11 module function (torch._C's): bound to its own record, which also
+            # prefixes its __qualname__
+            return f"builtin:{value.__module__}.{value.__name__}"
         if owner is not None and not isinstance(owner, (types.ModuleType, type)):
             return None  # a method bound to some instance
         module = getattr(value, "__module__", None) or getattr(owner, "__name__", "")

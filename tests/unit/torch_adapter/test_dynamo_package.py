@@ -2,6 +2,7 @@
 Dynamo traces, then installed after Dynamo's caches are reset, runs the function with no frame
 traced; a rebound global or a changed default after the install is traced again."""
 
+import contextlib
 import itertools
 import sys
 import types
@@ -73,9 +74,9 @@ def uses_globals(x):
     return scaled(helper(x)) + 1
 
 
-def _restore(fn, x):
-    """`fn` compiled and recorded, then installed as a fresh process would: (compiled, saved
-    package)."""
+def _restore(fn, *args, recording=None):
+    """`fn` compiled and recorded (inside the `recording` context), then installed as a fresh
+    process would: the compiled function."""
     graphs = {}
 
     def backend(gm, example_inputs):
@@ -85,7 +86,8 @@ def _restore(fn, x):
     torch._dynamo.reset()
     package = dynamo_package.new_package()
     dynamo_package.record(package, fn)
-    dynamo_package.optimize(backend, package, None, False)(fn)(x)
+    with recording or contextlib.nullcontext():
+        dynamo_package.optimize(backend, package, None, False)(fn)(*args)
     saved = dynamo_package.dumps(package)
     torch._dynamo.reset()
     counters.clear()
@@ -123,6 +125,8 @@ def test_fingerprints_name_what_a_fresh_process_can_find_again():
     assert fingerprint(torch.nn.functional) == "module:torch.nn.functional"
     assert fingerprint(torch.nn.Linear) == "class:torch.nn.modules.linear.Linear"
     assert fingerprint(torch.relu) == fingerprint(torch.relu) is not None
+    # a pybind11 function (bound to its function record, not to an instance)
+    assert fingerprint(torch._C._get_tracing_state) == "builtin:torch._C._get_tracing_state"
     # closures: their cells' values count; a tensor or an instance has no fingerprint
     assert fingerprint(_closure(2.0)) != fingerprint(_closure(3.0))
     assert fingerprint(_closure(torch.ones(1))) is None
@@ -147,3 +151,37 @@ def test_a_property_getter_is_named_by_its_class():
     module = sys.modules[__name__]
     assert dynamo_package._property_getter(module, Owner.loss.fget.__code__) == "Owner.loss"
     assert dynamo_package._property_getter(module, step.__code__) is None
+
+
+def checks_tracing(x):
+    return x if torch._C._get_tracing_state() else torch.relu(x) + 1
+
+
+def test_a_frame_guarded_on_a_pybind11_function_is_restored():
+    # transformers' BERT guards `torch._C._get_tracing_state` (issue 26): that frame traced
+    # on every hit until pybind11 functions had a fingerprint
+    x = torch.randn(4, 8)
+    compiled = _restore(checks_tracing, x)
+    assert torch.equal(compiled(x), checks_tracing(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    torch._dynamo.reset()
+
+
+def linear_step(model, x):
+    return model(x).float().square().mean()
+
+
+def test_a_frame_traced_under_autocast_is_restored_under_autocast_and_only_there():
+    # Tensor guards expect the dispatch keys as the thread's autocast state modifies them:
+    # installed outside the caller's autocast, every hit traced again (the GPU bench's GPT).
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = linear_step(model, x)
+    compiled = _restore(linear_step, model, x, recording=torch.autocast("cpu", torch.bfloat16))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(compiled(model, x), expected)
+    assert counters["stats"]["unique_graphs"] == 0
+    # without autocast the saved bfloat16 graph must not run: traced again, float32 result
+    assert torch.equal(compiled(model, x), linear_step(model, x))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
