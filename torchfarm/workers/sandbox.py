@@ -461,12 +461,15 @@ def run_compile(
     settings: WorkerSettings,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
     abandoned: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
 ) -> ChildResult:
     """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
     protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
-    (COMPILING / AUTOTUNING) as it changes. The compile timeout runs from this call, a child
-    still warming up included. `abandoned()`, asked every ABANDON_CHECK_S, stops the child
-    once it has said True twice in a row (nobody waits for the result any more)."""
+    (COMPILING / AUTOTUNING) as it changes. The compile timeout (`timeout_s`, else the
+    settings') runs from this call, a child still warming up included. `abandoned()`, asked
+    every ABANDON_CHECK_S, stops the child once it has said True twice in a row (nobody waits
+    for the result any more)."""
+    timeout_s = timeout_s or settings.compile_timeout_s
     called = time.perf_counter()
     request = pb.CompileChildRequest(
         graph=payload,
@@ -485,7 +488,7 @@ def run_compile(
     feeder = threading.Thread(
         target=_feed, args=(child.stdin, request.SerializeToString()), daemon=True
     )
-    timer = threading.Timer(settings.compile_timeout_s, expire)
+    timer = threading.Timer(timeout_s, expire)
     done, stopped = threading.Event(), threading.Event()
     watcher = threading.Thread(
         target=_stop_when_abandoned, args=(abandoned, child, done, stopped), daemon=True
@@ -518,8 +521,7 @@ def run_compile(
         )
     if timed_out.is_set():
         raise CompileFailed(
-            f"compile exceeded {settings.compile_timeout_s:.0f} s "
-            "(TORCHFARM_COMPILE_TIMEOUT_WORKER)",
+            f"compile exceeded {timeout_s:.0f} s (TORCHFARM_COMPILE_TIMEOUT_WORKER)",
             kind=pb.JobOutcome.TIMED_OUT,
         )
     if data is None:
