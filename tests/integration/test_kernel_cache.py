@@ -113,15 +113,31 @@ os._exit(0)
     return pickle.dumps(_Exploit(code))
 
 
-def _send(farm, graph: bytes, tenant: str, private: bool) -> None:
+def _send(farm, graph: bytes, tenant: str, private: bool) -> list:
     request = pb.CompileRequest(graph=graph, target=local_target(), private=private)
     with grpc.insecure_channel(farm.addr) as channel:
-        events = list(
+        return list(
             pb_grpc.FarmStub(channel).Compile(
                 request, metadata=[("authorization", f"Bearer {TOKENS[tenant]}")], timeout=300
             )
         )
-    assert events[-1].WhichOneof("event") == "chunk"
+
+
+def _what_a_child_sees(farm, tenant: str) -> dict:
+    """A private compile child of `tenant` counts the files it can read under the worker's
+    kernel root (a host path) and in its own staging dir, and the planted ones among them."""
+    code = f"""
+import json, os
+seen = {{}}
+for top in ({os.path.join(farm.workdir, "kernels")!r}, "/run/kernels"):
+    files = [os.path.join(w, n) for w, _, names in os.walk(top) for n in names]
+    seen[top] = [len(files), sum(open(f, "rb").read() == {PLANTED!r} for f in files)]
+raise RuntimeError("report: " + json.dumps(seen))
+"""
+    with pytest.raises(grpc.RpcError) as e:
+        _send(farm, pickle.dumps(_Exploit(f"exec({code!r}, {{}})")), tenant, private=True)
+    assert "report: " in e.value.details(), e.value.details()
+    return json.loads(e.value.details().rsplit("report: ", 1)[1].strip())
 
 
 def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_shared_entry(
@@ -135,11 +151,11 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
     hostile = _plant(graph)
 
     # Sent shared, its report is ignored: shared jobs neither read nor fill a kernel cache.
-    _send(farm, hostile, "alice", private=False)
+    assert _send(farm, hostile, "alice", private=False)[-1].WhichOneof("event") == "chunk"
     assert PLANTED not in _objects(_tenant_dir(farm, "alice")).values()
 
     # Sent private, the planted objects land in alice's own cache, under the victim's names.
-    _send(farm, hostile, "alice", private=True)
+    assert _send(farm, hostile, "alice", private=True)[-1].WhichOneof("event") == "chunk"
     planted = [n for n, data in _objects(_tenant_dir(farm, "alice")).items() if data == PLANTED]
     assert planted
 
@@ -152,6 +168,10 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
     sources, error = _run(victim, x, "bob", True, monkeypatch, farm)
     assert sources == ["miss"] and error < 1e-4
     assert PLANTED not in _objects(_tenant_dir(farm, "bob")).values()
+    # and what bob's child can read: his own objects, staged; nothing of the host's root
+    seen = _what_a_child_sees(farm, "bob")
+    root = os.path.join(farm.workdir, "kernels")
+    assert seen == {root: [0, 0], "/run/kernels": [len(_objects(_tenant_dir(farm, "bob"))), 0]}
 
     # alice's shared compile of it: the entry every tenant may hit is built without her cache.
     sources, error = _run(victim, x, "alice", False, monkeypatch, farm)
