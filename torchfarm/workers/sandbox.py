@@ -436,7 +436,7 @@ class ChildResult:
 
     data: bytes
     handoff_s: float
-    kernels: pb.KernelFiles = dataclasses.field(default_factory=pb.KernelFiles)
+    kernels: pb.KernelFiles
 
 
 _pool_lock = threading.Lock()  # Celery's threads may ask for the pool at once
