@@ -4,7 +4,8 @@ Time to the first training step's result of B, each in a fresh process with an e
 Inductor cache, side by side in one run:
 
 - local cold: B alone;
-- local after A: A then B in one local Inductor cache (what a single user gets today);
+- local after A: A, then B in another fresh process with A's local Inductor cache and
+  precompiled header kept (what a single user gets today);
 - farm miss, empty: B for a tenant whose kernel cache is empty;
 - farm miss after A: B for a tenant whose private compile of A filled its kernel cache.
 
@@ -56,18 +57,16 @@ def model(name: str) -> nn.Module:
     return nn.Sequential(*[Block(128, mlp) for _ in range(depth)], nn.LayerNorm(128))
 
 
-def step(backend: str, names: list[str]) -> None:
-    """In a fresh process: for each model, one compiled training step; print B's seconds,
+def step(backend: str, name: str) -> None:
+    """In a fresh process: one compiled training step of model `name`; print its seconds,
     where its code came from and its loss's difference from eager."""
-    for name in names:
-        torch.manual_seed(0)
-        net, x = model(name), torch.randn(8, 64, 128)
-        expected = net(x).square().mean().item()
-        torch._dynamo.reset()
-        started = time.perf_counter()
-        loss = torch.compile(net, backend=backend)(x).square().mean()
-        loss.backward()
-        seconds = time.perf_counter() - started
+    torch.manual_seed(0)
+    net, x = model(name), torch.randn(8, 64, 128)
+    expected = net(x).square().mean().item()
+    started = time.perf_counter()
+    loss = torch.compile(net, backend=backend)(x).square().mean()
+    loss.backward()
+    seconds = time.perf_counter() - started
     source = backend
     if backend == "torchfarm":
         from torchfarm.client.backend import history
@@ -76,18 +75,25 @@ def step(backend: str, names: list[str]) -> None:
     print(json.dumps({"seconds": seconds, "source": source, "error": abs(loss.item() - expected)}))
 
 
-def measure(backend: str, names: list[str], scratch: str, addr: str = "", token: str = "") -> dict:
-    env = dict(
-        os.environ,
+def local_caches(scratch: str) -> dict[str, str]:
+    """An empty local Inductor cache and temporary dir (where the precompiled header goes)."""
+    return dict(
         TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-", dir=scratch),
         TMPDIR=tempfile.mkdtemp(prefix="tmp-", dir=scratch),
+    )
+
+
+def measure(backend: str, name: str, caches: dict[str, str], addr: str = "", token: str = ""):
+    env = dict(
+        os.environ,
+        **caches,
         TORCHFARM_ADDR=addr,
         TORCHFARM_TOKEN=token,
         TORCHFARM_PRIVATE="1",
         TORCHFARM_PROGRESS="0",
     )
     out = subprocess.run(
-        [sys.executable, __file__, "--step", backend, *names],
+        [sys.executable, __file__, "--step", backend, name],
         env=env,
         capture_output=True,
         text=True,
@@ -110,10 +116,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default="")
     parser.add_argument("--step", default="")
-    parser.add_argument("names", nargs="*")
+    parser.add_argument("name", nargs="?", default="")
     args = parser.parse_args()
     if args.step:
-        step(args.step, args.names)
+        step(args.step, args.name)
         return
     scratch = tempfile.mkdtemp(prefix="sibling-bench-")
     try:
@@ -135,17 +141,21 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
         print(f"  {name}: {result['seconds']:.1f} s ({result['source']})", flush=True)
 
     for _ in range(args.repeats):
-        add("local cold B", measure("inductor", ["B"], scratch), "inductor")
-        add("local B after A", measure("inductor", ["A", "B"], scratch), "inductor")
+        add("local cold B", measure("inductor", "B", local_caches(scratch)), "inductor")
+        kept = local_caches(scratch)  # A's cache and header, kept for B's fresh process
+        add("local A", measure("inductor", "A", kept), "inductor")
+        add("local B after A", measure("inductor", "B", kept), "inductor")
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
     for _ in range(args.repeats):
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
             wait_for_precompiled_headers(farm)
-            bob, alice = TOKENS["bob"], TOKENS["alice"]
-            add("farm miss B, empty", measure("torchfarm", ["B"], scratch, farm.addr, bob), "miss")
-            add("farm miss A", measure("torchfarm", ["A"], scratch, farm.addr, alice), "miss")
-            after = measure("torchfarm", ["B"], scratch, farm.addr, alice)
-            add("farm miss B after A", after, "miss")
+
+            def farm_miss(name: str, tenant: str) -> dict:
+                return measure("torchfarm", name, local_caches(scratch), farm.addr, TOKENS[tenant])
+
+            add("farm miss B, empty", farm_miss("B", "bob"), "miss")
+            add("farm miss A", farm_miss("A", "alice"), "miss")
+            add("farm miss B after A", farm_miss("B", "alice"), "miss")
             print("  worker:", *reuse_lines(farm), sep="\n    ")
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}")
