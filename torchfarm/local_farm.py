@@ -232,6 +232,10 @@ class LocalFarm:
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
                 "TORCHFARM_SIGNING_KEY": self.signing_key,
+                # the tenants' kernels live and go with this farm, like its cache
+                "TORCHFARM_KERNEL_CACHE": self.extra_env.get("TORCHFARM_KERNEL_CACHE")
+                or os.environ.get("TORCHFARM_KERNEL_CACHE")
+                or os.path.join(self.workdir, "kernels"),
                 **(env or {}),
             },
         )

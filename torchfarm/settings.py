@@ -233,6 +233,12 @@ class WorkerSettings:
     signing_key: str = ""
     # TORCHFARM_INSECURE_UNSIGNED=1: store entries unsigned (no client will load them)
     insecure_unsigned: bool = False
+    # TORCHFARM_KERNEL_CACHE_MB: bytes of built C++ kernels kept per (pool, tenant) for that
+    # tenant's later private compiles (workers/kernel_cache.py), oldest used pruned first;
+    # 0 = off
+    kernel_cache_mb: int = 2048
+    # TORCHFARM_KERNEL_CACHE: where those kernels live; "" = ~/.cache/torchfarm/kernels
+    kernel_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
@@ -248,6 +254,11 @@ class WorkerSettings:
         if self.warm_up_timeout_s <= 0:
             raise ValueError(
                 f"TORCHFARM_WARM_UP_TIMEOUT must be positive, not {self.warm_up_timeout_s:g}"
+            )
+        if self.kernel_cache_mb < 0:
+            raise ValueError(
+                f"TORCHFARM_KERNEL_CACHE_MB must be at least 0 (0 = off), not "
+                f"{self.kernel_cache_mb}"
             )
         # Frozen: the defaults that depend on other fields are resolved once, here.
         if not self.concurrency:
@@ -303,6 +314,8 @@ class WorkerSettings:
             ),
             signing_key=_env("TORCHFARM_SIGNING_KEY", ""),
             insecure_unsigned=_env("TORCHFARM_INSECURE_UNSIGNED", "0") in ("1", "true", "yes"),
+            kernel_cache_mb=_whole("TORCHFARM_KERNEL_CACHE_MB", str(cls.kernel_cache_mb)),
+            kernel_cache_dir=_env("TORCHFARM_KERNEL_CACHE", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

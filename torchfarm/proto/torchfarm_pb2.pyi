@@ -1731,8 +1731,14 @@ class CompileChildRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _builtins.int
     SIZE_HINTS_FIELD_NUMBER: _builtins.int
     OP_LIBRARIES_FIELD_NUMBER: _builtins.int
+    KERNEL_CACHE_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """the CompileRequest's graph (hostile until proven otherwise)"""
+    kernel_cache: _builtins.bool
+    """The tenant's kernel cache is in play (a private job, TORCHFARM_KERNEL_CACHE_MB > 0): the
+    child links the objects its parent staged into Inductor's cache dir, and reports the ones
+    it built (workers/kernel_cache.py).
+    """
     @_builtins.property
     def target(self) -> Global___Target: ...
     @_builtins.property
@@ -1751,14 +1757,67 @@ class CompileChildRequest(_message.Message):
         options: Global___Options | None = ...,
         size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         op_libraries: _abc.Iterable[_builtins.str] | None = ...,
+        kernel_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "kernel_cache", b"kernel_cache", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompileChildRequest: _TypeAlias = CompileChildRequest  # noqa: Y015
+
+@_typing.final
+class KernelFiles(_message.Message):
+    """C++ objects a compile child built, for its tenant's later compiles (workers/kernel_cache.py).
+    Sent before the artifact; the parent checks every name and caps the bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class BuiltEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    BUILT_FIELD_NUMBER: _builtins.int
+    REUSED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def built(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """`<2 chars>/<Inductor's file name>.so|.o` -> its bytes"""
+
+    @_builtins.property
+    def reused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """staged libraries the compile loaded (for LRU pruning)"""
+
+    def __init__(
+        self,
+        *,
+        built: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        reused: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KernelFiles: _TypeAlias = KernelFiles  # noqa: Y015
 
 @_typing.final
 class CompileChildReport(_message.Message):
@@ -1767,24 +1826,30 @@ class CompileChildReport(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     ARTIFACT_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
+    KERNELS_FIELD_NUMBER: _builtins.int
     stage: Global___Progress.Stage.ValueType
     """COMPILING or AUTOTUNING: the child's stage changed"""
     artifact: _builtins.bytes
     """the Artifact's protobuf bytes: the child's last report"""
     ready: _builtins.bool
     """warmed up, reading its one request: the child's first report"""
+    @_builtins.property
+    def kernels(self) -> Global___KernelFiles:
+        """with CompileChildRequest.kernel_cache: just before the artifact"""
+
     def __init__(
         self,
         *,
         stage: Global___Progress.Stage.ValueType = ...,
         artifact: _builtins.bytes = ...,
         ready: _builtins.bool = ...,
+        kernels: Global___KernelFiles | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact", "ready"]  # noqa: Y015
+    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact", "ready", "kernels"]  # noqa: Y015
     _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
 

@@ -31,7 +31,7 @@ from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import canary, metrics, sandbox, toolchain
+from torchfarm.workers import canary, kernel_cache, metrics, sandbox, toolchain
 
 log = logging.getLogger("torchfarm.worker")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -133,6 +133,10 @@ def _compile_and_store(
     extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key}
     log.info("compiling %s (%s) for tenant %s", job.key[:16], job.label, job.tenant, extra=extra)
     handed = time.perf_counter()
+    kernels = _kernel_cache(settings)
+    tenant_kernels = ""
+    if kernels and job.private:  # private only: the tenant chooses what it holds (kernel_cache)
+        tenant_kernels = kernels.tenant_dir(_pool_of(task), job.tenant)
     try:
         child = sandbox.run_compile(
             payload,
@@ -142,6 +146,7 @@ def _compile_and_store(
             settings,
             on_stage=lambda stage: store.jobs.set_stage(job.job_id, stage),
             abandoned=lambda: store.jobs.abandoned(job.job_id),
+            kernels_from=tenant_kernels,
         )
     except sandbox.CompileFailed as e:
         if e.kind == pb.JobOutcome.ABANDONED:  # its clients left: the slot is free again
@@ -186,6 +191,8 @@ def _compile_and_store(
     if STRUCTURE in meta.key_parts:
         store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
+    if kernels and tenant_kernels:  # before the job ends: its next compile finds them
+        _keep_kernels(kernels, tenant_kernels, child.kernels, extra)
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
         "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child",
@@ -203,6 +210,30 @@ def _compile_and_store(
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
     return "compiled", len(data)
+
+
+# ---- The tenant's kernel cache (workers/kernel_cache.py) -------------------------------
+@functools.cache
+def _kernel_cache(settings: WorkerSettings) -> kernel_cache.KernelCache | None:
+    """This worker's kernel cache, or None where TORCHFARM_KERNEL_CACHE_MB is 0."""
+    if not settings.kernel_cache_mb:
+        return None
+    root = settings.kernel_cache_dir or os.path.join(
+        os.path.expanduser("~"), ".cache", "torchfarm", "kernels"
+    )
+    return kernel_cache.KernelCache(root, toolchain.toolchain_id(), settings.kernel_cache_mb << 20)
+
+
+def _keep_kernels(
+    kernels: kernel_cache.KernelCache, tenant_dir: str, files: pb.KernelFiles, extra: dict
+) -> None:
+    """Keep what a private compile built for its tenant; a failure costs later compiles only."""
+    try:
+        stored, reused = kernels.keep(tenant_dir, files)
+    except OSError:
+        log.exception("could not keep the compile's kernels", extra=extra)
+        return
+    log.info("kernel cache: %d objects reused, %d kept", reused, stored, extra=extra)
 
 
 # ---- Signing: the worker vouches for what it stored (torchfarm/signing.py) ---------------

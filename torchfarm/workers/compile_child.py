@@ -2,9 +2,11 @@
 
 It speaks the contract's child protocol (CompileChildRequest / CompileChildReport in
 torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
-So nothing of a tenant's compile is ever a file the host can see, and a crashed worker leaves
-nothing behind. Everything it reads is hostile; it runs with no network, no secrets, no
-capabilities and no access to the cache.
+So nothing of a tenant's compile is a file the host can see, and a crashed worker leaves
+nothing behind; the one exception is the C++ objects a private job's child reports, which its
+parent checks and keeps for that tenant's later compiles (kernel_cache.py). Everything it
+reads is hostile; it runs with no network, no secrets, no capabilities and no access to the
+cache.
 
 A child is started ahead of need (workers/child_pool.py): it first warms up with nothing of a
 tenant's (torch, Inductor, Triton and the operator's TORCHFARM_OP_LIBRARIES imported, on CUDA
@@ -23,6 +25,7 @@ import tempfile
 from typing import BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.workers import kernel_cache
 
 # Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
@@ -78,6 +81,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="torchfarm.workers.compile_child")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--op-libraries", default="", help="comma-separated modules")
+    parser.add_argument("--kernels", default="", help="staged C++ objects (kernel_cache.py)")
     return parser.parse_args(argv)
 
 
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     if not data:  # the worker closed the pipe without a request: it is going away
         return 0
     request = pb.CompileChildRequest.FromString(data)
+    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    reuse = request.kernel_cache and bool(args.kernels)
+    if reuse:  # before anything of the tenant's runs
+        kernel_cache.link_staged(args.kernels, cache_dir)
 
     from torchfarm.compiler.inductor import compile_payload
 
@@ -105,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         dict(request.size_hints),
         _on_stage,
     )
+    if reuse:
+        report(pb.CompileChildReport(kernels=kernel_cache.report(cache_dir, args.kernels)))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
 

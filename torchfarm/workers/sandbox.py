@@ -34,7 +34,7 @@ from typing import IO
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import COMPILE_SHM_MB, WorkerSettings, visible_gpus
 from torchfarm.torch_adapter import isa_probe, precompiled_headers
-from torchfarm.workers import child_pool, metrics
+from torchfarm.workers import child_pool, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
 
@@ -43,6 +43,7 @@ log = logging.getLogger("torchfarm.worker")
 SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
 LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
+KERNEL_DIR = "/run/kernels"  # inside the sandbox: the tenant's staged C++ objects, read-only
 CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
 SHM_BYTES = COMPILE_SHM_MB << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
@@ -194,8 +195,10 @@ def _outermost(paths) -> tuple[str, ...]:
     return tuple(p for p in ordered if not any(q != p and _under(p, q) for q in ordered))
 
 
-def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
-    """The bubblewrap command line (up to the child's own command) for one compile child."""
+def bwrap_args(settings: WorkerSettings, layout: HostLayout, kernels: str = "") -> list[str]:
+    """The bubblewrap command line (up to the child's own command) for one compile child;
+    `kernels`, the child's staging directory for its tenant's C++ objects, is bound read-only
+    on KERNEL_DIR (workers/kernel_cache.py)."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     args += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
@@ -219,6 +222,8 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout) -> list[str]:
         for node in layout.gpu_nodes:
             args += ["--dev-bind", node, node]
         args += ["--ro-bind", "/sys", "/sys"]  # the CUDA driver reads its devices' topology
+    if kernels:
+        args += ["--ro-bind", kernels, KERNEL_DIR]
     args += ["--chdir", WORK_DIR, "--remount-ro", "/"]
     return args
 
@@ -254,13 +259,19 @@ def _child_command(
 ) -> tuple[list[str], dict, str]:
     """argv, environment and working directory of compile child number `number` (a CUDA
     child gets one of the visible GPUs, in turn). `private_dir` is an empty host directory
-    of the parent's, used only without a sandbox."""
+    of the parent's: with the kernel cache on, it holds the child's staging directory
+    (`staging_dir`); without a sandbox, its library and work directories too."""
     python = [sys.executable, *python_args]
+    staging = ""
     if python_args == _CHILD:
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
+        if settings.kernel_cache_mb:
+            staging = staging_dir(private_dir)
+            os.makedirs(staging)
+            python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
-        cmd = bwrap_args(settings, layout) + python
+        cmd = bwrap_args(settings, layout, staging) + python
         env, cwd = child_environment(WORK_DIR, LIB_DIR, layout.python_path), "/"
     else:
         # Unconfined: still off the worker's working directory, with only the package
@@ -275,6 +286,11 @@ def _child_command(
     if settings.device == "cuda" and gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[number % len(gpus)]
     return cmd, env, cwd
+
+
+def staging_dir(private_dir: str) -> str:
+    """Where the parent stages a tenant's C++ objects for the child of `private_dir`."""
+    return os.path.join(private_dir, "kernels")
 
 
 def _op_libraries(settings: WorkerSettings) -> list[str]:
@@ -376,8 +392,10 @@ def _read_reports(
     stream: IO[bytes],
     settings: WorkerSettings,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None,
+    kernels: pb.KernelFiles | None = None,
 ) -> bytes | None:
-    """Read the child's reports until its artifact (returned) or the end of the stream."""
+    """Read the child's reports until its artifact (returned) or the end of the stream; the
+    kernels it reports go into `kernels`."""
     while True:
         head = stream.read(FRAME.size)
         if len(head) < FRAME.size:
@@ -404,17 +422,21 @@ def _read_reports(
                     lasting=True,
                 )
             return message.artifact
-        if size <= _MAX_STAGE_FRAME and message.stage in _STAGES and on_stage:
+        if message.WhichOneof("report") == "kernels" and kernels is not None:
+            kernels.CopyFrom(message.kernels)
+        elif size <= _MAX_STAGE_FRAME and message.stage in _STAGES and on_stage:
             on_stage(message.stage)
 
 
 @dataclasses.dataclass(frozen=True)
 class ChildResult:
-    """What a compile child handed back: the Artifact's protobuf bytes, and the seconds from
-    the request until a ready child had it (the hand-off; ~0 when a warm child waited)."""
+    """What a compile child handed back: the Artifact's protobuf bytes, the seconds from
+    the request until a ready child had it (the hand-off; ~0 when a warm child waited), and
+    the C++ objects it reported for its tenant's kernel cache (hostile: the caller checks)."""
 
     data: bytes
     handoff_s: float
+    kernels: pb.KernelFiles
 
 
 _pool_lock = threading.Lock()  # Celery's threads may ask for the pool at once
@@ -462,13 +484,16 @@ def run_compile(
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
     abandoned: Callable[[], bool] | None = None,
     timeout_s: float | None = None,
+    kernels_from: str = "",
 ) -> ChildResult:
     """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
     protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
     (COMPILING / AUTOTUNING) as it changes. The compile timeout (`timeout_s`, else the
     settings') runs from this call, a child still warming up included. `abandoned()`, asked
     every ABANDON_CHECK_S, stops the child once it has said True twice in a row (nobody waits
-    for the result any more)."""
+    for the result any more). `kernels_from`: a tenant's kernel cache directory, staged for
+    the child (a private job with TORCHFARM_KERNEL_CACHE_MB on); the child then reports the
+    objects it built."""
     timeout_s = timeout_s or settings.compile_timeout_s
     called = time.perf_counter()
     request = pb.CompileChildRequest(
@@ -477,8 +502,14 @@ def run_compile(
         options=options,
         size_hints=size_hints,
         op_libraries=_op_libraries(settings),
+        kernel_cache=bool(kernels_from),
     )
     child = pool(settings).take()
+    if kernels_from:
+        try:
+            kernel_cache.stage(kernels_from, staging_dir(child.private_dir))
+        except OSError as e:  # the compile goes on with what was staged
+            log.warning("could not stage the tenant's kernels: %s", e)
     timed_out = threading.Event()
 
     def expire() -> None:
@@ -496,11 +527,11 @@ def run_compile(
     for thread in (feeder, timer, watcher):
         thread.daemon = True
         thread.start()
-    handoff_s = 0.0
+    handoff_s, kernels = 0.0, pb.KernelFiles()
     try:
         ready = child.wait_ready()  # a warm child at once; else its warm-up, or its end
         handoff_s = time.perf_counter() - called
-        data = _read_reports(child.stdout, settings, on_stage) if ready else None
+        data = _read_reports(child.stdout, settings, on_stage, kernels) if ready else None
         if data is not None:
             # The artifact is whole: the child has nothing left to give, and its own exit
             # (interpreter and torch teardown, ~1.4 s measured) is not worth waiting for.
@@ -531,4 +562,4 @@ def run_compile(
     if not artifact.inductor:
         raise CompileFailed("compile child returned an empty artifact")
     metrics.handoff(handoff_s)
-    return ChildResult(data, handoff_s)
+    return ChildResult(data, handoff_s, kernels)

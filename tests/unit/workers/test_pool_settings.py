@@ -52,9 +52,11 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
     settings = WorkerSettings(device="cuda", sandbox="none")
     gpus = []
     for number in range(3):
-        cmd, env, _ = sandbox._child_command(settings, str(tmp_path / str(number)), number=number)
+        private_dir = str(tmp_path / str(number))
+        cmd, env, _ = sandbox._child_command(settings, private_dir, number=number)
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
-        assert cmd[-4:] == ["--device", "cuda", "--op-libraries", ""]
+        staging = sandbox.staging_dir(private_dir)  # unconfined: the host path itself
+        assert cmd[-6:] == ["--device", "cuda", "--op-libraries", "", "--kernels", staging]
     assert gpus == ["2", "5", "2"]
 
 

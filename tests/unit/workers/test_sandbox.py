@@ -121,6 +121,39 @@ def test_stages_are_passed_on_and_the_artifact_returned():
     assert stages == [pb.Progress.AUTOTUNING, pb.Progress.COMPILING]
 
 
+def test_the_kernels_a_child_reports_are_handed_to_the_caller():
+    built = pb.KernelFiles(built={"ab/cabcdefghijklmnopqrstuvwxyz.so": b"elf"}, reused=["x"])
+    stream = _frames(
+        pb.CompileChildReport(kernels=built), pb.CompileChildReport(artifact=b"artifact bytes")
+    )
+    kernels = pb.KernelFiles()
+    assert sandbox._read_reports(stream, WorkerSettings(), None, kernels) == b"artifact bytes"
+    assert kernels == built
+
+
+def test_the_staging_dir_is_bound_read_only_and_only_when_asked():
+    assert sandbox.KERNEL_DIR not in _binds(sandbox.bwrap_args(WorkerSettings(), LAYOUT))
+    args = sandbox.bwrap_args(WorkerSettings(), LAYOUT, kernels="/var/tmp/child-1/kernels")
+    assert _binds(args)[sandbox.KERNEL_DIR] == "/var/tmp/child-1/kernels"
+    assert args[args.index(sandbox.KERNEL_DIR) - 2] == "--ro-bind"
+    # bound before the root is made read-only (bwrap creates the mount point)
+    assert args.index(sandbox.KERNEL_DIR) < args.index("--remount-ro")
+
+
+def test_each_child_gets_its_own_staging_dir_only_with_the_cache_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox.HostLayout, "probe", classmethod(lambda cls: LAYOUT))
+    on, off = tmp_path / "on", tmp_path / "off"
+    on.mkdir()
+    off.mkdir()
+    cmd, _, _ = sandbox._child_command(WorkerSettings(), str(on))
+    assert _binds(cmd)[sandbox.KERNEL_DIR] == sandbox.staging_dir(str(on))
+    assert os.path.isdir(sandbox.staging_dir(str(on)))
+    assert cmd[cmd.index("--kernels") + 1] == sandbox.KERNEL_DIR
+    cmd, _, _ = sandbox._child_command(WorkerSettings(kernel_cache_mb=0), str(off))
+    assert "--kernels" not in cmd and sandbox.KERNEL_DIR not in _binds(cmd)
+    assert not os.listdir(off)
+
+
 def test_an_artifact_over_the_cap_is_refused_before_it_is_read():
     settings = WorkerSettings(max_artifact_bytes=1000)
     stream = io.BytesIO(FRAME.pack(10**12))  # announces a terabyte, sends nothing

@@ -1,0 +1,176 @@
+"""Sibling misses on CPU (issue 28): model A, then model B of the same family (one block
+deeper, a narrower MLP: layer-norm, attention and projection kernels shared, the MLP's not).
+Time to the first training step's result of B, each in a fresh process with an empty local
+Inductor cache, side by side in one run:
+
+- local cold: B alone;
+- local after A: A, then B in another fresh process with A's local Inductor cache and
+  precompiled header kept (what a single user gets today);
+- farm miss, empty: B for a tenant whose kernel cache is empty;
+- farm miss after A: B for a tenant whose private compile of A filled its kernel cache.
+
+Farm requests are private (TORCHFARM_PRIVATE=1), where the kernel cache applies. Prints a
+table and the ratios; `--json PATH` too.
+
+    .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--json PATH]
+"""
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
+
+SIBLINGS = {"A": (2, 512), "B": (3, 384)}  # depth, MLP width; model width 128, 4 heads
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, mlp: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, mlp), nn.GELU(), nn.Linear(mlp, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+def model(name: str) -> nn.Module:
+    depth, mlp = SIBLINGS[name]
+    return nn.Sequential(*[Block(128, mlp) for _ in range(depth)], nn.LayerNorm(128))
+
+
+def step(backend: str, name: str) -> None:
+    """In a fresh process: one compiled training step of model `name`; print its seconds,
+    where its code came from and its loss's difference from eager."""
+    torch.manual_seed(0)
+    net, x = model(name), torch.randn(8, 64, 128)
+    expected = net(x).square().mean().item()
+    started = time.perf_counter()
+    loss = torch.compile(net, backend=backend)(x).square().mean()
+    loss.backward()
+    seconds = time.perf_counter() - started
+    source = backend
+    if backend == "torchfarm":
+        from torchfarm.client.backend import history
+
+        source = ",".join(sorted({r.source for r in history}))
+    print(json.dumps({"seconds": seconds, "source": source, "error": abs(loss.item() - expected)}))
+
+
+def local_caches(scratch: str) -> dict[str, str]:
+    """An empty local Inductor cache and temporary dir (where the precompiled header goes)."""
+    return dict(
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-", dir=scratch),
+        TMPDIR=tempfile.mkdtemp(prefix="tmp-", dir=scratch),
+    )
+
+
+def measure(backend: str, name: str, caches: dict[str, str], addr: str = "", token: str = ""):
+    env = dict(
+        os.environ,
+        **caches,
+        TORCHFARM_ADDR=addr,
+        TORCHFARM_TOKEN=token,
+        TORCHFARM_PRIVATE="1",
+        TORCHFARM_PROGRESS="0",
+    )
+    out = subprocess.run(
+        [sys.executable, __file__, "--step", backend, name],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def reuse_lines(farm) -> list[str]:
+    """The worker's `kernel cache: N objects reused, M kept` lines, oldest first."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(farm.log_dir, "*.log"))):
+        with open(path, errors="replace") as f:
+            lines += [line.strip()[-60:] for line in f if "kernel cache:" in line]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--step", default="")
+    parser.add_argument("name", nargs="?", default="")
+    args = parser.parse_args()
+    if args.step:
+        step(args.step, args.name)
+        return
+    scratch = tempfile.mkdtemp(prefix="sibling-bench-")
+    try:
+        measure_all(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure_all(args: argparse.Namespace, scratch: str) -> None:
+    from tests.integration.helpers import TOKENS
+    from torchfarm.gateway.auth import hash_token
+    from torchfarm.local_farm import LocalFarm
+
+    runs: dict[str, list[float]] = {}
+
+    def add(name: str, result: dict, source: str) -> None:
+        assert result["source"] == source and result["error"] < 1e-3, (name, result)
+        runs.setdefault(name, []).append(result["seconds"])
+        print(f"  {name}: {result['seconds']:.1f} s ({result['source']})", flush=True)
+
+    for _ in range(args.repeats):
+        add("local cold B", measure("inductor", "B", local_caches(scratch)), "inductor")
+        kept = local_caches(scratch)  # A's cache and header, kept for B's fresh process
+        add("local A", measure("inductor", "A", kept), "inductor")
+        add("local B after A", measure("inductor", "B", kept), "inductor")
+    tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
+    for _ in range(args.repeats):
+        with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
+            wait_for_precompiled_headers(farm)
+
+            def farm_miss(name: str, tenant: str) -> dict:
+                return measure("torchfarm", name, local_caches(scratch), farm.addr, TOKENS[tenant])
+
+            add("farm miss B, empty", farm_miss("B", "bob"), "miss")
+            add("farm miss A", farm_miss("A", "alice"), "miss")
+            add("farm miss B after A", farm_miss("B", "alice"), "miss")
+            print("  worker:", *reuse_lines(farm), sep="\n    ")
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print("| case | seconds |\n|---|---|")
+    for name, seconds in medians.items():
+        print(f"| {name} | {seconds:.1f} |")
+    after, cold = medians["farm miss B after A"], medians["local cold B"]
+    print(f"\nfarm miss B after A / local cold B: {after / cold:.2f}")
+    print(f"farm miss B after A / local B after A: {after / medians['local B after A']:.2f}")
+    print(f"farm miss B after A / farm miss B, empty: {after / medians['farm miss B, empty']:.2f}")
+    print(f"farm miss B, empty / local cold B: {medians['farm miss B, empty'] / cold:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(medians, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

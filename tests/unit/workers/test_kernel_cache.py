@@ -1,0 +1,131 @@
+"""A tenant's kernel cache on the worker host: which names it takes, its budget and pruning,
+staging for a child, and the child's side (linking, reporting what it built)."""
+
+import os
+
+import pytest
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.workers import kernel_cache
+
+OBJ = "ab/cab" + "c" * 49  # an Inductor object's stem: `<2 chars>/c<hash>`, 2 chars = hash[:2]
+
+
+@pytest.mark.parametrize(
+    "name", [f"{OBJ}.so", f"{OBJ}.o", f"{OBJ}.main.so", f"{OBJ}.main.o", f"{OBJ}.optimized.o"]
+)
+def test_inductors_object_names_are_kernels(name):
+    assert kernel_cache.is_kernel_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"../{OBJ}.so",
+        f"/{OBJ}.so",
+        f"ab/../../{OBJ[3:]}.so",
+        "zz/cab" + "c" * 49 + ".so",  # the directory is not the hash's first two characters
+        f"{OBJ}.py",  # output code: not kept
+        f"{OBJ}.cpp",
+        f"{OBJ}.best_config",  # autotune results: not kept
+        f"{OBJ}.so.tmp",
+        f"fxgraph/{OBJ}.so",
+        "ab/cab.so",  # too short to be Inductor's hash
+    ],
+)
+def test_anything_else_is_not(name):
+    assert not kernel_cache.is_kernel_name(name)
+
+
+def _cache(tmp_path, max_bytes=1000):
+    return kernel_cache.KernelCache(str(tmp_path / "root"), "toolchain", max_bytes)
+
+
+def test_each_pool_and_tenant_has_its_own_private_directory(tmp_path):
+    cache = _cache(tmp_path)
+    dirs = {
+        cache.tenant_dir(pool, tenant)
+        for pool in ("cpu-a", "cpu-b")
+        for tenant in ("alice", "bob", "../bob")
+    }
+    assert len(dirs) == 6
+    for d in dirs:
+        assert os.path.dirname(d) == str(tmp_path / "root" / "toolchain")
+        assert os.stat(d).st_mode & 0o777 == 0o700
+
+
+def test_keep_stores_well_formed_new_objects_only(tmp_path):
+    cache = _cache(tmp_path)
+    d = cache.tenant_dir("cpu", "alice")
+    os.makedirs(os.path.join(d, "ab"))
+    with open(os.path.join(d, f"{OBJ}.so"), "wb") as f:
+        f.write(b"first")
+    files = pb.KernelFiles(
+        built={f"{OBJ}.so": b"second", f"{OBJ}.o": b"obj", "../escape.so": b"x", "ab/x.py": b"y"}
+    )
+    assert cache.keep(d, files) == (1, 0)
+    assert open(os.path.join(d, f"{OBJ}.so"), "rb").read() == b"first"  # first one stays
+    assert open(os.path.join(d, f"{OBJ}.o"), "rb").read() == b"obj"
+    assert not os.path.exists(os.path.join(d, "..", "escape.so"))
+    assert sorted(os.listdir(os.path.join(d, "ab"))) == [f"{OBJ[3:]}.o", f"{OBJ[3:]}.so"]
+
+
+def test_a_report_over_the_budget_is_not_kept(tmp_path):
+    cache = _cache(tmp_path, max_bytes=10)
+    d = cache.tenant_dir("cpu", "alice")
+    assert cache.keep(d, pb.KernelFiles(built={f"{OBJ}.so": b"x" * 11})) == (0, 0)
+    assert kernel_cache._names(d) == []
+
+
+def test_the_least_recently_used_objects_are_pruned_past_the_budget(tmp_path):
+    cache = _cache(tmp_path, max_bytes=25)
+    d = cache.tenant_dir("cpu", "alice")
+    names = [f"{OBJ}.so", f"{OBJ}.o", f"{OBJ}.main.so"]
+    cache.keep(d, pb.KernelFiles(built={n: b"x" * 10 for n in names[:2]}))
+    for age, name in zip((300, 200), names[:2]):  # .so older than .o
+        os.utime(os.path.join(d, name), (1e9 - age, 1e9 - age))
+    # the oldest is reused now, then a third object arrives: the .o (least recent) goes
+    assert cache.keep(d, pb.KernelFiles(built={names[2]: b"x" * 10}, reused=[names[0]])) == (1, 1)
+    assert sorted(kernel_cache._names(d)) == sorted([names[0], names[2]])
+
+
+def test_staging_links_the_tenants_objects_and_the_child_links_them_into_its_cache(tmp_path):
+    cache = _cache(tmp_path)
+    d = cache.tenant_dir("cpu", "alice")
+    cache.keep(d, pb.KernelFiles(built={f"{OBJ}.so": b"lib"}))
+    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
+    staging.mkdir()
+    assert kernel_cache.stage(d, str(staging)) == 1
+    staged = staging / f"{OBJ}.so"
+    assert os.stat(staged).st_ino == os.stat(os.path.join(d, f"{OBJ}.so")).st_ino  # a link
+    assert kernel_cache.link_staged(str(staging), str(inductor)) == 1
+    assert os.readlink(inductor / f"{OBJ}.so") == str(staged)
+
+
+def test_the_child_reports_what_it_built_not_what_was_staged(tmp_path):
+    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
+    (staging / "ab").mkdir(parents=True)
+    (staging / f"{OBJ}.so").write_bytes(b"staged")
+    kernel_cache.link_staged(str(staging), str(inductor))
+    (inductor / f"{OBJ}.o").write_bytes(b"built")
+    (inductor / "ab" / "cab.py").write_bytes(b"output code")
+    (inductor / "fxgraph").mkdir()
+    files = kernel_cache.report(str(inductor), str(staging))
+    assert dict(files.built) == {f"{OBJ}.o": b"built"}
+    assert list(files.reused) == []  # staged, but this process never loaded it
+
+
+def test_the_settings_size_it_turn_it_off_and_refuse_a_negative_size(monkeypatch):
+    from torchfarm.settings import WorkerSettings
+
+    for name in ("TORCHFARM_KERNEL_CACHE_MB", "TORCHFARM_KERNEL_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    default = WorkerSettings.from_env()
+    assert (default.kernel_cache_mb, default.kernel_cache_dir) == (2048, "")
+    monkeypatch.setenv("TORCHFARM_KERNEL_CACHE_MB", "0")
+    monkeypatch.setenv("TORCHFARM_KERNEL_CACHE", "/srv/kernels")
+    off = WorkerSettings.from_env()
+    assert (off.kernel_cache_mb, off.kernel_cache_dir) == (0, "/srv/kernels")
+    monkeypatch.setenv("TORCHFARM_KERNEL_CACHE_MB", "-1")
+    with pytest.raises(ValueError, match="TORCHFARM_KERNEL_CACHE_MB"):
+        WorkerSettings.from_env()
