@@ -16,25 +16,26 @@ COMPOSE_SCHEMA := .cache/compose-spec.json
 # main is what a machine-wide cap on torch honours (a bare `pip install torch==...` is refused
 # on a new machine of this project's kind).
 OTHER_TORCH := 2.11 2.12 2.14 2.15
+OTHER_VENVS := $(OTHER_TORCH:%=.venv-%/.installed)
+VERSION_RUNS := $(OTHER_TORCH:%=test-version-%)
 
-.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage clean test-versions other-venvs
+.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage clean test-versions other-venvs $(VERSION_RUNS)
 
 demo: deps
 	$(PY) examples/demo.py
 
 # The integration tier runs on two pytest-xdist workers, one test file at a time each (every
 # farm a test starts is its own: redis-server, gateway and workers on ports picked at run
-# time, in private temporary dirs), much of it waiting on farms. Beside it: the other torch
-# releases' venvs install (5.3 GB each, mostly download and unpack) while lint and the unit
-# tier run, then those releases' tests.
+# time, in private temporary dirs), much of it waiting on farms. Beside it: lint and the unit
+# tier, and the other torch releases (below).
 INTEGRATION_WORKERS := 2
 
 test: deps $(COMPOSE_SCHEMA)
 	$(MAKE) -j2 integration checks
 
+# Three jobs at most: lint then unit; one release's venv installing; one release's tests.
 checks:
-	$(MAKE) -j2 other-venvs lint-and-unit
-	$(MAKE) test-versions
+	$(MAKE) -j3 lint-and-unit test-versions
 
 lint-and-unit:
 	$(MAKE) -j1 lint unit
@@ -46,25 +47,33 @@ integration: deps
 	$(PY) -m pytest -q -p no:cacheprovider -n $(INTEGRATION_WORKERS) --dist loadfile \
 		--durations=25 tests/integration
 
-other-venvs:
-	@set -e; for version in $(OTHER_TORCH); do \
-		venv=.venv-$$version; pins=requirements/torch-$$version.txt; \
-		if [ ! $$venv/.installed -nt pyproject.toml ] || [ ! $$venv/.installed -nt $$pins ]; then \
-			python3 -m venv $$venv; \
-			$$venv/bin/pip install -q --upgrade pip; \
-			$$venv/bin/pip install -q --no-compile -r $$pins; \
-			$$venv/bin/pip install -q -c $$pins -e '.[server,dev]'; \
-			touch $$venv/.installed; \
-		fi; \
-	done
+# The other releases: each one's venv (.venv-2.11/.installed), then its tests (test-version-2.11).
+# Installs run one after another, and so do the releases' tests, but the next release's venv
+# installs (5.3 GB unpacked from local wheels: disk, little CPU) while this one's tests run,
+# instead of all four installs before the first test.
+# $(call in_a_row,A B C): B waits for A and C for B (order-only: nothing is redone for it).
+# Only where all of them are asked for: `make test-version-2.14` alone runs 2.14 alone.
+in_a_row = $(if $(word 2,$(1)),$(eval $(word 2,$(1)): | $(word 1,$(1)))$(call in_a_row,$(wordlist 2,$(words $(1)),$(1))))
+ifneq ($(filter test checks test-versions other-venvs,$(or $(MAKECMDGOALS),demo)),)
+$(call in_a_row,$(OTHER_VENVS))
+$(call in_a_row,$(VERSION_RUNS))
+endif
 
-test-versions: other-venvs $(COMPOSE_SCHEMA)
-	@set -e; for version in $(OTHER_TORCH); do \
-		venv=.venv-$$version; \
-		echo "== torch $$version ($$venv)"; \
-		$$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
-			tests/unit/compiler tests/integration/test_versions.py; \
-	done
+other-venvs: $(OTHER_VENVS)
+
+$(OTHER_VENVS): .venv-%/.installed: requirements/torch-%.txt pyproject.toml
+	python3 -m venv .venv-$*
+	.venv-$*/bin/pip install -q --upgrade pip
+	.venv-$*/bin/pip install -q --no-compile -r requirements/torch-$*.txt
+	.venv-$*/bin/pip install -q -c requirements/torch-$*.txt -e '.[server,dev]'
+	touch $@
+
+test-versions: $(VERSION_RUNS)
+
+$(VERSION_RUNS): test-version-%: .venv-%/.installed $(COMPOSE_SCHEMA)
+	@echo "== torch $* (.venv-$*)"
+	.venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
+		tests/unit/compiler tests/integration/test_versions.py
 
 lint: deps
 	$(VENV)/bin/ruff check torchfarm tests bench examples

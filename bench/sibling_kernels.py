@@ -7,10 +7,13 @@ Inductor cache, side by side in one run:
 - local after A: A, then B in another fresh process with A's local Inductor cache and
   precompiled header kept (what a single user gets today);
 - farm miss, empty: B for a tenant whose kernel cache is empty;
-- farm miss after A: B for a tenant whose private compile of A filled its kernel cache.
+- farm miss after A: B for a tenant whose private compile of A filled its kernel cache;
+- farm shared miss B after A, other tenant: on a fresh farm, A compiled shared by tenant 1,
+  the pool's builds of A's kernel sources left to finish (workers/kernel_builder.py; not
+  timed), then B compiled shared by tenant 2.
 
-Farm requests are private (TORCHFARM_PRIVATE=1), where the kernel cache applies. Prints a
-table and the ratios; `--json PATH` too.
+Farm requests are private (TORCHFARM_PRIVATE=1) except in the last row. Prints a table and
+the ratios; `--json PATH` too.
 
     .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--json PATH]
 """
@@ -32,7 +35,11 @@ from torch import nn
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
+from tests.integration.helpers import (  # noqa: E402
+    pool_builds,
+    wait_for_pool_builds,
+    wait_for_precompiled_headers,
+)
 
 SIBLINGS = {"A": (2, 512), "B": (3, 384)}  # depth, MLP width; model width 128, 4 heads
 
@@ -83,13 +90,20 @@ def local_caches(scratch: str) -> dict[str, str]:
     )
 
 
-def measure(backend: str, name: str, caches: dict[str, str], addr: str = "", token: str = ""):
+def measure(
+    backend: str,
+    name: str,
+    caches: dict[str, str],
+    addr: str = "",
+    token: str = "",
+    private: bool = True,
+):
     env = dict(
         os.environ,
         **caches,
         TORCHFARM_ADDR=addr,
         TORCHFARM_TOKEN=token,
-        TORCHFARM_PRIVATE="1",
+        TORCHFARM_PRIVATE="1" if private else "0",
         TORCHFARM_PROGRESS="0",
     )
     out = subprocess.run(
@@ -150,12 +164,23 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
             wait_for_precompiled_headers(farm)
 
-            def farm_miss(name: str, tenant: str) -> dict:
-                return measure("torchfarm", name, local_caches(scratch), farm.addr, TOKENS[tenant])
+            def farm_miss(name: str, tenant: str, private: bool = True) -> dict:
+                caches = local_caches(scratch)
+                return measure("torchfarm", name, caches, farm.addr, TOKENS[tenant], private)
 
             add("farm miss B, empty", farm_miss("B", "bob"), "miss")
             add("farm miss A", farm_miss("A", "alice"), "miss")
             add("farm miss B after A", farm_miss("B", "alice"), "miss")
+            print("  worker:", *reuse_lines(farm), sep="\n    ")
+        with LocalFarm(tenants=tenants) as farm:  # the pool's kernels, across tenants
+            wait_for_precompiled_headers(farm)
+            builds = pool_builds(farm)
+            add("farm shared miss A, tenant 1", farm_miss("A", "alice", False), "miss")
+            started = time.perf_counter()
+            wait_for_pool_builds(farm, builds)
+            print(f"  pool builds of A's sources: {pool_builds(farm)[1]} in", end=" ")
+            print(f"{time.perf_counter() - started:.0f} s after A's step", flush=True)
+            add("farm shared miss B after A, tenant 2", farm_miss("B", "bob", False), "miss")
             print("  worker:", *reuse_lines(farm), sep="\n    ")
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}")
@@ -167,6 +192,12 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
     print(f"farm miss B after A / local B after A: {after / medians['local B after A']:.2f}")
     print(f"farm miss B after A / farm miss B, empty: {after / medians['farm miss B, empty']:.2f}")
     print(f"farm miss B, empty / local cold B: {medians['farm miss B, empty'] / cold:.2f}")
+    shared = medians["farm shared miss B after A, tenant 2"]
+    print(f"farm shared miss B after A (tenant 2) / local cold B: {shared / cold:.2f}")
+    print(
+        "farm shared miss B after A (tenant 2) / local B after A: "
+        f"{shared / medians['local B after A']:.2f}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(medians, f, indent=1)

@@ -18,7 +18,13 @@ its C++ / Triton kernel loading, and the rest: the first run). `--json PATH` wri
 the medians, `farm_miss_overhead_s` (farm miss minus the compile child's own compile time)
 and `hit_profile`. `--model big` measures 8 blocks of width 256 instead of 2 of width 128.
 
-    .venv/bin/python bench/warm_start.py [--repeats 3] [--model big] [--json PATH]
+`--blobs` measures farm hits instead, with the artifact bytes in each blob store
+(TORCHFARM_BLOB_URL: the cache's Redis, a directory, a real S3 server: SeaweedFS's `weed`),
+one farm per store, all running, one miss each, then hits taken in turn: each hit's
+first result and its fetch (backend_s: submission to loaded code; rpc_s + transfer_s), the
+ratios to Redis, and the Redis bytes per entry.
+
+    .venv/bin/python bench/warm_start.py [--repeats 3] [--model big] [--json PATH] [--blobs]
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ import time
 
 import torch
 
-from torchfarm.local_farm import LocalFarm, free_port
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.s3_server import seaweedfs  # noqa: E402
+from torchfarm.cache import keys  # noqa: E402
+from torchfarm.local_farm import LocalFarm, free_port  # noqa: E402
 
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_result.py")
 STAGES = {
@@ -144,13 +153,76 @@ def hit_profile(hits: list[dict], trace_only: float) -> dict[str, float]:
     return profile
 
 
+BLOB_STORES = ("redis", "file", "s3")
+
+
+def redis_bytes_per_entry(store) -> float:
+    """Redis memory (MEMORY USAGE) of the index and usage hashes of every key, per entry."""
+    client, entries, held = store.artifacts.redis, 0, 0
+    for key, _ in store.artifacts.keys():
+        entries += len(store.artifacts.entries(key, usage=False))
+        held += sum(client.memory_usage(n) or 0 for n in (keys.index(key), keys.usage(key)))
+    return held / max(entries, 1)
+
+
+def compare_blob_stores(args) -> None:
+    """Farm hits with the bytes in each of BLOB_STORES, side by side (see the docstring)."""
+    runs: dict[str, dict[str, list[float]]] = {
+        b: {"seconds": [], "backend_s": [], "fetch_s": [], "redis_bytes": []} for b in BLOB_STORES
+    }
+    quiet = {"TORCHFARM_WARM_CHILDREN": "0", "TORCHFARM_WORKER_CONCURRENCY": "1"}
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(seaweedfs())
+        os.environ.update(s3.env)  # this process's stores and the farms' processes alike
+        urls = {"redis": "redis", "file": "", "s3": s3.blob_url("bench")}
+        farms = {
+            b: stack.enter_context(LocalFarm(blob_url=urls[b], extra_env=quiet))
+            for b in BLOB_STORES
+        }
+        for name, farm in farms.items():  # one miss each: the entry every hit reads
+            miss = measure("torchfarm", tempfile.mkdtemp(), farm.addr)
+            assert miss["source"] == "miss", miss
+            runs[name]["redis_bytes"].append(redis_bytes_per_entry(farm.store()))
+        for repeat in range(args.repeats):
+            order = BLOB_STORES[repeat % 3 :] + BLOB_STORES[: repeat % 3]
+            for name in order:
+                hit = measure("torchfarm", tempfile.mkdtemp(), farms[name].addr)
+                assert hit["source"] == "hit", hit
+                runs[name]["seconds"].append(hit["seconds"])
+                runs[name]["backend_s"].append(hit["backend_s"])
+                runs[name]["fetch_s"].append(
+                    sum(g.get("rpc_s", 0.0) + g.get("transfer_s", 0.0) for g in hit["graphs"])
+                )
+                print(name, {k: v[-1] for k, v in runs[name].items()}, flush=True)
+    med = {b: {k: statistics.median(v) for k, v in r.items()} for b, r in runs.items()}
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {args.repeats} hits per store, taken in turn "
+        "(median; all runs in brackets)"
+    )
+    for b in BLOB_STORES:
+        for k, v in runs[b].items():
+            unit = "B" if k == "redis_bytes" else "s"
+            print(f"{b:<6} {k:<12} {med[b][k]:10.4f} {unit}  {[round(x, 4) for x in v]}")
+    for b in BLOB_STORES[1:]:
+        for k in ("seconds", "backend_s", "fetch_s"):
+            print(f"{b} / redis  {k:<10} = {med[b][k] / med['redis'][k]:.3f}  (target <= 1.10)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"medians": med, "runs": runs}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the medians (seconds) here")
     parser.add_argument("--model", choices=("small", "big"), default="small")
+    parser.add_argument("--blobs", action="store_true", help="compare hits per blob store")
     args = parser.parse_args()
     os.environ["BENCH_MODEL"] = args.model  # the children's model (first_result.py)
+    if args.blobs:
+        compare_blob_stores(args)
+        return
     runs: dict[str, list[float]] = {k: [] for k in STAGES}
     misses: list[dict] = []
     hits: list[dict] = []

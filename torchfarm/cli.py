@@ -1,7 +1,9 @@
-"""`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor, keygen, token."""
+"""`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor, keygen, token,
+target, prepare."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -38,13 +40,16 @@ def up(
     ),
     admins: str = typer.Option("", envvar="TORCHFARM_ADMINS", help="admin:sha256(token),..."),
 ) -> None:
-    """Start an embedded local farm; prints TORCHFARM_ADDR=host:port once every worker has
-    compiled its canary, or exits 1 with the reason (a worker's own error) instead."""
+    """Start an embedded local farm. Once every worker has compiled its canary it prints one
+    block for the operator (TORCHFARM_ADDR, an admin token it made unless TORCHFARM_ADMINS was
+    given, the recovery command), or exits 1 with the reason (a worker's own error)."""
+    from torchfarm.gateway import auth
     from torchfarm.local_farm import FarmNotReady, LocalFarm
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    admin_token = "" if admins else auth.make_token()
     farm = LocalFarm(
         grpc_port=grpc_port,
         redis_port=redis_port,
@@ -53,20 +58,14 @@ def up(
         sandbox=sandbox,
         device=device,
         tenants=tenants,
-        admins=admins,
+        admins=admins or f"operator:{auth.hash_token(admin_token)}",
         # Celery's queues and the job board on a redis-server of their own: a cache at its
         # memory limit then never refuses the broker's writes (which ends a Celery worker)
         separate_broker=True,
     )
     try:
         with farm:
-            print(f"TORCHFARM_ADDR={farm.addr}", flush=True)
-            typer.echo(
-                f"redis on 127.0.0.1:{farm.redis_port} (password in {farm.workdir}/redis/"
-                f"redis.conf); {'tenants' if tenants else 'OPEN farm (no TORCHFARM_TENANTS)'}; "
-                f"logs in {farm.log_dir}; Ctrl-C stops the farm",
-                err=True,
-            )
+            print(_operator_block(farm, admin_token, tenants), flush=True)
             while not stop.wait(WORKER_CHECK_S):
                 for restarted in farm.restart_exited_workers():
                     typer.echo(f"torchfarm up: worker {restarted} exited; started again", err=True)
@@ -74,6 +73,37 @@ def up(
         typer.echo(f"torchfarm up: the farm is not ready: {e}", err=True)
         raise typer.Exit(1) from None
     typer.echo("farm stopped", err=True)
+
+
+def _operator_block(farm, admin_token: str, tenants: str) -> str:
+    """What an operator needs, as `NAME=value` lines a shell can export and `# ` notes, ended
+    by an empty line: the address, the admin token (or where to get one), recovery access."""
+    url_file = os.path.join(farm.workdir, "redis.url")  # the workdir is the farm's alone (0700)
+    with open(os.open(url_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(farm.redis_url)
+    lines = [f"TORCHFARM_ADDR={farm.addr}"]
+    if admin_token:
+        lines.append(f"TORCHFARM_ADMIN_TOKEN={admin_token}")
+        lines.append("# admin token made for this farm (shown once): `torchfarm cache ...` uses it")
+    else:
+        lines.append(
+            "# admin: use a token listed in the TORCHFARM_ADMINS given "
+            "(`torchfarm token NAME` makes one) as TORCHFARM_ADMIN_TOKEN"
+        )
+    lines += [
+        "# tenants: "
+        + (
+            "from TORCHFARM_TENANTS (clients set TORCHFARM_TOKEN)"
+            if tenants
+            else "OPEN farm (no TORCHFARM_TENANTS): anyone who reaches the address may compile"
+        ),
+        f"# blobs in {farm.blob_url}",
+        "# recovery, without the gateway: "
+        f'TORCHFARM_BLOB_URL={farm.blob_url} torchfarm cache stats --redis "$(cat {url_file})"',
+        f"# logs in {farm.log_dir}; Ctrl-C stops the farm",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 @app.command()
@@ -168,6 +198,65 @@ def token(name: str = typer.Argument(..., help="the tenant (or admin) the token 
         "line 2: its entry for TORCHFARM_TENANTS (or TORCHFARM_ADMINS)",
         err=True,
     )
+
+
+@app.command()
+def target(
+    device: str = typer.Option("cpu", help="the device the job runs on: cpu or cuda"),
+) -> None:
+    """Print this machine's target as JSON: run it on a machine of the job's kind and give
+    the file to `torchfarm prepare --target`."""
+    from google.protobuf import json_format
+
+    from torchfarm.compiler.target import local_target
+
+    print(json_format.MessageToJson(local_target(device), preserving_proto_field_name=True))
+
+
+@app.command()
+def prepare(
+    entry: str = typer.Argument(
+        ..., help="module:function that builds the model and runs its first step(s)"
+    ),
+    target_file: str = typer.Option(
+        "", "--target", help="the job's target (`torchfarm target` there); default: this machine"
+    ),
+    device: str = typer.Option("cpu", help="without --target: cpu or cuda, this machine's"),
+    addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
+    token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
+) -> None:
+    """Compile a job's graphs on the farm before its hardware exists: ENTRY runs on fake
+    tensors here, and the farm compiles every graph it traces for the target's pool. The
+    job's first process is then a farm hit for each. Exits 1 if a graph was not prepared or
+    the step stopped early."""
+    import importlib
+    import os
+    import sys
+
+    from google.protobuf import json_format
+
+    from torchfarm.client import prepare as preparation
+    from torchfarm.compiler.target import local_target
+    from torchfarm.proto import torchfarm_pb2 as pb
+
+    if addr:
+        os.environ["TORCHFARM_ADDR"] = addr
+    if token:
+        os.environ["TORCHFARM_TOKEN"] = token
+    if not os.environ.get("TORCHFARM_ADDR"):
+        typer.echo("torchfarm prepare: no farm (set TORCHFARM_ADDR or --addr)", err=True)
+        raise typer.Exit(2)
+    module_name, _, function = entry.partition(":")
+    sys.path.insert(0, os.getcwd())  # the user's modules, as `python -m` finds them
+    fn = getattr(importlib.import_module(module_name), function or "main")
+    if target_file:
+        with open(target_file) as f:
+            job_target = json_format.Parse(f.read(), pb.Target())
+    else:
+        job_target = local_target(device)
+    summary = preparation.run(fn, job_target)
+    print(summary.table())
+    raise typer.Exit(1 if summary.stopped or summary.count("failed") else 0)
 
 
 def main() -> None:

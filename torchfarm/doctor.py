@@ -56,18 +56,23 @@ def _misses() -> list[Check]:
 
 
 def _farm_checks(settings: ClientSettings, device: str) -> list[Check]:
+    unusable = ""
+    try:
+        remote.target(settings.addr)
+    except remote.FarmError as e:
+        unusable = str(e)
     checks = [
         Check(
             "address",
-            bool(settings.addr),
-            settings.addr or "TORCHFARM_ADDR is not set",
+            bool(settings.addr) and not unusable,
+            unusable or settings.addr or "TORCHFARM_ADDR is not set",
             ""
-            if settings.addr
-            else "export TORCHFARM_ADDR=host:port of the gateway "
+            if settings.addr and not unusable
+            else "export TORCHFARM_ADDR=host:port of the gateway, or a list ip:port,ip:port "
             "(`torchfarm up` prints it for an embedded farm)",
         )
     ]
-    if not settings.addr:
+    if not checks[-1].ok:
         return checks
     checks.append(_health(settings))
     if not checks[-1].ok:

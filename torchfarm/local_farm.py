@@ -56,6 +56,8 @@ class LocalFarm:
         device: str = "cpu",
         tls: tuple[str, str] | None = None,
         separate_broker: bool = False,
+        gateways: int = 1,
+        blob_url: str = "",
     ):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
         # A second redis-server for Celery and job state (as in docker-compose.yml); without
@@ -64,10 +66,24 @@ class LocalFarm:
         self.tenants = os.environ.get("TORCHFARM_TENANTS", "") if tenants is None else tenants
         self.admins = os.environ.get("TORCHFARM_ADMINS", "") if admins is None else admins
         self.sandbox, self.workers = sandbox, workers
+        # Gateways on one Redis (the first is `addr`): each a name and its port, kept across
+        # a restart of that gateway.
+        self.gateway_ports = {
+            "gateway" if i == 0 else f"gateway{i}": grpc_port if i == 0 else 0
+            for i in range(gateways)
+        }
         self.redis_password = secrets.token_hex(16)
         self.device = device  # what the workers compile for: cpu or cuda
         self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
+        # Blobs: a content-addressed directory of the farm's own (cache/blobs.py) unless told
+        # otherwise: every process of an embedded farm is on this host, so a directory keeps
+        # large artifacts out of Redis with no server to start, and reads cost one file read.
+        self.blob_url = (
+            blob_url
+            or os.environ.get("TORCHFARM_BLOB_URL")
+            or f"file://{os.path.join(self.workdir, 'blobs')}"
+        )
         # Signing: the farm's own key, in its private workdir (0700); workers get the path,
         # the gateway (and through it, clients) the public key.
         self.signing_key = os.path.join(self.workdir, "signing.key")
@@ -92,11 +108,16 @@ class LocalFarm:
         return self._url(self.broker_port) if self.broker_port is not None else ""
 
     def store(self) -> Store:
-        return Store.from_url(self.redis_url, self.broker_url)
+        return Store.from_url(self.redis_url, self.broker_url, self.blob_url)
 
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def addrs(self) -> list[str]:
+        """Every gateway's host:port, the first one's first."""
+        return [f"{self.host}:{port}" for port in self.gateway_ports.values()]
 
     def __enter__(self) -> LocalFarm:
         try:
@@ -127,7 +148,8 @@ class LocalFarm:
         self.start_redis()
         if self.broker_port is not None:
             self.start_redis("broker")
-        self.start_gateway()
+        for name in self.gateway_ports:
+            self.start_gateway(name)
         for i in range(self.workers):
             self.start_worker(f"worker{i}")
         self.wait_ready(timeout_s)
@@ -180,11 +202,17 @@ class LocalFarm:
                     raise RuntimeError(f"redis-server did not start; see {self.log_dir}/{name}.log")
                 time.sleep(0.05)
 
-    def start_gateway(self) -> None:
-        self.grpc_port = self.grpc_port or free_port()
-        self.metrics_port = free_port()
+    def start_gateway(self, name: str = "gateway") -> None:
+        """A gateway (again, on its port, when `name` ran before)."""
+        port = self.gateway_ports.get(name) or free_port()
+        self.gateway_ports[name] = port
+        if name == "gateway":
+            self.grpc_port = port
+        metrics_port = free_port()
+        if name == "gateway":
+            self.metrics_port = metrics_port
         self._spawn(
-            "gateway",
+            name,
             [
                 sys.executable,
                 "-m",
@@ -193,14 +221,15 @@ class LocalFarm:
                 "--host",
                 self.host,
                 "--port",
-                str(self.grpc_port),
+                str(port),
             ],
             env={
                 "TORCHFARM_REDIS_URL": self.redis_url,
+                "TORCHFARM_BLOB_URL": self.blob_url,
                 "TORCHFARM_TENANTS": self.tenants,
                 "TORCHFARM_ADMINS": self.admins,
                 "TORCHFARM_BROKER_URL": self.broker_url,
-                "TORCHFARM_METRICS_PORT": str(self.metrics_port),
+                "TORCHFARM_METRICS_PORT": str(metrics_port),
                 "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
                 "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else "",
                 "TORCHFARM_VERIFY_KEYS": self.verify_keys,
@@ -229,6 +258,7 @@ class LocalFarm:
             ],
             env={
                 "TORCHFARM_REDIS_URL": self.redis_url,
+                "TORCHFARM_BLOB_URL": self.blob_url,
                 "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
                 "TORCHFARM_BROKER_URL": self.broker_url,
                 "TORCHFARM_SIGNING_KEY": self.signing_key,
@@ -255,7 +285,7 @@ class LocalFarm:
         return restarted
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until the gateway answers health checks and every worker started has passed its
+        """Until every gateway answers health checks and every worker started has passed its
         canary compile; FarmNotReady with the reason (a worker's own error) otherwise."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -266,12 +296,23 @@ class LocalFarm:
         if self.tls:
             with open(self.tls[0], "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        with (
-            grpc.secure_channel(self.addr, credentials)
-            if credentials
-            else grpc.insecure_channel(self.addr)
-        ) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
+        channels = [
+            grpc.secure_channel(addr, credentials) if credentials else grpc.insecure_channel(addr)
+            for addr in self.addrs
+        ]
+
+        def serving(channel: grpc.Channel) -> bool:
+            try:
+                status = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    .status
+                )
+            except grpc.RpcError:
+                return False
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        try:
             while True:
                 waiting = self._workers_not_ready(store)  # first: a failed one exits at once
                 for name, proc in self.procs.items():
@@ -280,21 +321,17 @@ class LocalFarm:
                             f"{name} exited ({proc.returncode}): {self._last_words(name)}"
                             f"; see {self.log_dir}/{name}.log"
                         )
-                try:
-                    ok = (
-                        health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                        == health_pb2.HealthCheckResponse.SERVING
-                    )
-                except grpc.RpcError:
-                    ok = False
-                if ok and not waiting:
+                if all(serving(channel) for channel in channels) and not waiting:
                     return
                 if time.monotonic() > deadline:
                     raise FarmNotReady(
                         f"farm not ready in {timeout_s:.0f} s (waiting for "
-                        f"{', '.join(waiting) or 'the gateway'}); logs in {self.log_dir}"
+                        f"{', '.join(waiting) or 'the gateways'}); logs in {self.log_dir}"
                     )
                 time.sleep(0.2)
+        finally:
+            for channel in channels:
+                channel.close()
 
     def _workers_not_ready(self, store: Store) -> list[str]:
         """The workers started that have not passed their canary yet; FarmNotReady with the

@@ -1,7 +1,8 @@
 """Log lines of the farm's processes (gateway, worker): plain text, or with
-TORCHFARM_LOG_FORMAT=json one JSON object per line. Either way, a line about one compile
-carries its request id (`extra={"request_id": ...}`): the id the client sent as
-x-request-id, which the gateway hands on to the worker."""
+TORCHFARM_LOG_FORMAT=json one JSON object per line. Either way, a line about one request
+carries its request id (`extra={"request_id": ...}`: the id the client sent as
+x-request-id), and a line about one compile its job id (`job_id`: the Job.job_id the gateway
+assigns, which the worker logs and the client hears in the compile's progress and header)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,23 @@ import json
 import logging
 import os
 
-FIELDS = ("request_id", "tenant", "key", "pool")  # `extra` fields a line may carry
+FIELDS = ("request_id", "job_id", "tenant", "key", "pool")  # `extra` fields a line may carry
 
 
 class TextFormatter(logging.Formatter):
-    """`time LEVEL logger: message [request ID]`."""
+    """`time LEVEL logger: message [request ID job ID]`."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        request_id = getattr(record, "request_id", "")
-        return f"{line} [request {request_id}]" if request_id else line
+        ids = " ".join(
+            f"{name} {value}"
+            for name, field in (("request", "request_id"), ("job", "job_id"))
+            if (value := getattr(record, field, ""))
+        )
+        return f"{line} [{ids}]" if ids else line
 
 
 class JsonFormatter(logging.Formatter):

@@ -17,7 +17,10 @@ def _env(name: str, default: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
-    addr: str = ""  # TORCHFARM_ADDR host:port; empty = compile locally
+    # TORCHFARM_ADDR host:port, or several gateways: ip:port,ip:port or a DNS name resolving to
+    # them all (client/remote.py: round-robin, a lost gateway's calls made again on another);
+    # empty = compile locally
+    addr: str = ""
     token: str = ""  # TORCHFARM_TOKEN
     connect_timeout_s: float = 2.0  # TORCHFARM_CONNECT_TIMEOUT: time to decide the farm is down
     compile_timeout_s: float = 900.0  # TORCHFARM_COMPILE_TIMEOUT: longest wait for one graph
@@ -67,6 +70,27 @@ class ClientSettings:
         return cls(**values)
 
 
+@dataclasses.dataclass(frozen=True)
+class AdminSettings:
+    """`torchfarm cache`: the gateway's Admin service, with an operator's token."""
+
+    addr: str = ""  # TORCHFARM_ADDR host:port of the gateway
+    token: str = ""  # TORCHFARM_ADMIN_TOKEN: a token listed in the gateway's TORCHFARM_ADMINS
+    tls_ca: str = ""  # TORCHFARM_TLS_CA, as for clients
+    timeout_s: float = 600.0  # TORCHFARM_ADMIN_TIMEOUT: longest wait for one command
+
+    @classmethod
+    def from_env(cls, **overrides) -> AdminSettings:
+        values: dict[str, Any] = dict(
+            addr=_env("TORCHFARM_ADDR", ""),
+            token=_env("TORCHFARM_ADMIN_TOKEN", ""),
+            tls_ca=_env("TORCHFARM_TLS_CA", ""),
+            timeout_s=float(_env("TORCHFARM_ADMIN_TIMEOUT", "600")),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
 def user_cache_dir() -> Path:
     """This user's torchfarm files on a client machine: $XDG_CACHE_HOME/torchfarm, else
     ~/.cache/torchfarm."""
@@ -90,6 +114,10 @@ class GatewaySettings:
     port: int = 8470  # TORCHFARM_GATEWAY_PORT (0 = any free port)
     redis_url: str = "redis://127.0.0.1:6379/0"  # TORCHFARM_REDIS_URL
     broker_url: str = ""  # TORCHFARM_BROKER_URL (default: redis_url's db 1)
+    # TORCHFARM_BLOB_URL: where artifact bytes live (cache/blobs.py): redis (the cache's Redis,
+    # small farms), file:///dir, or s3://bucket[/prefix]?endpoint=URL&region=NAME (credentials:
+    # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or any other source boto3 reads)
+    blob_url: str = "redis"
     tenants: str = ""  # TORCHFARM_TENANTS tenant:sha256(token),...; empty = open farm
     max_payload_bytes: int = 64 << 20  # TORCHFARM_MAX_PAYLOAD_BYTES
     compile_timeout_s: float = 1800.0  # TORCHFARM_GATEWAY_COMPILE_TIMEOUT
@@ -159,6 +187,7 @@ class GatewaySettings:
             port=int(_env("TORCHFARM_GATEWAY_PORT", str(cls.port))),
             redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
             broker_url=_env("TORCHFARM_BROKER_URL", ""),
+            blob_url=_env("TORCHFARM_BLOB_URL", cls.blob_url),
             tenants=_env("TORCHFARM_TENANTS", ""),
             max_payload_bytes=int(_env("TORCHFARM_MAX_PAYLOAD_BYTES", str(cls.max_payload_bytes))),
             compile_timeout_s=float(_env("TORCHFARM_GATEWAY_COMPILE_TIMEOUT", "1800")),
@@ -187,6 +216,10 @@ class GatewaySettings:
 class WorkerSettings:
     redis_url: str = "redis://127.0.0.1:6379/0"  # TORCHFARM_REDIS_URL
     broker_url: str = ""  # TORCHFARM_BROKER_URL
+    # TORCHFARM_BLOB_URL: where artifact bytes live (cache/blobs.py): redis (the cache's Redis,
+    # small farms), file:///dir, or s3://bucket[/prefix]?endpoint=URL&region=NAME (credentials:
+    # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or any other source boto3 reads)
+    blob_url: str = "redis"
     pool: str = "auto"  # TORCHFARM_POOL: "auto" = this machine's own target
     device: str = "cpu"  # TORCHFARM_DEVICE: cpu or cuda
     # TORCHFARM_WORKER_CONCURRENCY: compiles at once (threads of one worker process, each
@@ -206,9 +239,11 @@ class WorkerSettings:
     memory_limit_mb: int = -1
     cache_max_bytes: int = 10 << 30  # TORCHFARM_CACHE_MAX_BYTES: stored-blob budget (LRU), 0 = none
     cache_ttl_s: float = 0  # TORCHFARM_CACHE_TTL: drop entries unused this long, 0 = never
-    # TORCHFARM_REDELIVERY_TIMEOUT: a task whose worker died unacknowledged goes to another
-    # worker this long after it was taken; 0 = compile timeout + 300 s. Must exceed the
-    # compile timeout, or a compile still running would be handed out twice.
+    # TORCHFARM_REDELIVERY_TIMEOUT: the broker's visibility timeout: an unacknowledged task
+    # goes back to its queue this long after it was taken; 0 = compile timeout + 300 s. A
+    # compile may outlive it: the copy finds the job's lease held by the live run and ends
+    # without compiling (cache/jobs.py); a dead worker's job is taken over by its waiters
+    # once its lease lapses (15 s), whatever this is.
     redelivery_s: float = 0
     metrics_port: int = 0  # TORCHFARM_WORKER_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = "127.0.0.1"  # TORCHFARM_WORKER_METRICS_HOST: where /metrics listens
@@ -233,9 +268,10 @@ class WorkerSettings:
     signing_key: str = ""
     # TORCHFARM_INSECURE_UNSIGNED=1: store entries unsigned (no client will load them)
     insecure_unsigned: bool = False
-    # TORCHFARM_KERNEL_CACHE_MB: bytes of built C++ kernels kept per (pool, tenant) for that
-    # tenant's later private compiles (workers/kernel_cache.py), oldest used pruned first;
-    # 0 = off
+    # TORCHFARM_KERNEL_CACHE_MB: bytes of built C++ kernels kept per pool (built by the pool
+    # from shared compiles' sources, for every compile; workers/kernel_builder.py) and per
+    # (pool, tenant) (for that tenant's later private compiles; workers/kernel_cache.py),
+    # oldest used pruned first; 0 = off
     kernel_cache_mb: int = 2048
     # TORCHFARM_KERNEL_CACHE: where those kernels live; "" = ~/.cache/torchfarm/kernels
     kernel_cache_dir: str = ""
@@ -274,10 +310,10 @@ class WorkerSettings:
             object.__setattr__(
                 self, "memory_limit_mb", compile_memory_mb(share_mb, self.compile_disk_mb)
             )
-        if self.redelivery_s and self.redelivery_s <= self.compile_timeout_s:
+        if self.redelivery_s < 0:
             raise ValueError(
-                f"TORCHFARM_REDELIVERY_TIMEOUT ({self.redelivery_s:g} s) must "
-                f"exceed the compile timeout ({self.compile_timeout_s:g} s)"
+                f"TORCHFARM_REDELIVERY_TIMEOUT must be positive (0 = the default), not "
+                f"{self.redelivery_s:g}"
             )
 
     @property
@@ -290,6 +326,7 @@ class WorkerSettings:
         values: dict[str, Any] = dict(
             redis_url=_env("TORCHFARM_REDIS_URL", cls.redis_url),
             broker_url=_env("TORCHFARM_BROKER_URL", ""),
+            blob_url=_env("TORCHFARM_BLOB_URL", cls.blob_url),
             pool=_env("TORCHFARM_POOL", "auto"),
             device=_env("TORCHFARM_DEVICE", "cpu"),
             concurrency=_whole("TORCHFARM_WORKER_CONCURRENCY", "0"),

@@ -1,7 +1,8 @@
-"""One architecture in one fresh process: eager, then local torch.compile, then the farm.
+"""One architecture in one fresh process: eager, local torch.compile if asked, then the farm.
 
-Usage: client.py NAME {first,second} DEVICE SCALE      (TORCHFARM_ADDR / _TOKEN from the env)
-  first:  eager, local Inductor and the farm (the farm's first sight of the graphs: misses)
+Usage: client.py NAME {first,second} DEVICE SCALE [local]  (TORCHFARM_ADDR / _TOKEN from the env)
+  first:  eager, local Inductor if `local` is given, and the farm (the farm's first sight of
+          the graphs: misses)
   second: eager and the farm only (a fresh process on the same farm: hits)
 Prints one JSON line: per phase (infer, train), each way's time to its first result, its
 largest difference from eager, and whether it is within the tolerance.
@@ -101,13 +102,13 @@ def _way(base, inputs, phase, reference, compile_with) -> dict:
     return row
 
 
-def main(name: str, run: str, device: str, scale: str) -> None:
+def main(name: str, run: str, device: str, scale: str, *flags: str) -> None:
     base, inputs = build(name, device, scale)
     report = {"name": name, "run": run, "device": device, "scale": scale, "phases": {}}
     for phase in ("infer", "train"):
         reference = step(copy.deepcopy(base), inputs, phase)
         ways = {}
-        if run == "first":
+        if run == "first" and "local" in flags:
             ways["local"] = _way(base, inputs, phase, reference, "inductor")
         ways["farm"] = _way(base, inputs, phase, reference, "torchfarm")
         local, farm = ways.get("local", {}), ways["farm"]
@@ -120,4 +121,4 @@ def main(name: str, run: str, device: str, scale: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

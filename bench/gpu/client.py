@@ -2,11 +2,14 @@
 
     client.py MODEL MODE BACKEND OUTFILE      BACKEND: farm (TORCHFARM_ADDR), farm-skip
                                               (torchfarm.compile, TORCHFARM_SKIP_TRACING=1),
-                                              local, or eager
+                                              local, eager, or prepare
 
 MODEL: a bench model (models.py) or `coverage:NAME`, an architecture of bench/coverage at its
 large scale, run as a training step. BACKEND eager is torch.compile(backend="eager"): Dynamo's
-tracing alone, the floor of any warm start that still traces.
+tracing alone, the floor of any warm start that still traces. BACKEND prepare is `torchfarm
+prepare` (issue 30): the first step on fake tensors, for the target in BENCH_TARGET (a
+`torchfarm target --device cuda` file), with CUDA_VISIBLE_DEVICES empty as on a machine
+without the GPU; it prints the preparation's rows instead of a measurement.
 Runs the model eagerly (the reference), then compiled: time from torch.compile to the first
 compiled step's result (compile or fetch included), errors against eager, steady-state step
 times of both, and what the first step cost in Triton compiles (ptxas calls, logged by a
@@ -162,7 +165,45 @@ def report_restored_guards(restored: list, model, x, spec) -> None:
         )
 
 
+def prepare_only(name: str, mode: str) -> None:
+    """The first step of `name` on fake tensors, its graphs compiled by the farm for the
+    target in BENCH_TARGET; one JSON line: graphs, sources, seconds, where it stopped."""
+    from google.protobuf import json_format
+
+    from torchfarm.client import prepare
+    from torchfarm.proto import torchfarm_pb2 as pb
+
+    with open(os.environ["BENCH_TARGET"]) as f:
+        target = json_format.Parse(f.read(), pb.Target())
+
+    def first_step():
+        model, x, spec = build(name)
+        compiled = torch.compile(
+            model, backend="torchfarm", mode=None if mode == "default" else mode
+        )
+        make_step(compiled, model, spec)(*x)
+
+    started = time.perf_counter()
+    summary = prepare.run(first_step, target)
+    print(summary.table(), file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "mode": mode,
+                "backend": "prepare",
+                "cuda_visible": torch.cuda.is_available(),
+                "prepare_s": round(time.perf_counter() - started, 2),
+                "graphs": [source for _, source, _ in summary.rows],
+                "stopped": summary.stopped,
+            }
+        )
+    )
+
+
 def main(name: str, mode: str, backend: str, outfile: str) -> None:
+    if backend == "prepare":
+        return prepare_only(name, mode)
     record_runtime_tuning()
     model, x, spec = build(name)
     eager = make_step(model, model, spec)

@@ -18,6 +18,10 @@ hit:      issue 26: the farm hit against what users pick instead, for GPT and Re
           TORCHFARM_SKIP_TRACING=1: one process saves Dynamo's package, the next restores
           it); the hits' profiles, bytes per entry beside
           PyTorch's remote-cache bytes, the ratios and their geomeans.
+prepare:  issue 30: for GPT and one coverage model (or MODELS=a,b,...): `torchfarm prepare`
+          in a process that sees no GPU (CUDA_VISIBLE_DEVICES empty), then the real first step
+          on the GPU (every graph should be a hit), a normal farm hit (another fresh process)
+          and local cold: the prepared first step over the normal hit.
 profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
           the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
@@ -78,7 +82,8 @@ class Runner:
         extra_env: dict | None = None,
     ) -> subprocess.Popen:
         outfile = os.path.join(self.tensors, f"{model}-{mode}-{case}.pt")
-        env = self.env(cache, self.farm.addr if backend.startswith("farm") else "")
+        farm_client = backend.startswith("farm") or backend == "prepare"
+        env = self.env(cache, self.farm.addr if farm_client else "")
         if backend == "farm-skip":
             env["TORCHFARM_SKIP_TRACING"] = "1"
         return subprocess.Popen(
@@ -332,7 +337,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--part",
-        choices=("default", "autotune", "smoke", "miss", "hit", "profile", "skipcheck"),
+        choices=("default", "autotune", "smoke", "miss", "hit", "profile", "skipcheck", "prepare"),
         required=True,
     )
     parser.add_argument("--out", required=True)
@@ -381,6 +386,22 @@ def main() -> None:
                     tempfile.mkdtemp(),
                     {"TORCH_LOGS": "recompiles,dynamo", "BENCH_GUARD_DEBUG": "1"},
                 )
+        elif args.part == "prepare":
+            os.environ.setdefault("BENCH_STEADY", "0")
+            target_file = os.path.join(args.out, "target.json")
+            with open(target_file, "w") as f:
+                subprocess.run(
+                    [sys.executable, "-m", "torchfarm", "target", "--device", "cuda"],
+                    stdout=f,
+                    check=True,
+                )
+            for model in os.environ.get("MODELS", "gpt,coverage:llama-gqa").split(","):
+                no_gpu = {"CUDA_VISIBLE_DEVICES": "", "BENCH_TARGET": target_file}
+                runner.run(model, "default", "prepare", "prepare", tempfile.mkdtemp(), no_gpu)
+                runner.run(model, "default", "farm", "first step after prepare", tempfile.mkdtemp())
+                runner.run(model, "default", "farm", "farm hit", tempfile.mkdtemp())
+                runner.run(model, "default", "local", "local cold", tempfile.mkdtemp())
+                runner.compare(model, "default", "first step after prepare", "farm hit")
         elif args.part == "profile":
             with plain_redis() as redis_port:
                 runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)

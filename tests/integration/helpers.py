@@ -1,12 +1,16 @@
-"""What integration tests share: tenant tokens, fresh client processes, direct requests."""
+"""What integration tests share: tenant tokens, fresh client processes, direct requests,
+slowed compiles and what a farm's logs and counters say."""
 
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
+
+from torchfarm.cache import keys
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}
 ADMIN_TOKEN = "ops-admin-token-5555"  # in TORCHFARM_ADMINS, not a tenant
@@ -66,8 +70,6 @@ def direct_request(model, *inputs, mode: str = "default"):
 
 def wait_for_precompiled_headers(farm, timeout_s: float = 900) -> None:
     """Until a worker of `farm` logs that its children have Inductor's precompiled headers."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for name in os.listdir(farm.log_dir):
@@ -77,3 +79,91 @@ def wait_for_precompiled_headers(farm, timeout_s: float = 900) -> None:
                         return
         time.sleep(2)
     raise TimeoutError(f"no worker built precompiled headers in {timeout_s:.0f} s: {farm.log_dir}")
+
+
+def start_slow_client(addr: str, seconds: float, model: str = "mlp") -> subprocess.Popen:
+    """clients/slow_client.py against `addr`, its compile slowed by `seconds`."""
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=addr,
+        TORCHFARM_TOKEN=TOKENS["alice"],
+        TORCHFARM_PROGRESS="0",
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+        TRITON_CACHE_DIR=tempfile.mkdtemp(),
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "clients", "slow_client.py"),
+            str(seconds),
+            model,
+            "infer",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def result_of(client: subprocess.Popen) -> tuple[dict, str]:
+    """The client's JSON line and its stderr, once it exits (successfully)."""
+    out, err = client.communicate(timeout=600)
+    assert client.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def log_of(farm, name: str) -> str:
+    with open(os.path.join(farm.log_dir, f"{name}.log"), errors="replace") as f:
+        return f.read()
+
+
+def compiles(farm) -> int:
+    return int(farm.store().counters.farm().get("compiles", 0))
+
+
+def running_job(farm, timeout_s: float = 180) -> str:
+    """The id of the job a worker runs now (holds its lease), once one does."""
+    board = farm.store().jobs
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in board.redis.scan_iter(match=keys.alive("*")):
+            return name.decode().removeprefix(keys.alive(""))
+        time.sleep(0.2)
+    raise AssertionError(f"no compile started in {timeout_s:.0f} s")
+
+
+def kernel_log(farm, kind: str = "objects reused") -> list[str]:
+    """The messages of `farm`'s worker log lines about kernels that contain `kind` (default:
+    `kernel cache: N objects reused, M kept`, one per compile), oldest first; JSON logs (the
+    test farms') or text (`... INFO torchfarm.worker: message`)."""
+    lines = []
+    for name in sorted(os.listdir(farm.log_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(farm.log_dir, name), errors="replace") as f:
+                for line in f:
+                    if line.startswith("{") and "kernel" in line:
+                        lines.append(json.loads(line)["message"])
+                    elif "torchfarm.worker: " in line and "kernel" in line:
+                        lines.append(line.split("torchfarm.worker: ", 1)[1].strip())
+    return [line for line in lines if kind in line]
+
+
+def pool_builds(farm) -> tuple[int, int]:
+    """(kernel sources queued for the pool's builds, builds done, failed or skipped) so far."""
+    queued = sum(int(line.split()[2]) for line in kernel_log(farm, "sources queued"))
+    return queued, len(kernel_log(farm, "pool kernel build"))
+
+
+def wait_for_pool_builds(farm, since: tuple[int, int], timeout_s: float = 900) -> None:
+    """Until sources were queued for the pool's builds after `since` (pool_builds), and every
+    source queued so far has been built, failed or skipped."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        queued, done = pool_builds(farm)
+        if queued > since[0] and done >= queued:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"pool builds not done in {timeout_s:.0f} s: {pool_builds(farm)}")

@@ -1,4 +1,5 @@
-"""Every `torchfarm cache` command against the session farm's real compiled entries."""
+"""Every `torchfarm cache` command against the session farm's real compiled entries, through
+the gateway with an admin token alone; the recovery mode (direct store access) too."""
 
 import dataclasses
 import json
@@ -7,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.integration.helpers import TOKENS, direct_request
+from tests.integration.helpers import ADMIN_TOKEN, TOKENS, direct_request
 from torchfarm.cli import app
 from torchfarm.client import remote
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -28,8 +29,10 @@ def _cli(*args: str) -> dict | list:
 
 
 def test_cache_cli_on_real_compiled_entries(farm, store, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHFARM_REDIS_URL", farm.redis_url)
-    monkeypatch.setenv("TORCHFARM_VERIFY_KEYS", farm.verify_keys)  # import trusts this farm
+    monkeypatch.setenv("TORCHFARM_ADDR", farm.addr)
+    monkeypatch.setenv("TORCHFARM_ADMIN_TOKEN", ADMIN_TOKEN)
+    for name in ("TORCHFARM_REDIS_URL", "TORCHFARM_VERIFY_KEYS"):  # no store credentials
+        monkeypatch.delenv(name, raising=False)
     settings = dataclasses.replace(ClientSettings(token=TOKENS["bob"]), addr=farm.addr)
     first, second = _request(24), _request(40, mode="max-autotune-no-cudagraphs")
     header, _ = remote.fetch(first, settings)
@@ -82,3 +85,19 @@ def test_cache_cli_on_real_compiled_entries(farm, store, tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["cache", "import", str(damaged)])
     assert result.exit_code != 0
     assert "nothing imported" in result.output or "not a torchfarm bundle" in result.output
+
+
+def test_a_tenant_token_is_refused_and_the_recovery_mode_reads_the_store(farm, monkeypatch):
+    monkeypatch.setenv("TORCHFARM_ADDR", farm.addr)
+    refused = CliRunner().invoke(app, ["cache", "stats", "--token", TOKENS["alice"]])
+    assert refused.exit_code == 1 and "PERMISSION_DENIED" in refused.output
+    through_gateway = json.loads(
+        CliRunner()
+        .invoke(app, ["cache", "ls", "--limit", "0", "--json", "--token", ADMIN_TOKEN])
+        .output
+    )
+    monkeypatch.delenv("TORCHFARM_ADDR")  # the gateway is not asked
+    monkeypatch.setenv("TORCHFARM_BLOB_URL", farm.blob_url)  # direct access: where blobs live
+    direct = _cli("ls", "--limit", "0", "--redis", farm.redis_url)
+    assert {r["key"] for r in direct} == {r["key"] for r in through_gateway}
+    assert _cli("stats", "--redis", farm.redis_url)["entries"] == len(direct)

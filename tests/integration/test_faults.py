@@ -1,22 +1,15 @@
 """Faults on a farm of its own: each test breaks a part and checks that nothing was lost."""
 
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
 import redis
 
-from tests.integration.helpers import HERE, run_client
+from tests.integration.helpers import run_client
 from torchfarm.cache import keys
-from torchfarm.cache.store import Store
 from torchfarm.local_farm import LocalFarm
-from torchfarm.proto import torchfarm_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -62,55 +55,6 @@ def test_a_full_cache_redis_still_compiles_and_serves_without_caching():
         assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["miss"]
         assert len(store.rows()) == len(stored) + 1
         assert run_client(farm, "model_client.py", "cnn", "infer")["sources"] == ["hit"]
-
-
-def _start_client(farm, *args: str) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        TORCHFARM_ADDR=farm.addr,
-        TORCHFARM_PROGRESS="0",
-        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-        TRITON_CACHE_DIR=tempfile.mkdtemp(),
-    )
-    return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "clients", "model_client.py"), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for_stage(store: Store, stage: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(
-            store.jobs.redis.get(k) == str(stage).encode()
-            for k in store.jobs.redis.scan_iter(match=keys.stage("*"))
-        ):
-            return
-        time.sleep(0.2)
-    name = pb.Progress.Stage.Name(stage)
-    raise AssertionError(f"no job reached {name} in {timeout_s:.0f} s")
-
-
-def test_a_worker_killed_mid_compile_hands_the_compile_to_another_worker():
-    # Redelivery waits for the broker's visibility timeout: shortened here (it must exceed
-    # the compile timeout), 1900 s by default.
-    with LocalFarm(
-        extra_env={"TORCHFARM_COMPILE_TIMEOUT_WORKER": "50", "TORCHFARM_REDELIVERY_TIMEOUT": "55"}
-    ) as farm:
-        store = farm.store()
-        client = _start_client(farm, "mlp", "train")
-        _wait_for_stage(store, pb.Progress.COMPILING, timeout_s=120)
-        farm.stop_process("worker0", signal.SIGKILL)  # the worker, its pool and its sandbox
-        farm.start_worker("worker1")
-        out, err = client.communicate(timeout=400)
-        assert client.returncode == 0, err[-3000:]
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["sources"] == ["miss"], err[-2000:]  # the farm's artifact, not a fallback
-        assert result["out_err"] < 1e-4 and result["grad_err"] < 1e-4
-        assert store.counters.farm().get("compiles") == 1  # the killed compile stored nothing
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import zstandard
 
 import torchfarm
 from tests.integration.helpers import TOKENS, direct_request
-from torchfarm.cache import keys
 from torchfarm.client import backend, remote
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -91,10 +90,9 @@ def test_a_corrupted_blob_is_dropped_and_rebuilt_through_get(farm, store):
     settings = dataclasses.replace(ALICE, addr=farm.addr)
     first = remote.get(_ask(request), request, settings)
     assert remote.get(_ask(request), request, settings).header.source == "hit"  # verified once
-    blob_key = keys.blob(first.header.digest)
-    stored = bytearray(store.artifacts.redis.get(blob_key))
+    stored = bytearray(store.artifacts.blobs.get(first.header.digest))  # the farm's blob store
     stored[len(stored) // 2] ^= 0xFF
-    store.artifacts.redis.set(blob_key, bytes(stored))
+    store.artifacts.blobs.put(first.header.digest, bytes(stored))
     compiles = store.counters.farm().get("compiles", 0)
     again = remote.get(_ask(request), request, settings)
     assert again.missing is not None and again.header.source == "miss"  # never served

@@ -10,6 +10,7 @@ import torchfarm
 from tests.integration.helpers import TOKENS
 from tests.models import build
 from torchfarm.cache import keys
+from torchfarm.cache.artifacts import index_value
 from torchfarm.cache.store import entry_dict, entry_from_dict
 from torchfarm.client import backend
 from torchfarm.compiler import guards, inductor, serialize, trace_state
@@ -127,7 +128,7 @@ def test_a_planted_entry_cannot_make_a_client_run_code_through_its_guards(farm, 
         for name in ("guards", "hits", "last_hit"):
             meta.ClearField(name)
         value = meta.SerializeToString() + old_text + _field(guards_field, planted_guards)
-        store.artifacts.redis.hset(keys.index(record.key), digest, value)
+        store.artifacts.redis.hset(keys.index(record.key), digest, index_value(value))
 
     # A fresh trace at another batch: no candidate holds, so the farm compiles a new entry.
     torch._dynamo.reset()

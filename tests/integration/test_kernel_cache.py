@@ -1,7 +1,9 @@
-"""A tenant's kernel cache on the real session farm (workers/kernel_cache.py): a private
-compile reuses the C++ objects the tenant's earlier private compiles built; a hostile payload
-can plant objects under the names of another graph's kernels in its own tenant's cache only,
-and neither another tenant's compile nor a shared entry ever loads them."""
+"""Kernel caches on the real session farm (workers/kernel_cache.py, kernel_builder.py): a private
+compile reuses the C++ objects the tenant's earlier private compiles built; a shared compile
+reuses the objects the pool built from another tenant's shared compile. A hostile payload can
+plant objects under the names of another graph's kernels in its own tenant's cache only; what
+it reports to the pool enters it only through the pool's own build of a source, so neither
+another tenant's compile nor a shared entry ever loads a planted object."""
 
 import glob
 import json
@@ -13,7 +15,13 @@ import pytest
 import torch
 
 import torchfarm
-from tests.integration.helpers import TOKENS, direct_request
+from tests.integration.helpers import (
+    TOKENS,
+    direct_request,
+    kernel_log,
+    pool_builds,
+    wait_for_pool_builds,
+)
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import pool_name
@@ -41,15 +49,12 @@ def _objects(directory: str) -> dict[str, bytes]:
     return found
 
 
-def _kernel_log(farm) -> list[str]:
-    """The worker's `kernel cache: N objects reused, M kept` lines, oldest first."""
-    lines = []
-    for path in sorted(glob.glob(os.path.join(farm.log_dir, "*.log"))):
-        with open(path, errors="replace") as f:
-            for line in f:
-                if "kernel cache:" in line:
-                    lines.append(json.loads(line)["message"])
-    return lines
+def _pool_dir(farm) -> str:
+    from torchfarm.workers import kernel_cache, toolchain
+
+    root = os.path.join(farm.workdir, "kernels")
+    cache = kernel_cache.KernelCache(root, toolchain.toolchain_id(), 1)
+    return cache.pool_dir(pool_name(local_target()))
 
 
 def _run(model, x, tenant: str, private: bool, monkeypatch, farm):
@@ -75,13 +80,28 @@ def test_a_private_compile_reuses_the_kernels_of_the_tenants_earlier_model(farm,
     a, b = _block(24, 2), _block(24, 3)  # siblings: B is A one block deeper
     x = torch.randn(4, 24)
     assert _run(a, x, "bob", True, monkeypatch, farm)[0] == ["miss"]
-    before = len(_kernel_log(farm))
+    before = len(kernel_log(farm))
     kept = _objects(_tenant_dir(farm, "bob"))
     assert kept  # A's objects are bob's now
     sources, error = _run(b, x, "bob", True, monkeypatch, farm)
     assert sources == ["miss"] and error < 1e-4
-    reused = int(_kernel_log(farm)[before].split()[2])
-    assert reused > 0, _kernel_log(farm)[before]
+    reused = int(kernel_log(farm)[before].split()[2])
+    assert reused > 0, kernel_log(farm)[before]
+
+
+def test_a_shared_compile_reuses_the_kernels_the_pool_built_from_another_tenants(farm, monkeypatch):
+    torch.manual_seed(2)
+    a, b = _block(20, 2), _block(20, 3)  # siblings, compiled shared by two tenants
+    x = torch.randn(4, 20)
+    counts = pool_builds(farm)
+    assert _run(a, x, "alice", False, monkeypatch, farm)[0] == ["miss"]
+    wait_for_pool_builds(farm, counts)  # in the background, after alice's compile ended
+    assert _objects(_pool_dir(farm))
+    before = len(kernel_log(farm))
+    sources, error = _run(b, x, "bob", False, monkeypatch, farm)
+    assert sources == ["miss"] and error < 1e-4
+    reused = int(kernel_log(farm)[before].split()[2])
+    assert reused > 0, kernel_log(farm)[before]
 
 
 class _Exploit:
@@ -113,6 +133,37 @@ os._exit(0)
     return pickle.dumps(_Exploit(code))
 
 
+MARKER = b"torchfarm pool build of the attacker's own source"
+MARKER_SOURCE = f'extern "C" const char marker[] = "{MARKER.decode()}";'
+
+
+def _plant_in_pool(victim_graph: bytes) -> bytes:
+    """A payload that compiles `victim_graph` honestly in its child, then reports for the pool
+    every object of it with PLANTED bytes, the victim's sources, a source of its own, and a
+    source naming something other than a C++ code cache; and an honest artifact."""
+    code = f"""
+import os
+from torchfarm.compiler.inductor import compile_payload
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.workers import compile_child, kernel_cache
+cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+sources = []
+with kernel_cache.recording(sources):
+    artifact = compile_payload({victim_graph!r}, pb.Options(), {local_target().threads}, {{}})
+files = kernel_cache.report(cache, "")
+assert files.built and sources, "no kernel to plant"
+for name in files.built:
+    files.built[name] = {PLANTED!r}
+files.sources.extend(sources)
+files.sources.append(pb.KernelSource(code_cache="CppCodeCache", main_code={MARKER_SOURCE!r}))
+files.sources.append(pb.KernelSource(code_cache="os.system", main_code="echo planted"))
+compile_child.report(pb.CompileChildReport(kernels=files))
+compile_child.report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
+os._exit(0)
+"""
+    return pickle.dumps(_Exploit(code))
+
+
 def _send(farm, graph: bytes, tenant: str, private: bool) -> list:
     request = pb.CompileRequest(graph=graph, target=local_target(), private=private)
     with grpc.insecure_channel(farm.addr) as channel:
@@ -124,14 +175,16 @@ def _send(farm, graph: bytes, tenant: str, private: bool) -> list:
 
 
 def _what_a_child_sees(farm, tenant: str) -> dict:
-    """A private compile child of `tenant` counts the files it can read under the worker's
-    kernel root (a host path) and in its own staging dir, and the planted ones among them."""
+    """What a private compile child of `tenant` can list of the worker's kernel root (a host
+    path) and of its own staging dir: a count of entries, or the error."""
     code = f"""
 import json, os
 seen = {{}}
 for top in ({os.path.join(farm.workdir, "kernels")!r}, "/run/kernels"):
-    files = [os.path.join(w, n) for w, _, names in os.walk(top) for n in names]
-    seen[top] = [len(files), sum(open(f, "rb").read() == {PLANTED!r} for f in files)]
+    try:
+        seen[top] = len(os.listdir(top))
+    except OSError as e:
+        seen[top] = type(e).__name__
 raise RuntimeError("report: " + json.dumps(seen))
 """
     with pytest.raises(grpc.RpcError) as e:
@@ -150,9 +203,11 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
         graph = direct_request(victim, x).graph
     hostile = _plant(graph)
 
-    # Sent shared, its report is ignored: shared jobs neither read nor fill a kernel cache.
+    # Sent shared, its objects are ignored: a shared job fills no tenant's cache, and the
+    # pool's only from its own builds of sources.
     assert _send(farm, hostile, "alice", private=False)[-1].WhichOneof("event") == "chunk"
     assert PLANTED not in _objects(_tenant_dir(farm, "alice")).values()
+    assert PLANTED not in _objects(_pool_dir(farm)).values()
 
     # Sent private, the planted objects land in alice's own cache, under the victim's names.
     assert _send(farm, hostile, "alice", private=True)[-1].WhichOneof("event") == "chunk"
@@ -168,11 +223,38 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
     sources, error = _run(victim, x, "bob", True, monkeypatch, farm)
     assert sources == ["miss"] and error < 1e-4
     assert PLANTED not in _objects(_tenant_dir(farm, "bob")).values()
-    # and what bob's child can read: his own objects, staged; nothing of the host's root
+    # and what bob's child can list: nothing of the host's root, nothing of what is staged
+    # for it (it finds an object by the name its own source gives)
     seen = _what_a_child_sees(farm, "bob")
     root = os.path.join(farm.workdir, "kernels")
-    assert seen == {root: [0, 0], "/run/kernels": [len(_objects(_tenant_dir(farm, "bob"))), 0]}
+    assert seen == {root: "FileNotFoundError", "/run/kernels": "PermissionError"}
 
     # alice's shared compile of it: the entry every tenant may hit is built without her cache.
     sources, error = _run(victim, x, "alice", False, monkeypatch, farm)
     assert sources == ["miss"] and error < 1e-4
+
+
+def test_objects_a_hostile_payload_reports_for_the_pool_never_enter_it(farm, monkeypatch):
+    torch.manual_seed(3)
+    victim = torch.nn.Sequential(torch.nn.Linear(11, 23), torch.nn.LayerNorm(23), torch.nn.SiLU())
+    x = torch.randn(3, 11)
+    with torch.no_grad():
+        graph = direct_request(victim, x).graph
+    counts = pool_builds(farm)
+    assert _send(farm, _plant_in_pool(graph), "alice", private=False)[-1].WhichOneof("event") == (
+        "chunk"
+    )
+    wait_for_pool_builds(farm, counts)
+    pool = _objects(_pool_dir(farm))
+    # No planted byte: the pool holds what its builds made of the sources it was given,
+    # the attacker's own one included, under the name that source gives (never a victim's).
+    assert PLANTED not in pool.values()
+    assert any(MARKER in data for data in pool.values())
+    assert any("failed" in line for line in kernel_log(farm, "pool kernel build"))  # os.system
+
+    # bob's shared compile of the victim: a miss that loads the victim's kernels as the pool
+    # built them from their sources, and equals eager.
+    before = len(kernel_log(farm))
+    sources, error = _run(victim, x, "bob", False, monkeypatch, farm)
+    assert sources == ["miss"] and error < 1e-4
+    assert int(kernel_log(farm)[before].split()[2]) > 0, kernel_log(farm)[before]

@@ -17,7 +17,7 @@ import zstandard
 from typer.testing import CliRunner
 
 import torchfarm
-from tests.integration.helpers import TOKENS
+from tests.integration.helpers import ADMIN_TOKEN, TOKENS
 from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import entry_dict
@@ -133,6 +133,7 @@ def test_a_crafted_bundle_is_refused_and_an_unsigned_import_is_never_loaded(
     farm, store, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("TORCHFARM_REDIS_URL", farm.redis_url)
+    monkeypatch.setenv("TORCHFARM_BLOB_URL", farm.blob_url)
     monkeypatch.setenv("TORCHFARM_VERIFY_KEYS", farm.verify_keys)  # the operator's trust
     x = torch.randn(3, 13)
     model = _model(29)
@@ -143,12 +144,16 @@ def test_a_crafted_bundle_is_refused_and_an_unsigned_import_is_never_loaded(
     crafted = tmp_path / "crafted.tfbundle"
     _bundle(crafted, key, data, meta)
 
-    refused = CliRunner().invoke(app, ["cache", "import", str(crafted)])
-    assert refused.exit_code != 0
-    assert "not signed by a trusted key" in refused.output and "nothing imported" in refused.output
+    for where in (["--addr", farm.addr, "--token", ADMIN_TOKEN], ["--redis", farm.redis_url]):
+        refused = CliRunner().invoke(app, ["cache", "import", str(crafted), *where])
+        assert refused.exit_code != 0
+        assert "not signed by a trusted key" in refused.output, where
+        assert "nothing imported" in refused.output, where
     assert not store.artifacts.entries(key)
 
-    imported = CliRunner().invoke(app, ["cache", "import", str(crafted), "--unsigned", "--json"])
+    imported = CliRunner().invoke(
+        app, ["cache", "import", str(crafted), "--redis", farm.redis_url, "--unsigned", "--json"]
+    )
     assert imported.exit_code == 0, imported.output
     assert json.loads(imported.stdout.strip().splitlines()[-1])["unsigned"] == 1
     assert [e.digest for e in store.artifacts.entries(key)] == [meta.digest]

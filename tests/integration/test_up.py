@@ -1,8 +1,10 @@
-"""`torchfarm up`: prints TORCHFARM_ADDR when ready, starts a worker that exits again, SIGTERM
+"""`torchfarm up`: prints the operator's block (address, an admin token the cache CLI works
+with alone, the recovery command) when ready, starts a worker that exits again, SIGTERM
 leaves no process behind, and it is closed where asked: tenants from the environment are
 honoured, its Redis wants a password."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,7 +57,61 @@ def _compile_status(channel, token: str | None) -> grpc.StatusCode:
     return e.value.code()
 
 
-def test_up_prints_address_serves_honours_tenants_and_stops_cleanly():
+def _operator_block(proc) -> dict[str, str]:
+    """`torchfarm up`'s block: NAME=value lines (the first is the address) and `# ` notes,
+    up to an empty line; the recovery command's file under "recovery", its blob store under
+    "blobs"."""
+    values: dict[str, str] = {}
+    while (line := proc.stdout.readline().rstrip("\n")) != "":
+        if line.startswith("# recovery"):
+            values["recovery"] = re.search(r'"\$\(cat (\S+)\)"', line).group(1)
+            values["blobs"] = re.search(r"TORCHFARM_BLOB_URL=(\S+)", line).group(1)
+        elif not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name] = value
+    return values
+
+
+def _cache(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchfarm", "cache", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _operate_with_what_up_printed(block: dict[str, str], tmp_path) -> None:
+    """The cache CLI with nothing but the block's two lines: an environment without any store
+    credential or Redis URL; a tenant's token in their place is refused."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFARM_")}
+    env.update(
+        TORCHFARM_ADDR=block["TORCHFARM_ADDR"],
+        TORCHFARM_ADMIN_TOKEN=block["TORCHFARM_ADMIN_TOKEN"],
+    )
+    bundle = str(tmp_path / "empty.tfbundle")
+    for args, expected in [
+        (["stats", "--json"], '"entries": 0'),
+        (["ls", "--json"], "[]"),
+        (["export", bundle], "exported 0 entries"),
+        (["import", bundle], "imported 0 entries"),
+        (["purge", "--all"], "removed 0 keys"),
+    ]:
+        done = _cache(env, *args)
+        assert done.returncode == 0 and expected in done.stdout, (args, done.stderr)
+    missing = _cache(env, "rm", "abcd")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    tenant = _cache(dict(env, TORCHFARM_ADMIN_TOKEN=TOKENS["alice"]), "stats")
+    assert tenant.returncode == 1 and "PERMISSION_DENIED" in tenant.stderr
+    with open(block["recovery"]) as f:  # the recovery mode: the store itself, no gateway
+        url = f.read()
+    recovery_env = dict(env, TORCHFARM_ADDR="", TORCHFARM_BLOB_URL=block["blobs"])
+    direct = _cache(recovery_env, "stats", "--json", "--redis", url)
+    assert direct.returncode == 0 and '"entries": 0' in direct.stdout, direct.stderr
+
+
+def test_up_prints_address_serves_honours_tenants_and_stops_cleanly(tmp_path):
     # Started with tenants in the environment (it once overrode them with an open farm).
     redis_port = free_port()
     env = dict(os.environ, TORCHFARM_TENANTS=f"alice:{hash_token(TOKENS['alice'])}")
@@ -68,9 +124,10 @@ def test_up_prints_address_serves_honours_tenants_and_stops_cleanly():
         env=env,
     )
     try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("TORCHFARM_ADDR=127.0.0.1:"), line
-        addr = line.split("=", 1)[1]
+        block = _operator_block(proc)
+        assert block["TORCHFARM_ADDR"].startswith("127.0.0.1:"), block
+        addr = block["TORCHFARM_ADDR"]
+        _operate_with_what_up_printed(block, tmp_path)
         with grpc.insecure_channel(addr) as channel:
             status = (
                 health_pb2_grpc.HealthStub(channel)

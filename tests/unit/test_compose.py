@@ -16,7 +16,8 @@ SCHEMA = os.path.join(ROOT, ".cache", "compose-spec.json")  # made by `make test
 # ${VAR}, ${VAR:-default} / ${VAR-default}, and ${VAR:?message} (compose refuses to start
 # without VAR): group 2 is the operator, group 3 the default or the message.
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
-REQUIRED = {"TORCHFARM_TENANTS", "REDIS_PASSWORD"}  # closed by default: no open gateway
+# closed by default: no open gateway, no Redis or object store without a secret
+REQUIRED = {"TORCHFARM_TENANTS", "REDIS_PASSWORD", "S3_SECRET_KEY"}
 
 
 def _raw() -> str:
@@ -96,3 +97,26 @@ def test_redis_has_a_password_and_the_web_uis_are_published_on_loopback_only(com
     assert services["gateway"]["environment"]["TORCHFARM_TENANTS"] == "torchfarm_tenants-value"
     for name in ("flower", "prometheus"):
         assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"])
+
+
+def test_the_cache_cli_needs_the_gateway_and_an_admin_token_only(compose):
+    """`torchfarm cache` reaches a compose farm through the published gateway port with a
+    token of TORCHFARM_ADMINS (its imports trusting TORCHFARM_VERIFY_KEYS): both reach the
+    gateway; no Redis port is published, so store credentials never leave the host."""
+    gateway = compose["services"]["gateway"]
+    assert {"TORCHFARM_ADMINS", "TORCHFARM_VERIFY_KEYS"} <= set(gateway["environment"])
+    assert any(str(p).endswith(":8470") for p in gateway["ports"])
+    for name in ("redis", "broker"):
+        assert not compose["services"][name].get("ports"), name
+
+
+def test_artifact_bytes_live_in_the_object_store_and_its_port_stays_inside(compose):
+    services = compose["services"]
+    assert "ports" not in services["seaweedfs"]
+    secret = services["seaweedfs"]["environment"]["AWS_SECRET_ACCESS_KEY"]
+    assert secret == "s3_secret_key-value"
+    for name in ("gateway", "worker-cpu", "worker-gpu"):
+        env = services[name]["environment"]
+        assert env["TORCHFARM_BLOB_URL"].startswith("s3://torchfarm?endpoint=http://seaweedfs:")
+        assert env["AWS_SECRET_ACCESS_KEY"] == secret
+        assert "seaweedfs" in services[name]["depends_on"]

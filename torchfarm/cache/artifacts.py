@@ -1,7 +1,7 @@
 """The artifact cache: index entries (what is stored), a codec (how bytes are encoded and
-verified) and a blob backend (where the bytes live), kept apart as Inductor's
-remote_cache.py keeps its backends and serdes: a blob store other than Redis (an
-S3-compatible one for a large fleet) is a new BlobBackend, not a rewrite.
+verified) and a blob backend (where the bytes live: cache/blobs.py, the cache's Redis, a
+directory or an S3-compatible store), kept apart as Inductor's remote_cache.py keeps its
+backends and serdes.
 
 Blobs are verified (size and sha256) on every read; a bad or missing blob is dropped with
 the index entries that point to it and reads as a miss. A process that serves the same blobs
@@ -14,27 +14,23 @@ order.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Literal
 
 import redis
 import zstandard
 from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
+from torchfarm.cache.blobs import BlobBackend, CacheFull, OutOfMemoryError, RedisBlobs
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
-# What a Redis at its memory limit raises (missing from the types-redis stubs).
-OutOfMemoryError: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
-
-
-class CacheFull(Exception):
-    """The cache's storage refused a write (Redis at its memory limit); nothing was kept."""
 
 
 def digest_of(data: bytes) -> str:
@@ -121,46 +117,53 @@ class VerifiedBlobs:
                 self._bytes -= len(old)
 
 
-class BlobBackend(Protocol):
-    """Where encoded artifact bytes live, by digest."""
-
-    def get(self, digest: str) -> bytes | None: ...
-
-    def put(self, digest: str, stored: bytes) -> None:
-        """Store; raise CacheFull if the backend is out of space (and keep nothing)."""
-
-    def delete(self, digests: Iterable[str]) -> None: ...
+# An entry's bulky fields, for operators only (`cache show`, `cache export`): kept beside its
+# blob (`details_name`), not in Redis, so that an entry costs Redis a bounded few KB whatever
+# the size of its graph. What serving, signing, eviction and explaining misses read stays.
+DetailField = Literal["graph_code", "op_counts", "kernels", "objects"]
+DETAIL_FIELDS: tuple[DetailField, ...] = ("graph_code", "op_counts", "kernels", "objects")
+MAX_INDEX_VALUE = 1 << 20  # an index entry decodes to no more than this
 
 
-class RedisBlobs:
-    """Blobs in the cache's Redis, at keys.blob(digest)."""
+def details_name(digest: str) -> str:
+    """The blob name of an entry's details (DETAIL_FIELDS), next to its artifact's."""
+    return f"{digest}.details"
 
-    def __init__(self, client: redis.Redis):
-        self.redis = client
 
-    def get(self, digest: str) -> bytes | None:
-        return self.redis.get(keys.blob(digest))
-
-    def put(self, digest: str, stored: bytes) -> None:
-        try:
-            self.redis.set(keys.blob(digest), stored)
-        except OutOfMemoryError as e:
-            raise CacheFull(str(e)) from e
-
-    def delete(self, digests: Iterable[str]) -> None:
-        names = [keys.blob(d) for d in digests]
-        if names:
-            self.redis.delete(*names)
+def index_value(serialized: bytes) -> bytes:
+    """An index entry (its EntryMeta's bytes) as Redis holds it: zstd-compressed (key parts
+    and signatures are hex and base64: compressed they take about half the memory)."""
+    return zstandard.ZstdCompressor(level=3).compress(serialized)
 
 
 def _parse(key: str, digest: bytes, value: bytes) -> pb.EntryMeta | None:
     """An index entry, or None (logged) if its bytes do not decode: it is never offered, and
     `drop` removes it with the key's other entries."""
     try:
-        return pb.EntryMeta.FromString(value)
-    except DecodeError:
+        raw = zstandard.ZstdDecompressor().decompress(value, max_output_size=MAX_INDEX_VALUE)
+        if len(raw) > MAX_INDEX_VALUE:
+            raise ValueError("too large")
+        return pb.EntryMeta.FromString(raw)
+    except (DecodeError, ValueError, zstandard.ZstdError):
         log.warning("ignoring undecodable index entry %s of %s", digest.decode()[:16], key[:16])
         return None
+
+
+def _split(entry: pb.EntryMeta) -> tuple[pb.EntryMeta, pb.EntryMeta]:
+    """(the entry without DETAIL_FIELDS, DETAIL_FIELDS alone)."""
+    index, details = pb.EntryMeta(), pb.EntryMeta()
+    index.CopyFrom(entry)
+    for name in DETAIL_FIELDS:
+        index.ClearField(name)
+    details.CopyFrom(entry)
+    for field, _ in entry.ListFields():
+        if field.name not in DETAIL_FIELDS:
+            details.ClearField(field.name)  # type: ignore[arg-type]
+    return index, details
+
+
+class WrongBlobStore(Exception):
+    """This process's TORCHFARM_BLOB_URL names another store than the cache's workers use."""
 
 
 class ArtifactCache:
@@ -177,6 +180,21 @@ class ArtifactCache:
         self.blobs: BlobBackend = blobs if blobs is not None else RedisBlobs(client)
         self.codec: Codec = codec or Codec()
         self.verified = verified if verified is not None else VerifiedBlobs()
+
+    # ---- the blob store ----------------------------------------------------------------
+    def record_store(self) -> None:
+        """A worker's, at start: its blob store is the cache's from now on."""
+        self.redis.set(keys.BLOB_STORE, self.blobs.where)
+
+    def check_store(self) -> None:
+        """Raise WrongBlobStore if the cache's workers recorded another blob store: read
+        through the wrong one, every entry would look corrupt and be dropped."""
+        recorded = self.redis.get(keys.BLOB_STORE)
+        if recorded is not None and recorded.decode() != self.blobs.where:
+            raise WrongBlobStore(
+                f"this cache's blobs live in {recorded.decode()} (its workers say so), "
+                f"but TORCHFARM_BLOB_URL names {self.blobs.where}"
+            )
 
     # ---- reads -------------------------------------------------------------------------
     def keys(self) -> list[tuple[str, float]]:
@@ -201,6 +219,19 @@ class ArtifactCache:
 
     def entry(self, key: str, digest: str) -> pb.EntryMeta | None:
         return next((e for e in self.entries(key) if e.digest == digest), None)
+
+    def with_details(self, entry: pb.EntryMeta) -> pb.EntryMeta:
+        """The entry with its DETAIL_FIELDS from the blob store (one read); without them if
+        they are gone or do not decode (they are descriptive only: nothing loads them)."""
+        full = pb.EntryMeta()
+        full.CopyFrom(entry)
+        value = self.blobs.get(details_name(entry.digest))
+        if value is not None:
+            try:
+                full.MergeFrom(pb.EntryMeta.FromString(value))
+            except DecodeError:
+                log.warning("ignoring undecodable details of entry %s", entry.digest[:16])
+        return full
 
     def used_bytes(self) -> float:
         """What counts in the byte budget: stored blobs and tenants' Dynamo packages (whose
@@ -234,8 +265,9 @@ class ArtifactCache:
     # ---- writes ------------------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: pb.EntryMeta) -> pb.EntryMeta:
         """Store `data` under `key` with `meta` (digest, sizes and creation time filled in):
-        the blob first, then its index entry in one transaction, so no entry ever names a
-        missing blob. Raises CacheFull (with nothing kept) when storage is full."""
+        the blob and the entry's details first, then its index entry (without the details)
+        in one transaction, so no entry ever names a missing blob. Raises CacheFull (with
+        nothing kept) when storage is full."""
         entry = pb.EntryMeta()
         entry.CopyFrom(meta)
         stored = self.codec.encode(data)
@@ -243,17 +275,25 @@ class ArtifactCache:
         entry.created = entry.created or time.time()
         entry.ClearField("hits")
         entry.ClearField("last_hit")
+        index, details = _split(entry)
+        written = [entry.digest, details_name(entry.digest)]
         self.blobs.put(entry.digest, stored)
         pipe = self.redis.pipeline()
-        pipe.hset(keys.index(key), entry.digest, entry.SerializeToString())
+        pipe.hset(keys.index(key), entry.digest, index_value(index.SerializeToString()))
         pipe.zadd(keys.RECENT, {key: time.time()})
         pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", len(stored))
         pipe.hincrbyfloat(keys.TOTALS, "entries", 1)
         try:
+            if details.ByteSize():
+                self.blobs.put(written[1], details.SerializeToString())
             pipe.execute()
         except OutOfMemoryError as e:  # MULTI/EXEC: nothing was written
-            self.blobs.delete([entry.digest])
+            self.blobs.delete(written)
             raise CacheFull(str(e)) from e
+        except BaseException:  # no object without its entry (a lost reply: a miss, rebuilt)
+            with contextlib.suppress(Exception):  # the first failure is the one to report
+                self.blobs.delete(written)
+            raise
         return entry
 
     def put_new(self, key: str, data: bytes, meta: pb.EntryMeta) -> str:
@@ -280,8 +320,8 @@ class ArtifactCache:
             log.warning("the cache's Redis is at its memory limit: hit of %s not recorded", key)
 
     def drop(self, key: str, digests: list[str] | None = None) -> int:
-        """Remove entries of `key` (all if `digests` is None), then their blobs; the number
-        removed. The key leaves the LRU order once it has none."""
+        """Remove entries of `key` (all if `digests` is None), then their blobs and details;
+        the number removed. The key leaves the LRU order once it has none."""
 
         def remove(pipe: redis.client.Pipeline) -> list[pb.EntryMeta]:
             raw: dict[bytes, bytes] = pipe.hgetall(keys.index(key))  # type: ignore[assignment]
@@ -305,7 +345,7 @@ class ArtifactCache:
             return chosen
 
         removed = self.redis.transaction(remove, keys.index(key), value_from_callable=True)
-        self.blobs.delete(e.digest for e in removed)
+        self.blobs.delete(n for e in removed for n in (e.digest, details_name(e.digest)))
         return len(removed)
 
     def evict(self, max_bytes: int, ttl_s: float = 0, now: float | None = None) -> list[str]:

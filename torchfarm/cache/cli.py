@@ -1,56 +1,210 @@
 """`torchfarm cache`: look at and manage the farm's cache (ls, show, stats, rm, purge,
-export, import). Talks to Redis directly (`--redis`, or TORCHFARM_REDIS_URL): it is an
-operator's tool, run where the farm's Redis is reachable. `--json` on every command prints
-one JSON document for scripts.
+export, import). Each command is an Admin RPC of the gateway (`--addr`/`--token`, or
+TORCHFARM_ADDR / TORCHFARM_ADMIN_TOKEN: a token listed in its TORCHFARM_ADMINS), so an
+operator needs no store credentials. `--redis URL` (or `--direct`, TORCHFARM_REDIS_URL) talks
+to the cache's Redis itself instead: the recovery mode, for a farm whose gateway is down.
+Both run the same operations (cache/admin.py); this module only picks the source and
+formats. `--json` on every command prints one JSON document for scripts.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, Protocol, TypeVar
 
+import grpc
 import redis
 import typer
-import zstandard
-from google.protobuf.message import DecodeError
 from rich.console import Console
 from rich.table import Table
 
 from torchfarm import signing
-from torchfarm.cache.artifacts import digest_of
-from torchfarm.cache.store import Store, entry_dict, entry_from_dict
+from torchfarm.cache import admin
+from torchfarm.cache.admin import CacheAdmin
+from torchfarm.cache.artifacts import WrongBlobStore
+from torchfarm.cache.store import Store, entry_dict
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import GatewaySettings, WorkerSettings
+from torchfarm.settings import AdminSettings, GatewaySettings, WorkerSettings
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Inspect and manage the farm's cache (talks to Redis directly).",
+    help="Inspect and manage the farm's cache (through the gateway with an admin token; "
+    "--redis URL for direct store access).",
 )
-BUNDLE_FORMAT = "torchfarm-bundle-v1"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_T = TypeVar("_T")
 
-RedisOption = typer.Option(None, "--redis", help="Redis URL [TORCHFARM_REDIS_URL]")
+AddrOption = typer.Option(None, "--addr", help="gateway host:port [TORCHFARM_ADDR]")
+TokenOption = typer.Option(None, "--token", help="an admin token [TORCHFARM_ADMIN_TOKEN]")
+RedisOption = typer.Option(
+    None, "--redis", help="recovery: the cache's Redis URL, used directly instead of the gateway"
+)
+DirectOption = typer.Option(
+    False, "--direct", help="recovery: the cache's Redis at TORCHFARM_REDIS_URL, directly"
+)
 JsonOption = typer.Option(False, "--json", help="print one JSON document")
+
+
+class CommandFailed(Exception):
+    """A command the source refused; the message says why."""
+
+
+class Source(Protocol):
+    """Where the cache commands run: the gateway's Admin service, or the store itself."""
+
+    def ls(self, request: pb.ListRequest) -> pb.ListReply: ...
+    def show(self, request: pb.ShowRequest) -> pb.ShowReply: ...
+    def stats(self) -> dict: ...
+    def drop(self, key: str) -> int: ...
+    def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply: ...
+    def export(self, request: pb.ExportRequest) -> Iterator[bytes]: ...
+    def import_bundle(
+        self, data: bytes, trust_keys: list[str], unsigned: bool
+    ) -> pb.ImportReply: ...
+
+
+class GatewaySource:
+    """The Admin RPCs, with an admin token."""
+
+    def __init__(self, settings: AdminSettings):
+        from torchfarm.client.remote import channel
+        from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+
+        self.settings = settings
+        self.stub = pb_grpc.AdminStub(channel(settings.addr, settings.tls_ca))
+        self.metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
+
+    def _call(self, method: str, request: Any) -> Any:
+        call = getattr(self.stub, method)
+        try:
+            return call(request, metadata=self.metadata, timeout=self.settings.timeout_s)
+        except grpc.RpcError as e:
+            raise CommandFailed(self._why(e)) from None
+
+    def _why(self, e: grpc.RpcError) -> str:
+        code = e.code()
+        hint = {
+            grpc.StatusCode.UNAVAILABLE: f" (is the gateway at {self.settings.addr}?)",
+            grpc.StatusCode.UNAUTHENTICATED: " (--token / TORCHFARM_ADMIN_TOKEN)",
+            grpc.StatusCode.PERMISSION_DENIED: " (a tenant's token: the cache commands need "
+            "one listed in the gateway's TORCHFARM_ADMINS)",
+        }.get(code, "")
+        return f"{code.name}: {e.details()}{hint}"
+
+    def ls(self, request: pb.ListRequest) -> pb.ListReply:
+        return self._call("List", request)
+
+    def show(self, request: pb.ShowRequest) -> pb.ShowReply:
+        return self._call("Show", request)
+
+    def stats(self) -> dict:
+        return json.loads(self._call("Stats", pb.StatsRequest()).json)
+
+    def drop(self, key: str) -> int:
+        return self._call("Drop", pb.DropRequest(key=key)).entries
+
+    def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply:
+        return self._call("Purge", request)
+
+    def export(self, request: pb.ExportRequest) -> Iterator[bytes]:
+        try:
+            for chunk in self.stub.Export(
+                request, metadata=self.metadata, timeout=self.settings.timeout_s
+            ):
+                yield chunk.data
+        except grpc.RpcError as e:
+            raise CommandFailed(self._why(e)) from None
+
+    def import_bundle(self, data: bytes, trust_keys: list[str], unsigned: bool) -> pb.ImportReply:
+        if trust_keys or unsigned:
+            raise CommandFailed(
+                "--trust-key and --unsigned apply to direct store access (--redis) only: "
+                "through the gateway, entries must be signed by one of its TORCHFARM_VERIFY_KEYS"
+            )
+        step = 1 << 20
+        chunks = (pb.BundleChunk(data=data[i : i + step]) for i in range(0, len(data), step))
+        return self._call("Import", chunks)
+
+
+class StoreSource:
+    """Recovery: the operations run here, on the cache's Redis."""
+
+    def __init__(self, store: Store):
+        self.cache = CacheAdmin(store)
+
+    def _run(self, operation: Callable[[], _T]) -> _T:
+        try:
+            return operation()
+        except admin.Refused as e:
+            raise CommandFailed(str(e)) from None
+
+    def ls(self, request: pb.ListRequest) -> pb.ListReply:
+        return self._run(lambda: self.cache.ls(request))
+
+    def show(self, request: pb.ShowRequest) -> pb.ShowReply:
+        return self._run(lambda: self.cache.show(request))
+
+    def stats(self) -> dict:
+        return json.loads(self.cache.stats().json)
+
+    def drop(self, key: str) -> int:
+        return self._run(lambda: self.cache.drop(pb.DropRequest(key=key))).entries
+
+    def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply:
+        return self._run(lambda: self.cache.purge(request))
+
+    def export(self, request: pb.ExportRequest) -> Iterator[bytes]:
+        yield self._run(lambda: self.cache.export(request))
+
+    def import_bundle(self, data: bytes, trust_keys: list[str], unsigned: bool) -> pb.ImportReply:
+        served = signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
+        try:
+            trusted = signing.Verifier(trust_keys or served)
+        except ValueError as e:
+            raise CommandFailed(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from None
+        try:
+            return self.cache.import_bundle(data, trusted, served, unsigned)
+        except admin.Refused as e:
+            hint = "; --unsigned imports them anyway (no client loads them)"
+            raise CommandFailed(f"{e}{hint if e.problem is admin.Problem.UNTRUSTED else ''}")
+
+
+def _source(addr: str | None, token: str | None, redis_url: str | None, direct: bool) -> Source:
+    if redis_url or direct:
+        return StoreSource(_store(redis_url))
+    settings = AdminSettings.from_env(addr=addr, token=token)
+    if not settings.addr:
+        _fail(
+            "no gateway: pass --addr and --token (TORCHFARM_ADDR, TORCHFARM_ADMIN_TOKEN; "
+            "`torchfarm up` prints both), or --redis URL for direct store access (recovery)",
+            code=2,
+        )
+    return GatewaySource(settings)
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    typer.echo(f"torchfarm cache: {message}", err=True)
+    raise typer.Exit(code)
 
 
 def _store(redis_url: str | None) -> Store:
     settings = WorkerSettings.from_env()
     url = redis_url or settings.redis_url
-    store = Store.from_url(url, settings.broker_url)
+    store = Store.from_url(url, settings.broker_url, settings.blob_url)
     try:
         store.artifacts.redis.ping()
     except redis.RedisError as e:
-        typer.echo(
-            f"torchfarm cache: cannot reach Redis at {url} ({e}); "
-            "pass --redis or set TORCHFARM_REDIS_URL",
-            err=True,
-        )
-        raise typer.Exit(2) from e
+        _fail(f"cannot reach Redis at {url} ({e}); pass --redis or set TORCHFARM_REDIS_URL", code=2)
+    try:
+        store.artifacts.check_store()
+    except WrongBlobStore as e:
+        _fail(f"{e}; set TORCHFARM_BLOB_URL to it", code=2)
     return store
 
 
@@ -62,27 +216,24 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _matches(
-    row: dict,
-    target: str | None,
-    mode: str | None,
-    tenant: str | None,
-    older_than: float | None,
-    now: float,
-) -> bool:
-    return (
-        (target is None or target in row.get("target", "") or target in row.get("pool", ""))
-        and (mode is None or row.get("mode") == mode)
-        and (tenant is None or row.get("tenant") == tenant)
-        and (older_than is None or now - row["last_used"] >= older_than)
+def _filter(
+    target: str | None = None,
+    mode: str | None = None,
+    tenant: str | None = None,
+    older_than: str | None = None,
+) -> pb.EntryFilter:
+    return pb.EntryFilter(
+        target=target or "",
+        mode=mode or "",
+        tenant=tenant or "",
+        unused_for_s=parse_age(older_than) if older_than else 0.0,
     )
 
 
-def _summary(row: dict) -> dict:
-    """An entry without its bulky fields (graph code, op counts, kernels, objects)."""
-    return {
-        k: v for k, v in row.items() if k not in ("graph_code", "op_counts", "kernels", "objects")
-    }
+def _row(row: pb.CacheRow) -> dict:
+    """A row as `ls --json` prints it: the entry's fields without the bulky ones."""
+    fields = {k: v for k, v in entry_dict(row.entry).items() if k not in admin.BULKY}
+    return dict(fields, key=row.key, last_used=row.last_used)
 
 
 def _console() -> Console:
@@ -97,11 +248,16 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def _resolve(store: Store, prefix: str) -> str:
-    found = [k for k, _ in store.artifacts.keys() if k.startswith(prefix)]
-    if len(found) != 1:
-        raise typer.BadParameter(f"{prefix!r} matches {len(found)} keys; give more of the key")
-    return found[0]
+Conn = tuple[str | None, str | None, str | None, bool]  # --addr, --token, --redis, --direct
+
+
+def _run(connection: Conn, command: Callable[[Source], _T]) -> _T:
+    """`command` on the source the options choose; a refusal exits 1 with its reason."""
+    source = _source(*connection)
+    try:
+        return command(source)
+    except CommandFailed as e:
+        _fail(str(e))
 
 
 @app.command("ls")
@@ -112,25 +268,21 @@ def ls(
     older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
     sort: str = typer.Option("age", help="age (most recently used first), hits or size"),
     limit: int = typer.Option(50, help="rows to show (0: all)"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """List cache entries."""
-    now = time.time()
-    age = parse_age(older_than) if older_than else None
-    rows = [r for r in _store(redis_url).rows() if _matches(r, target, mode, tenant, age, now)]
-    order = {
-        "age": lambda r: -r["last_used"],
-        "hits": lambda r: -r["hits"],
-        "size": lambda r: -r.get("size", 0),
-    }
-    if sort not in order:
-        raise typer.BadParameter(f"--sort {sort!r}: one of {', '.join(order)}")
-    rows.sort(key=order[sort])
-    rows = rows[:limit] if limit else rows
+    request = pb.ListRequest(
+        filter=_filter(target, mode, tenant, older_than), sort=sort, limit=max(limit, 0)
+    )
+    rows = _run((addr, token, redis_url, direct), lambda s: s.ls(request)).rows
     if as_json:
-        typer.echo(json.dumps([_summary(r) for r in rows], indent=1))
+        typer.echo(json.dumps([_row(r) for r in rows], indent=1))
         return
+    now = time.time()
     table = Table(
         "key",
         "digest",
@@ -144,17 +296,18 @@ def ls(
         "last used",
     )
     for r in rows:
+        e = r.entry
         table.add_row(
-            r["key"][:16],
-            r["digest"][:12],
-            r.get("mode", ""),
-            r.get("tenant", ""),
-            r.get("target", "")[:48],
-            f"{r.get('size', 0):,}",
-            str(r["hits"]),
-            f"{r.get('compile_seconds', 0):.1f}",
-            _age(now - r.get("created", now)),
-            _age(now - r["last_used"]),
+            r.key[:16],
+            e.digest[:12],
+            e.mode,
+            e.tenant,
+            e.target[:48],
+            f"{e.size:,}",
+            str(e.hits),
+            f"{e.compile_seconds:.1f}",
+            _age(now - (e.created or now)),
+            _age(now - r.last_used),
         )
     _console().print(table)
 
@@ -162,20 +315,22 @@ def ls(
 @app.command()
 def show(
     key: str = typer.Argument(..., help="a key or a unique prefix of one"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """One key: its entries, guards, metadata, readable graph and kernels."""
-    store = _store(redis_url)
-    key = _resolve(store, key)
-    metas = store.artifacts.entries(key)
+    reply = _run((addr, token, redis_url, direct), lambda s: s.show(pb.ShowRequest(key=key)))
     if as_json:
-        typer.echo(json.dumps({"key": key, "entries": [entry_dict(m) for m in metas]}, indent=1))
+        entries = [entry_dict(m) for m in reply.entries]
+        typer.echo(json.dumps({"key": reply.key, "entries": entries}, indent=1))
         return
     console = _console()
-    for meta in metas:
+    for meta in reply.entries:
         e = entry_dict(meta)
-        console.rule(f"{key}  entry {e['digest'][:16]}")
+        console.rule(f"{reply.key}  entry {e['digest'][:16]}")
         for name in (
             "mode",
             "tenant",
@@ -213,9 +368,15 @@ def show(
 
 
 @app.command()
-def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
+def stats(
+    addr: str = AddrOption,
+    token: str = TokenOption,
+    redis_url: str = RedisOption,
+    direct: bool = DirectOption,
+    as_json: bool = JsonOption,
+) -> None:
     """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool."""
-    result = _store(redis_url).summary()
+    result = _run((addr, token, redis_url, direct), lambda s: s.stats())
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
@@ -244,17 +405,23 @@ def stats(redis_url: str = RedisOption, as_json: bool = JsonOption) -> None:
 @app.command()
 def rm(
     key: str = typer.Argument(..., help="a key or a unique prefix of one"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Remove a key with all its entries and blobs."""
-    store = _store(redis_url)
-    key = _resolve(store, key)
-    removed = store.artifacts.drop(key)
+
+    def remove(source: Source) -> tuple[str, int]:
+        full = source.show(pb.ShowRequest(key=key)).key
+        return full, source.drop(full)
+
+    full, removed = _run((addr, token, redis_url, direct), remove)
     typer.echo(
-        json.dumps({"key": key, "entries_removed": removed})
+        json.dumps({"key": full, "entries_removed": removed})
         if as_json
-        else f"removed {key} ({removed} entries)"
+        else f"removed {full} ({removed} entries)"
     )
 
 
@@ -263,20 +430,21 @@ def purge(
     older_than: str = typer.Option(None, help="unused for at least this long, e.g. 7d"),
     target: str = typer.Option(None, help="substring of the target or pool"),
     everything: bool = typer.Option(False, "--all", help="purge every entry"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Remove every key that matches the filters (at least one filter, or --all)."""
     if not (older_than or target or everything):
         raise typer.BadParameter("give --older-than, --target, or --all")
-    store = _store(redis_url)
-    age, now = (parse_age(older_than) if older_than else None), time.time()
-    keys = sorted({r["key"] for r in store.rows() if _matches(r, target, None, None, age, now)})
-    removed = sum(store.artifacts.drop(k) for k in keys)
+    request = pb.PurgeRequest(filter=_filter(target, older_than=older_than), all=everything)
+    reply = _run((addr, token, redis_url, direct), lambda s: s.purge(request))
     typer.echo(
-        json.dumps({"keys_removed": len(keys), "entries_removed": removed})
+        json.dumps({"keys_removed": reply.keys, "entries_removed": reply.entries})
         if as_json
-        else f"removed {len(keys)} keys ({removed} entries)"
+        else f"removed {reply.keys} keys ({reply.entries} entries)"
     )
 
 
@@ -284,33 +452,22 @@ def purge(
 def export(
     path: str = typer.Argument(..., help="bundle file to write"),
     target: str = typer.Option(None, help="only entries whose target/pool has this"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Write entries (artifact and metadata) to a bundle, e.g. to warm another farm."""
-    store = _store(redis_url)
-    bundle = pb.CacheBundle(format=BUNDLE_FORMAT)
-    for r in store.rows():
-        if not _matches(r, target, None, None, None, 0):
-            continue
-        entry = entry_from_dict(r)
-        data = store.artifacts.read(r["key"], entry)
-        if data is None:
-            continue  # corrupt: dropped by read, not exported
-        entry.ClearField("hits")
-        entry.ClearField("last_hit")
-        bundle.entries.add(
-            key=r["key"],
-            digest=entry.digest,
-            meta_json=json.dumps(entry_dict(entry)),
-            artifact=data,
-        )
+    request = pb.ExportRequest(filter=_filter(target))
+    data = _run((addr, token, redis_url, direct), lambda s: b"".join(s.export(request)))
     with open(path, "wb") as f:
-        f.write(zstandard.ZstdCompressor(level=10).compress(bundle.SerializeToString()))
+        f.write(data)
+    count = len(admin.parse_bundle(data).entries)
     typer.echo(
-        json.dumps({"entries": len(bundle.entries), "path": path})
+        json.dumps({"entries": count, "path": path})
         if as_json
-        else f"exported {len(bundle.entries)} entries to {path}"
+        else f"exported {count} entries to {path}"
     )
 
 
@@ -320,114 +477,61 @@ def import_(
     trust_keys: list[str] = typer.Option(
         None,
         "--trust-key",
-        help="a public key (base64) whose entries you trust; repeatable "
+        help="direct mode: a public key (base64) whose entries you trust; repeatable "
         "[default: TORCHFARM_VERIFY_KEYS]",
     ),
     unsigned: bool = typer.Option(
-        False, "--unsigned", help="also import entries no trusted key signed (clients skip them)"
+        False,
+        "--unsigned",
+        help="direct mode: also import entries no trusted key signed (clients skip them)",
     ),
+    addr: str = AddrOption,
+    token: str = TokenOption,
     redis_url: str = RedisOption,
+    direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Load a bundle. Every entry's digest, format and signature are checked first: an entry
-    that no trusted key signed refuses the whole bundle (nothing imported) unless --unsigned.
-    Entries keep the signature they came with, never re-signed with this farm's key: a client
-    loads them only if it trusts their origin's key (the gateway's TORCHFARM_VERIFY_KEYS, or
-    its own pins), and each records that key (`signed_by`). Entries private to a tenant are
-    dropped and counted: a bundle places nothing in a tenant's own namespace."""
+    that no trusted key signed refuses the whole bundle (nothing imported). Through the
+    gateway, the trusted keys are its TORCHFARM_VERIFY_KEYS; in direct mode --trust-key (or
+    TORCHFARM_VERIFY_KEYS), and --unsigned imports such entries anyway. Entries keep the
+    signature they came with, never re-signed with this farm's key: a client loads them only
+    if it trusts their origin's key (the gateway's TORCHFARM_VERIFY_KEYS, or its own pins),
+    and each records that key (`signed_by`). Entries private to a tenant are dropped and
+    counted: a bundle places nothing in a tenant's own namespace."""
     try:
         with open(path, "rb") as f:
-            bundle = pb.CacheBundle.FromString(zstandard.ZstdDecompressor().decompress(f.read()))
-    except (OSError, zstandard.ZstdError, ValueError, DecodeError) as e:
-        raise typer.BadParameter(f"{path}: not a torchfarm bundle ({e})") from e
-    if bundle.format != BUNDLE_FORMAT:
-        raise typer.BadParameter(
-            f"{path}: bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
-        )
-    served = signing.Verifier.parse(GatewaySettings.from_env().verify_keys).public_keys
-    try:
-        trusted = signing.Verifier(trust_keys or served)
-    except ValueError as e:
-        raise typer.BadParameter(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from e
-    entries, untrusted, private = [], [], 0
-    now = time.time()
-    for item in bundle.entries:
-        meta = _checked_entry(path, item)
-        if meta.private:
-            private += 1
-            continue
-        meta.signed_by = _origin(trusted, item.key, meta) or ""
-        meta.imported = now
-        if not meta.signed_by:
-            untrusted.append(item.key)
-        entries.append((item, meta))
-    if untrusted and not unsigned:
-        names = ", ".join(trusted.public_keys) or "none (--trust-key, TORCHFARM_VERIFY_KEYS)"
+            data = f.read()
+        admin.parse_bundle(data)  # a file that is no bundle is refused before any call
+    except (OSError, admin.Refused) as e:
+        raise typer.BadParameter(f"{path}: {e}") from e
+    reply = _run(
+        (addr, token, redis_url, direct),
+        lambda s: s.import_bundle(data, trust_keys or [], unsigned),
+    )
+    if reply.unsigned:
         typer.echo(
-            f"torchfarm cache import: {path}: {len(untrusted)} of {len(entries)} entries are "
-            f"not signed by a trusted key (first: {untrusted[0][:16]}); nothing imported. "
-            f"Trusted keys: {names}. --unsigned imports them anyway (no client loads them).",
-            err=True,
-        )
-        raise typer.Exit(1)
-    if untrusted:
-        typer.echo(
-            f"!!! WARNING: importing {len(untrusted)} entries that no trusted key signed "
+            f"!!! WARNING: imported {reply.unsigned} entries that no trusted key signed "
             "(--unsigned): clients will not load them !!!",
             err=True,
         )
-    signers = collections.Counter(meta.signed_by for _, meta in entries if meta.signed_by)
-    unserved = sorted(set(signers) - set(served))
-    if unserved:
+    if reply.unserved:
         typer.echo(
-            f"note: clients load the entries signed by {', '.join(unserved)} only once that "
-            "key is among the gateway's TORCHFARM_VERIFY_KEYS (or the keys clients pin)",
+            f"note: clients load the entries signed by {', '.join(reply.unserved)} only once "
+            "that key is among the gateway's TORCHFARM_VERIFY_KEYS (or the keys clients pin)",
             err=True,
         )
-    store = _store(redis_url)
-    for item, meta in entries:
-        store.artifacts.put_new(item.key, item.artifact, meta)
     if as_json:
         result = {
-            "entries": len(entries),
-            "unsigned": len(untrusted),
-            "private_dropped": private,
-            "signed_by": dict(signers),
+            "entries": reply.entries,
+            "unsigned": reply.unsigned,
+            "private_dropped": reply.private_dropped,
+            "signed_by": dict(reply.signed_by),
         }
         typer.echo(json.dumps(result))
         return
     typer.echo(
-        f"imported {len(entries)} entries"
-        + (f" ({len(untrusted)} unsigned)" if untrusted else "")
-        + (f"; dropped {private} private to a tenant" if private else "")
+        f"imported {reply.entries} entries"
+        + (f" ({reply.unsigned} unsigned)" if reply.unsigned else "")
+        + (f"; dropped {dropped} private to a tenant" if (dropped := reply.private_dropped) else "")
     )
-
-
-def _checked_entry(path: str, item: pb.BundleEntry) -> pb.EntryMeta:
-    """An entry's metadata, once its artifact matches its digest, size and guards."""
-    try:
-        meta = entry_from_dict(json.loads(item.meta_json))
-        guards = pb.Artifact.FromString(item.artifact).guards  # protobuf only: no code runs
-    except Exception as e:  # JSON, protobuf JSON or protobuf parse errors
-        raise typer.BadParameter(
-            f"{path}: entry {item.key[:16]} is malformed ({e}); nothing imported"
-        ) from e
-    if (
-        digest_of(item.artifact) != item.digest
-        or meta.digest != item.digest
-        or meta.size != len(item.artifact)
-        or guards != meta.guards
-        or not re.fullmatch(r"[0-9a-f]{64}", item.key)
-    ):
-        raise typer.BadParameter(
-            f"{path}: entry {item.key[:16]} fails its digest check; nothing imported"
-        )
-    return meta
-
-
-def _origin(trusted: signing.Verifier, key: str, meta: pb.EntryMeta) -> str | None:
-    """The trusted key that signed the entry for the graph its index key names, or None: a
-    shared entry's index key is the graph's public key itself, which the signature covers."""
-    if (meta.public_key or key) != key:
-        return None
-    return signing.entry_signer(trusted, key, meta)

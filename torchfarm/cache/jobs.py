@@ -32,8 +32,8 @@ JOB_TTL_S = 3600
 STAGE_TTL_S = 3600
 OUTCOME_TTL_S = 3600
 UNCACHED_TTL_S = 600  # long enough for every merged waiter to read it
-# A running job's heartbeat: its worker refreshes keys.alive every ALIVE_TTL_S / 3; a job past
-# QUEUED whose heartbeat expired lost its worker (killed, or its Celery process exited).
+# A running job's lease: the worker that won it renews keys.alive every ALIVE_TTL_S / 3; a job
+# past QUEUED whose lease expired lost its worker (killed, or its Celery process exited).
 ALIVE_TTL_S = 15
 ERROR_CHARS = 4000
 
@@ -75,6 +75,19 @@ if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('PUBLISH', KEYS[5], 'released')
 return 1
+"""
+# KEYS: the lease. ARGV: the holder's token, the TTL (ms). Renew the lease if it is still the
+# holder's, take it again if it lapsed (a broker away for longer than the TTL); 0 if another
+# run of the job holds it now.
+_RENEW_LEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+_DROP_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -129,6 +142,8 @@ class JobBoard:
         self.codec = codec or Codec()
         self._release = client.register_script(_RELEASE)
         self._take_over = client.register_script(_TAKE_OVER)
+        self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._drop_lease = client.register_script(_DROP_LEASE)
 
     # ---- single flight -----------------------------------------------------------------
     def claim(self, job: str, ttl_s: int) -> str | None:
@@ -251,34 +266,58 @@ class JobBoard:
 
     # ---- what workers write ------------------------------------------------------------
     def set_stage(self, job: str, stage: pb.Progress.Stage.ValueType) -> None:
-        """The job's new stage; a worker's stage is also its heartbeat."""
+        """The job's new stage, told to its waiters."""
         pipe = self.redis.pipeline()
         pipe.set(keys.stage(job), stage, ex=STAGE_TTL_S)
-        pipe.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
         pipe.publish(keys.events(job), b"stage")
         pipe.execute()
 
+    def take_lease(self, job: str, holder: str) -> str | None:
+        """Become the one run of the job: a token if no live run holds its lease, else None.
+        A broker redelivers a task whose run outlives its visibility timeout (or consumer
+        timeout); the copy finds the lease held and must not compile again."""
+        token = f"{holder}/{uuid.uuid4().hex}"
+        taken = self.redis.set(keys.alive(job), token, nx=True, px=int(ALIVE_TTL_S * 1000))
+        return token if taken else None
+
+    def lease_holder(self, job: str) -> str:
+        """Who runs the job ('' if nobody): the holder its run named, before the '/'."""
+        held = self.redis.get(keys.alive(job))
+        return held.decode().rpartition("/")[0] if held else ""
+
     @contextlib.contextmanager
-    def heartbeat(self, job: str) -> Iterator[None]:
-        """Keep the job's heartbeat fresh while the block runs (on a thread: a compile child
-        blocks the worker's own). A failed refresh (the broker full or away) is retried at
-        the next beat; the waiters take the job over only after ALIVE_TTL_S of silence."""
+    def lease(self, job: str, holder: str) -> Iterator[bool]:
+        """Hold the job's lease while the block runs, renewed on a thread every ALIVE_TTL_S / 3
+        (a compile child blocks the worker's own); yields False, holding nothing, if another
+        live run has it. A failed renewal (the broker full or away) is retried at the next
+        beat; waiters take the job over only after ALIVE_TTL_S without one (then the lease is
+        someone else's, and this run's result is stored all the same: completion is
+        idempotent)."""
+        try:
+            token = self.take_lease(job, holder)
+        except redis.RedisError:  # unknown: run it (at worst twice), as before leases
+            token = f"{holder}/{uuid.uuid4().hex}"
+        if token is None:
+            yield False
+            return
         stop = threading.Event()
 
         def beat() -> None:
             while not stop.wait(ALIVE_TTL_S / 3):
                 with contextlib.suppress(redis.RedisError):
-                    self.redis.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
+                    self._renew_lease(keys=[keys.alive(job)], args=[token, int(ALIVE_TTL_S * 1000)])
 
-        with contextlib.suppress(redis.RedisError):
-            self.redis.set(keys.alive(job), 1, ex=ALIVE_TTL_S)
-        thread = threading.Thread(target=beat, name=f"heartbeat-{job[:8]}", daemon=True)
+        thread = threading.Thread(target=beat, name=f"lease-{job[:8]}", daemon=True)
         thread.start()
         try:
-            yield
+            yield True
         finally:
             stop.set()
             thread.join()
+            # A run that ended without an outcome (its claim given back) leaves no lease that
+            # would turn the job's next run away.
+            with contextlib.suppress(redis.RedisError):
+                self._drop_lease(keys=[keys.alive(job)], args=[token])
 
     def take_over(self, job: str, seen: JobState) -> bool:
         """Drop the claim of a job its caller found stranded in state `seen` (orphaned, or lost

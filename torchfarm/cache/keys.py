@@ -1,17 +1,23 @@
 """Every Redis key and channel torchfarm uses, and nothing else. The prefix carries the
 format version, so an upgrade never reads old data as new (tf2: entries, outcomes and stages
 are protobuf messages and enums; tf3: an entry's guards are a ShapeGuards tree, not text;
-tf4: artifacts hold AOTAutograd's bundled entry, loaded from memory, ARTIFACT_FORMAT 3).
+tf4: artifacts hold AOTAutograd's bundled entry, loaded from memory, ARTIFACT_FORMAT 3;
+tf5: index entries are zstd-compressed and their bulky details live beside the blob).
 
-Two servers may hold them: the cache (blobs, index, usage, counters) and the broker's Redis
-(jobs, claims, stages, outcomes, notifications and pools, next to Celery's queues), so a
-full cache never stops a compile from being queued and answered."""
+Two servers may hold them: the cache (index, usage, counters; blobs too where
+TORCHFARM_BLOB_URL=redis, else they live in the store it names: cache/blobs.py) and the
+broker's Redis (jobs, claims, stages, outcomes, notifications and pools, next to Celery's
+queues), so a full cache never stops a compile from being queued and answered."""
 
-FORMAT = "tf4"
+FORMAT = "tf5"
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256
-    return f"{FORMAT}:blob:{digest}"
+    return f"{FORMAT}:blob:{digest}"  # where TORCHFARM_BLOB_URL=redis (cache/blobs.py)
+
+
+def blob_object(digest: str) -> str:  # the same bytes' name in a file or S3 blob store:
+    return f"{FORMAT}/blob/{digest[:2]}/{digest}"  # a path, fanned out by the digest's start
 
 
 def index(key: str) -> str:  # hash: artifact digest -> EntryMeta bytes
@@ -85,6 +91,7 @@ POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters
 TOTALS = f"{FORMAT}:totals"  # hash: the cache's stored_bytes and entries, kept with the index
 RECENT = f"{FORMAT}:recent"  # sorted set: key -> last use (stored or hit), for LRU
+BLOB_STORE = f"{FORMAT}:blobstore"  # string: which blob store holds the cache's blobs
 
 
 def tenant_packages(tenant: str) -> str:  # hash: package key -> its bytes, one tenant's

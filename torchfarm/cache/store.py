@@ -1,7 +1,8 @@
-"""The composition root of the farm's state: the artifact cache and the counters on the
-cache's Redis; the job board and the pool registry on the broker's Redis (by default another
-database of the same server), so a full cache never stops a compile from being queued and
-answered. Built once per process with `Store.from_url`.
+"""The composition root of the farm's state: the artifact cache's index and the counters on
+the cache's Redis, its blobs where TORCHFARM_BLOB_URL says (cache/blobs.py); the job board
+and the pool registry on the broker's Redis (by default another database of the same
+server), so a full cache never stops a compile from being queued and answered. Built once
+per process with `Store.from_url`.
 
 Only workers write entries (and operators, through `torchfarm cache import`); the gateway
 reads entries, claims and posts jobs, and counts.
@@ -16,6 +17,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from torchfarm.cache.artifacts import ArtifactCache
+from torchfarm.cache.blobs import BlobBackend, open_blobs
 from torchfarm.cache.counters import Counters
 from torchfarm.cache.jobs import JobBoard
 from torchfarm.cache.pools import PoolRegistry
@@ -45,16 +47,22 @@ class Store:
     programs: Programs  # prefetch: what each tenant's program was served (the gateway writes)
 
     @classmethod
-    def from_url(cls, redis_url: str, broker: str = "") -> Store:
+    def from_url(cls, redis_url: str, broker: str = "", blob_url: str = "redis") -> Store:
+        """`blob_url`: where blobs live (TORCHFARM_BLOB_URL, cache/blobs.py)."""
         cache = connect(redis_url)
-        return cls.from_clients(cache, connect(broker_url(redis_url, broker)))
+        return cls.from_clients(
+            cache, connect(broker_url(redis_url, broker)), open_blobs(blob_url, cache)
+        )
 
     @classmethod
-    def from_clients(cls, cache: redis.Redis, jobs: redis.Redis | None = None) -> Store:
-        """One client for both servers unless `jobs` is given (tests with one database)."""
+    def from_clients(
+        cls, cache: redis.Redis, jobs: redis.Redis | None = None, blobs: BlobBackend | None = None
+    ) -> Store:
+        """One client for both servers unless `jobs` is given (tests with one database);
+        blobs in the cache's Redis unless `blobs` is given."""
         jobs = cache if jobs is None else jobs
         return cls(
-            ArtifactCache(cache),
+            ArtifactCache(cache, blobs),
             Counters(cache),
             JobBoard(jobs),
             PoolRegistry(jobs),
@@ -63,9 +71,13 @@ class Store:
         )
 
     def rows(self) -> list[dict]:
-        """Every entry of every key, with its key and last use (the cache CLI's rows)."""
+        """Every entry of every key, with its key and last use (without its details)."""
         return [
-            dict(entry_dict(entry), key=key, last_used=last_used)
+            dict(
+                entry_dict(entry),
+                key=key,
+                last_used=last_used,
+            )
             for key, last_used in self.artifacts.keys()
             for entry in self.artifacts.entries(key)
         ]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from torchfarm import signing, torch_adapter
-from torchfarm.client import explain, remote, switching
+from torchfarm.client import explain, prepare, remote, switching
 from torchfarm.client.pool import Job, pool
 from torchfarm.client.prefetch import program
 from torchfarm.client.progress import ProgressLine
@@ -35,7 +35,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import load_prewarm
+from torchfarm.torch_adapter import fake_device, load_prewarm
 from torchfarm.torch_adapter.deferrable import deferrable
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
@@ -61,6 +61,7 @@ class GraphRecord:
     bytes: int = 0
     key: str = ""
     digest: str = ""  # farm graphs: the artifact served
+    job_id: str = ""  # a farm miss or merge: the compile's job, as the farm's logs name it
     why: str = ""  # for local and eager: why the farm (and local compile) did not serve it
     submitted: float = 0.0
     awaited: float = 0.0
@@ -139,6 +140,9 @@ def torchfarm_backend(
         return _compile_locally(
             gm, example_inputs, farm_options, label, started, why=torch_adapter.UNVERIFIED
         )
+    prepared_for = prepare.target()
+    if prepared_for is not None:
+        return _prepare(gm, settings, farm_options, label, started, prepared_for)
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, farm_options, label)
@@ -183,6 +187,78 @@ def torchfarm_backend(
         return _compile_locally(gm, example_inputs, farm_options, label, started, why=why)
     _record_farm(label, fetched, started, started)
     return compiled
+
+
+# A preparation's graphs fetched in the background (static ones, as DeferredGraph's): label,
+# submission time and fetch; finish_prepared records them.
+_prepared: list[tuple[str, float, Job[Fetched]]] = []
+
+
+def _prepare(
+    gm: torch.fx.GraphModule,
+    settings: ClientSettings,
+    options: pb.Options,
+    label: str,
+    started: float,
+    target: pb.Target,
+) -> Callable:
+    """`torchfarm prepare` (client/prepare.py): the farm compiles the graph for `target` (or
+    holds it already); nothing is loaded, and the graph runs on the fake tensors it was traced
+    on. Its shape guards are installed as in a real run, so the graphs after it are traced
+    from the same ShapeEnv. A static graph is fetched in the background (DDP's buckets compile
+    at once); a failure is recorded, never compiled here."""
+    fake_device.as_traced_for_real(gm)
+    request = _request(gm, settings, options, label, _target_for(target, _device_of(gm)))
+    inputs = serialize.example_inputs(gm)
+    ask = _ask(gm, request, inputs)
+    before = {"payload_s": time.monotonic() - started}
+    fetch = functools.partial(_fetch, request, ask, settings, inputs, before)
+    if deferrable(gm):
+        _prepared.append((label, started, pool(max(settings.parallel_graphs, 1)).submit(fetch)))
+        return gm.forward
+    try:
+        fetched = fetch()
+        if not guards.install(fetched.artifact.guards, inputs):
+            raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
+        _record_farm(label, fetched, started, started)
+    except Exception as e:
+        _record_unprepared(label, started, e)
+    return gm.forward
+
+
+def finish_prepared() -> None:
+    """Wait for the preparation's background fetches and record each."""
+    while _prepared:
+        label, started, job = _prepared.pop(0)
+        try:
+            _record_farm(label, job.result(), started, started, deferred=True)
+        except Exception as e:
+            _record_unprepared(label, started, e)
+
+
+def _record_unprepared(label: str, started: float, e: Exception) -> None:
+    why = f"farm: {type(e).__name__}: {e}"
+    history.append(
+        GraphRecord(label, "failed", time.monotonic() - started, why=why, submitted=started)
+    )
+    log.warning("%s: not prepared (%s)", label, why)
+
+
+def _target_for(target: pb.Target, device: str) -> pb.Target:
+    """The prepared job's target for a graph on `device`: a CPU graph of a CUDA job runs on
+    that machine's CPU, which the target describes too (compiler/target.py)."""
+    kind = torch.device(device).type
+    if kind == target.device:
+        return target
+    if kind != "cpu":
+        raise remote.FarmError(f"a {kind} graph in a job prepared for {target.device}")
+    cpu = pb.Target()
+    cpu.CopyFrom(target)
+    cpu.device = "cpu"
+    cpu.ClearField("cuda_capability")
+    cpu.ClearField("cuda_version")
+    cpu.ClearField("triton_version")
+    return cpu
 
 
 def _eager_while_compiling(
@@ -314,6 +390,7 @@ def _record_farm(
         header.size,
         header.key,
         header.digest,
+        job_id=header.job_id,
         submitted=submitted,
         awaited=awaited,
         deferred=deferred,
@@ -325,7 +402,7 @@ def _record_farm(
     )
     history.append(record)
     log.info(
-        "%s: farm %s%s in %.2f s (waited %.2f s), %d bytes, key %s%s",
+        "%s: farm %s%s in %.2f s (waited %.2f s), %d bytes, key %s%s%s",
         label,
         record.source,
         " (prefetched)" if record.prefetched else "",
@@ -333,6 +410,7 @@ def _record_farm(
         time.monotonic() - awaited,
         record.bytes,
         header.key[:16],
+        f", job {record.job_id}" if record.job_id else "",
         f"; {record.explanation}" if record.explanation else "",
     )
 
@@ -360,11 +438,12 @@ def _device_of(gm: torch.fx.GraphModule) -> str:
     return "cpu"
 
 
-def _request(gm, settings, options, label) -> pb.CompileRequest:
-    """The graph's Compile request, built on Dynamo's thread (pickling reads its ShapeEnv)."""
+def _request(gm, settings, options, label, target: pb.Target | None = None) -> pb.CompileRequest:
+    """The graph's Compile request, built on Dynamo's thread (pickling reads its ShapeEnv);
+    for this process's target unless `target` is given (client/prepare.py)."""
     return pb.CompileRequest(
         graph=serialize.dumps(gm),
-        target=local_target(_device_of(gm)),
+        target=target or local_target(_device_of(gm)),
         options=options,
         label=label,
         private=settings.private,

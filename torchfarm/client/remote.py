@@ -4,6 +4,12 @@ as stored (zstd), decompressed while it arrives; a miss answers `missing`, and t
 follows on the same stream, with streamed progress until the artifact. Compile (the payload
 alone, artifact decoded) stays for tools and tests; Lookup for `torchfarm doctor`.
 
+Several gateways: TORCHFARM_ADDR takes a comma-separated list of IP:port, or a DNS name
+(`host:port`, `dns:///host:port`) that resolves to every gateway; the channel balances calls
+over them with gRPC's round-robin policy. A call whose gateway is lost under it (UNAVAILABLE,
+or silent past the inactivity limit) is made again, and round-robin gives it a gateway still
+up: its job lives on the farm's Redis, so the other gateway joins the same compile.
+
 A farm may hang without closing anything (a stopped gateway, a dead network path): the
 channel sends keepalive pings, and a Compile that hears nothing (no progress, no chunk) for
 TORCHFARM_INACTIVITY_TIMEOUT is cancelled, so the training step compiles locally after
@@ -15,11 +21,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import ipaddress
+import json
+import logging
 import queue
 import threading
 import time
 import typing
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 import zstandard
@@ -29,7 +39,11 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
 
+log = logging.getLogger("torchfarm.client")
+T = TypeVar("T")
 MAX_MESSAGE = 256 << 20
+# Every target is balanced over all its addresses (a list, or a name with several records).
+ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 # Pings on an open connection, even while a call only waits (the gateway permits them every
 # 5 s): a connection that stops answering fails its calls instead of hanging. The inactivity
 # deadline below usually acts first; the pings also keep idle NAT/proxy paths open.
@@ -48,23 +62,80 @@ class UntrustedEntry(FarmError):
     """An entry or artifact that no trusted key signed: never loaded, the graph compiles here."""
 
 
+class GatewayLost(FarmError):
+    """The gateway went away under a call (UNAVAILABLE, or `silent`): another may answer it."""
+
+    def __init__(self, message: str, silent: bool = False):
+        super().__init__(message)
+        self.silent = silent
+
+
+def target(addr: str) -> str:
+    """gRPC's target for TORCHFARM_ADDR: one address or name as given (a name resolving to
+    several addresses is balanced over them all), or a comma-separated list of IP:port as an
+    `ipv4:`/`ipv6:` target. gRPC resolves no list of names: give those one DNS name."""
+    items = [a.strip() for a in addr.split(",") if a.strip()]
+    if len(items) < 2:
+        return addr.strip()
+    families = set()
+    for item in items:
+        host = item.rpartition(":")[0].removeprefix("[").removesuffix("]")
+        try:
+            families.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            raise FarmError(
+                f"TORCHFARM_ADDR {addr!r}: a list takes IP:port only ({item!r} is not); give "
+                "several gateways a DNS name that resolves to them all (dns:///name:port)"
+            ) from None
+    if len(families) > 1:
+        raise FarmError(f"TORCHFARM_ADDR {addr!r}: a list is all IPv4 or all IPv6")
+    return f"ipv{families.pop()}:{','.join(items)}"
+
+
+def _attempts(addr: str, silent: bool) -> int:
+    """How many times a call may meet a lost gateway. A closed one fails the call at once:
+    once more than the gateways listed, at least 3 (a name may stand for several, and
+    round-robin skips a gateway only once its connection has closed). A silent one costs the
+    inactivity limit each time: once per gateway listed (a name: once; a hung gateway's
+    connection stays up, so round-robin may pick it again)."""
+    listed = len([a for a in addr.split(",") if a.strip()])
+    return listed if silent else max(3, listed + 1)
+
+
 @functools.cache
 def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
-    """One channel per gateway: TLS when `tls_ca` names PEM roots to trust (or "system")."""
+    """One channel per farm, balanced over its gateways: TLS when `tls_ca` names PEM roots
+    to trust (or "system")."""
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE),
         ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.service_config", ROUND_ROBIN),
         *KEEPALIVE,
     ]
     if not tls_ca:
-        return grpc.insecure_channel(addr, options=options)
+        return grpc.insecure_channel(target(addr), options=options)
     roots = None
     if tls_ca != "system":
         with open(tls_ca, "rb") as f:
             roots = f.read()
     return grpc.secure_channel(
-        addr, grpc.ssl_channel_credentials(root_certificates=roots), options=options
+        target(addr), grpc.ssl_channel_credentials(root_certificates=roots), options=options
     )
+
+
+def _failing_over(settings: ClientSettings, call: Callable[[], T]) -> T:
+    """`call`, made again while its gateway is lost under it (GatewayLost), up to
+    _attempts: the channel's round-robin then picks a gateway that is still up."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except GatewayLost as e:
+            if attempt >= _attempts(settings.addr, e.silent):
+                raise
+            log.info("gateway lost (%s); asking again (attempt %d)", e, attempt + 1)
+            time.sleep(0.1 * attempt)  # the balancer hears of the closed connection
 
 
 @functools.cache
@@ -133,15 +204,26 @@ def lookup(
     by the client as the gateway computes it: the payload is not sent), with the guards under
     which each applies; `private`: the tenant's own entries of that graph."""
     stub = _stub(settings)
-    try:
-        reply = stub.Lookup(
-            pb.LookupRequest(key=key, private=private),
-            timeout=settings.inactivity_timeout_s,
-            metadata=_metadata(settings, request_id),
-        )
-    except grpc.RpcError as e:
-        raise FarmError(f"{e.code().name}: {e.details()}") from None
-    return list(reply.candidates)
+
+    def ask() -> list[pb.Candidate]:
+        try:
+            reply = stub.Lookup(
+                pb.LookupRequest(key=key, private=private),
+                timeout=settings.inactivity_timeout_s,
+                metadata=_metadata(settings, request_id),
+            )
+        except grpc.RpcError as e:
+            raise _rpc_error(e) from None
+        return list(reply.candidates)
+
+    return _failing_over(settings, ask)
+
+
+def _rpc_error(e: grpc.RpcError, suffix: str = "") -> FarmError:
+    """A failed call as FarmError (its message ending in `suffix`, e.g. the job's id);
+    GatewayLost when another gateway may answer it."""
+    lost = e.code() == grpc.StatusCode.UNAVAILABLE
+    return (GatewayLost if lost else FarmError)(f"{e.code().name}: {e.details()}{suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +251,23 @@ def get(
     manifest, sent before the head's artifact. `request_id` appears in the gateway's and
     the worker's log lines."""
     stub = _stub(settings)
+    return _failing_over(
+        settings,
+        functools.partial(
+            _get_once, stub, ask, request, settings, on_progress, request_id, on_manifest
+        ),
+    )
+
+
+def _get_once(
+    stub: pb_grpc.FarmStub,
+    ask: pb.Ask,
+    request: pb.CompileRequest | None,
+    settings: ClientSettings,
+    on_progress: Callable[[pb.Progress], None] | None,
+    request_id: str,
+    on_manifest: Callable[[pb.Manifest], None] | None,
+) -> Received:
     outbox: queue.SimpleQueue[pb.GetRequest | None] = queue.SimpleQueue()
     outbox.put(pb.GetRequest(ask=ask))
 
@@ -203,10 +302,15 @@ def fetch(
     request_id: str = "",
 ) -> tuple[pb.ArtifactHeader, bytes]:
     """Compile: send one graph's payload; the header and the artifact bytes (verified)."""
-    call = _stub(settings).Compile(
-        request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
-    )
-    received = _receive(call, settings, on_progress)
+    stub = _stub(settings)
+
+    def compile_once() -> Received:
+        call = stub.Compile(
+            request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+        )
+        return _receive(call, settings, on_progress)
+
+    received = _failing_over(settings, compile_once)
     return received.header, received.data
 
 
@@ -223,12 +327,15 @@ def _receive(
     decoder: _Decoder | None = None
     timings: dict[str, float] = {}
     silence = _SilenceGuard(call, settings.inactivity_timeout_s)
+    job_id = ""  # the compile the farm runs for us, as its logs name it
     try:
         for event in call:
             silence.heard()
             kind = event.WhichOneof("event")
-            if kind == "progress" and on_progress:
-                on_progress(event.progress)
+            if kind == "progress":
+                job_id = event.progress.job_id or job_id
+                if on_progress:
+                    on_progress(event.progress)
             elif kind == "missing" and on_missing:
                 on_missing(event.missing)
             elif kind == "manifest" and on_manifest:
@@ -244,12 +351,14 @@ def _receive(
                     raise FarmError("the farm sent artifact bytes before their header")
                 decoder.feed(event.chunk)
     except grpc.RpcError as e:
+        job = f" [job {job_id}]" if job_id else ""
         if silence.fired:
-            raise FarmError(
+            raise GatewayLost(
                 f"farm silent for {settings.inactivity_timeout_s:g} s "
-                "(no progress, no data; TORCHFARM_INACTIVITY_TIMEOUT)"
+                f"(no progress, no data; TORCHFARM_INACTIVITY_TIMEOUT){job}",
+                silent=True,
             ) from None
-        raise FarmError(f"{e.code().name}: {e.details()}") from None
+        raise _rpc_error(e, job) from None
     finally:
         silence.close()
     if header is None or decoder is None:
@@ -358,12 +467,17 @@ def verifier(settings: ClientSettings, request_id: str = "") -> signing.Verifier
 
 def _served_keys(settings: ClientSettings, request_id: str) -> signing.Verifier:
     """The keys the gateway serves (Farm.Info)."""
-    try:
-        reply = _stub(settings).Info(
-            pb.InfoRequest(),
-            timeout=settings.connect_timeout_s + 30,
-            metadata=_metadata(settings, request_id),
-        )
-    except grpc.RpcError as e:
-        raise FarmError(f"{e.code().name}: {e.details()}") from None
-    return signing.Verifier(reply.verify_keys)
+    stub = _stub(settings)
+
+    def ask() -> signing.Verifier:
+        try:
+            reply = stub.Info(
+                pb.InfoRequest(),
+                timeout=settings.connect_timeout_s + 30,
+                metadata=_metadata(settings, request_id),
+            )
+        except grpc.RpcError as e:
+            raise _rpc_error(e) from None
+        return signing.Verifier(reply.verify_keys)
+
+    return _failing_over(settings, ask)

@@ -42,7 +42,7 @@ ARTIFACT_FORMAT = 3
 # the artifact (TritonBundler), so a GPU hit runs no Triton compile, no ptxas and no
 # launcher build (torch_adapter/triton_bundle.py); both are torch's defaults outside fbcode,
 # set here so that no environment variable turns them off.
-_WORKER_CONFIG = {
+WORKER_CONFIG = {
     "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
     "triton.autotune_at_compile_time": True,
     "bundle_triton_into_fx_graph_cache": True,
@@ -97,7 +97,7 @@ def compile_payload(
     )
     objects: dict[str, bytes] = {}
     with (
-        standalone.inductor_config.patch(_WORKER_CONFIG),
+        standalone.inductor_config.patch(WORKER_CONFIG),
         standalone.functorch_config.patch(_WORKER_FUNCTORCH_CONFIG),
         fake_tensors.tracing(fake_mode),
         trace_state.applied(options.state),

@@ -71,6 +71,7 @@ _OUTCOME_FAILURES = {
 class Progress:
     stage: pb.Progress.Stage.ValueType
     elapsed_s: float
+    job_id: str = ""  # the compile waited on (Job.job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Served:
     stored: bytes
     source: str
     timings: pb.MissTimings | None = None  # "miss" and "merged": the worker's account
+    job_id: str = ""  # "miss" and "merged": the compile's job
 
     def chunks(self, chunk_bytes: int = Codec.CHUNK_BYTES) -> Iterator[bytes]:
         return Codec().chunks(self.stored, self.entry.size, chunk_bytes)
@@ -291,8 +293,14 @@ class Coordinator:
         else:
             self.store.counters.count(pool, merges=1)
         metrics.RESULTS.labels(source).inc()
-        extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key, "pool": pool}
-        log.info("%s %s for %s: %s", source, job.key[:16], job.tenant, job.label, extra=extra)
+        log.info(
+            "%s %s for %s: %s",
+            source,
+            job.key[:16],
+            job.tenant,
+            job.label,
+            extra=_log_fields(job, pool),
+        )
         yield from self._wait(job, payload, pool, started, source, is_active, claims, waiter)
 
     @contextlib.contextmanager
@@ -385,7 +393,7 @@ class Coordinator:
             job.queued_at = time.time()
             self.enqueue(job, pool)
         except Exception as e:
-            log.warning("could not queue %s: %s", job.job_id[:16], e)
+            log.warning("could not queue %s: %s", job.key[:16], e, extra=_log_fields(job, pool))
             raise _NotQueued(f"the farm could not queue the compile: {e}") from e
         claims.queued = True
 
@@ -444,7 +452,11 @@ class Coordinator:
                     lost = live.took_nothing_since(attempt[1], QUEUE_GRACE_S)
                 stranded = state.orphaned or lost
                 if stranded and self.store.jobs.take_over(job.job_id, state):
-                    log.warning("job %s lost its worker: queued again", job.job_id[:16])
+                    log.warning(
+                        "job of %s lost its worker: queued again",
+                        job.key[:16],
+                        extra=_log_fields(job, pool),
+                    )
                     state = dataclasses.replace(state, claim="")
                 if not state.claimed and self._claim(job, claims):
                     try:
@@ -454,7 +466,7 @@ class Coordinator:
                         return
                 if now >= next_progress:
                     self._refresh(job, waiter)
-                    yield Progress(state.stage, now - started)
+                    yield Progress(state.stage, now - started, job.job_id)
                     next_progress = now + PROGRESS_EVERY_S
                 watch.wait(max(0.0, min(next_progress, deadline) - time.monotonic()))
 
@@ -486,9 +498,22 @@ class Coordinator:
         saved = entry.compile_seconds if source == "merged" else 0.0
         self.store.counters.count(pool, bytes_served=entry.size, compile_seconds_saved=saved)
         metrics.BYTES_SERVED.inc(entry.size)
-        if source == "miss":
-            metrics.COMPILE_SECONDS.labels(pool, job.options.mode).observe(entry.compile_seconds)
-        return Served(job.key, entry, stored, source, outcome.timings)
+        if source == "miss":  # the job id as an exemplar: from a slow bucket to its logs
+            metrics.COMPILE_SECONDS.labels(pool, job.options.mode).observe(
+                entry.compile_seconds, exemplar={"job_id": job.job_id}
+            )
+        return Served(job.key, entry, stored, source, outcome.timings, job.job_id)
+
+
+def _log_fields(job: pb.Job, pool: str) -> dict[str, str]:
+    """The `extra` of a log line about a job's compile (logs.FIELDS)."""
+    return {
+        "request_id": job.request_id,
+        "job_id": job.job_id,
+        "tenant": job.tenant,
+        "key": job.key,
+        "pool": pool,
+    }
 
 
 def _holds(guards: pb.ShapeGuards, sizes) -> bool:

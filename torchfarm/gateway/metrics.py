@@ -34,9 +34,10 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         rpc = handler_call_details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary:
+        single = "unary_unary" if handler.unary_unary else "stream_unary"
+        if getattr(handler, single):
 
-            def unary(request, context, behavior=handler.unary_unary):
+            def unary(request, context, behavior=getattr(handler, single)):
                 try:
                     response = behavior(request, context)
                 except BaseException:
@@ -45,7 +46,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 _count(rpc, context)
                 return response
 
-            return handler._replace(unary_unary=unary)
+            return handler._replace(**{single: unary})
         field = (
             "unary_stream"
             if handler.unary_stream

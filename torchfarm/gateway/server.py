@@ -10,21 +10,23 @@ or evaluates anything a client sends.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from torchfarm import queue, signing
-from torchfarm.cache.artifacts import VerifiedBlobs
+from torchfarm.cache import admin
+from torchfarm.cache.admin import CacheAdmin
+from torchfarm.cache.artifacts import VerifiedBlobs, WrongBlobStore
 from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
@@ -214,7 +216,9 @@ class FarmServicer(pb_grpc.FarmServicer):
         for event in self.coordinator.compile(call, context.is_active):
             if isinstance(event, Progress):
                 yield pb.CompileEvent(
-                    progress=pb.Progress(stage=event.stage, elapsed_s=event.elapsed_s)
+                    progress=pb.Progress(
+                        stage=event.stage, elapsed_s=event.elapsed_s, job_id=event.job_id
+                    )
                 )
             elif isinstance(event, Served):
                 if on_served is not None:
@@ -275,6 +279,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 timings=served.timings,
                 encoding=encoding,
                 stored_size=len(stored) if encoding else served.entry.size,
+                job_id=served.job_id,
             )
         )
         step = self.settings.chunk_bytes
@@ -327,9 +332,10 @@ class UndecodableRequests(grpc.ServerInterceptor):
             return handler
         parse = handler.request_deserializer
         if handler.request_streaming:
+            field = "stream_stream" if handler.stream_stream else "stream_unary"
             return handler._replace(
                 request_deserializer=tolerant_parse_of(parse),
-                stream_stream=_checked_stream(handler.stream_stream, handler_call_details.method),
+                **{field: _checked_stream(getattr(handler, field), handler_call_details.method)},
             )
         behavior_field = "unary_unary" if handler.unary_unary else "unary_stream"
         behavior = getattr(handler, behavior_field)
@@ -363,7 +369,7 @@ def _refuse_undecodable(request, context, method: str) -> None:
 
 
 def _checked_stream(behavior, method: str):
-    """A bidirectional handler whose request messages are each checked as they are read."""
+    """A request-streaming handler whose messages are each checked as they are read."""
 
     def checked(requests, context):
         def decoded():
@@ -440,26 +446,72 @@ class FarmHealth(health.HealthServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    """Operators' RPCs, for tokens in TORCHFARM_ADMINS only."""
+    """Operators' RPCs, for tokens in TORCHFARM_ADMINS only: the `torchfarm cache` commands,
+    run by cache/admin.py. Import trusts exactly the keys this gateway serves clients."""
 
-    def __init__(self, store: Store, authenticator: auth.Authenticator):
-        self.store = store
+    def __init__(self, settings: GatewaySettings, store: Store, authenticator: auth.Authenticator):
+        self.settings = settings
+        self.cache = CacheAdmin(store)
         self.authenticator = authenticator
+        self.verify_keys = signing.Verifier.parse(settings.verify_keys).public_keys
 
     def _authorize(self, context) -> str:
         return _caller(context, self.authenticator.admin)
 
+    def _run(self, context, operation: Callable[[], Any]) -> Any:
+        """`operation`'s answer, or the RPC ends with the status of its refusal."""
+        try:
+            return operation()
+        except admin.Refused as refused:
+            _abort(context, _PROBLEMS[refused.problem], str(refused))
+
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         self._authorize(context)
-        return pb.StatsReply(json=json.dumps(self.store.summary()))
+        return self.cache.stats()
 
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:
-        admin = self._authorize(context)
-        if not _DIGEST.fullmatch(request.key):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "key must be 64 hex digits")
-        dropped = self.store.artifacts.drop(request.key)
-        log.info("admin %s dropped %d entries of %s", admin, dropped, request.key[:16])
-        return pb.DropReply(entries=dropped)
+        name = self._authorize(context)
+        reply = self._run(context, lambda: self.cache.drop(request))
+        log.info("admin %s dropped %d entries of %s", name, reply.entries, request.key[:16])
+        return reply
+
+    def List(self, request: pb.ListRequest, context) -> pb.ListReply:
+        self._authorize(context)
+        return self._run(context, lambda: self.cache.ls(request))
+
+    def Show(self, request: pb.ShowRequest, context) -> pb.ShowReply:
+        self._authorize(context)
+        return self._run(context, lambda: self.cache.show(request))
+
+    def Purge(self, request: pb.PurgeRequest, context) -> pb.PurgeReply:
+        name = self._authorize(context)
+        reply = self._run(context, lambda: self.cache.purge(request))
+        log.info("admin %s purged %d keys (%d entries)", name, reply.keys, reply.entries)
+        return reply
+
+    def Export(self, request: pb.ExportRequest, context) -> Iterator[pb.BundleChunk]:
+        self._authorize(context)
+        data = self._run(context, lambda: self.cache.export(request))
+        step = self.settings.chunk_bytes
+        for i in range(0, len(data), step):
+            yield pb.BundleChunk(data=data[i : i + step])
+
+    def Import(self, requests: Iterator[pb.BundleChunk], context) -> pb.ImportReply:
+        name = self._authorize(context)
+        data = b"".join(chunk.data for chunk in requests)
+        trusted = signing.Verifier(self.verify_keys)
+        reply = self._run(
+            context, lambda: self.cache.import_bundle(data, trusted, self.verify_keys)
+        )
+        log.info("admin %s imported %d entries", name, reply.entries)
+        return reply
+
+
+_PROBLEMS = {
+    admin.Problem.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    admin.Problem.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    admin.Problem.UNTRUSTED: grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, int]:
@@ -488,7 +540,7 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
         settings.legacy_tokens,
     )
     pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, authenticator, slots), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(store, authenticator), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store, authenticator), server)
     health_servicer = FarmHealth(store.pools.live)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -538,7 +590,13 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
     import signal
 
-    store = Store.from_url(settings.redis_url, settings.broker_url)
+    store = Store.from_url(settings.redis_url, settings.broker_url, settings.blob_url)
+    try:  # read through another store, every hit would drop its entry as corrupt
+        store.artifacts.check_store()
+    except WrongBlobStore as e:
+        raise SystemExit(f"torchfarm gateway: {e}") from e
+    except redis.RedisError:
+        log.warning("the cache's Redis is not reachable yet: blob store not checked")
     server, port = build_server(settings, store)
     server.start()
     pools = store.pools.live

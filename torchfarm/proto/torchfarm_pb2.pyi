@@ -332,17 +332,21 @@ class Progress(_message.Message):
 
     STAGE_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     stage: Global___Progress.Stage.ValueType
     elapsed_s: _builtins.float
+    job_id: _builtins.str
+    """the compile's job (Job.job_id), in the gateway's and worker's logs too"""
     def __init__(
         self,
         *,
         stage: Global___Progress.Stage.ValueType = ...,
         elapsed_s: _builtins.float = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_s", b"elapsed_s", "job_id", b"job_id", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -363,6 +367,7 @@ class ArtifactHeader(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
     STORED_SIZE_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the key the gateway computed"""
     digest: _builtins.str
@@ -380,6 +385,8 @@ class ArtifactHeader(_message.Message):
     """
     stored_size: _builtins.int
     """bytes on the wire: the encoded size of what follows"""
+    job_id: _builtins.str
+    """"miss" and "merged": the compile's job (Job.job_id), as logged"""
     @_builtins.property
     def timings(self) -> Global___MissTimings:
         """"miss" and "merged": where the farm's time went"""
@@ -396,10 +403,11 @@ class ArtifactHeader(_message.Message):
         timings: Global___MissTimings | None = ...,
         encoding: _builtins.str = ...,
         stored_size: _builtins.int = ...,
+        job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "encoding", b"encoding", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source", "stored_size", b"stored_size", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "digest", b"digest", "encoding", b"encoding", "job_id", b"job_id", "key", b"key", "signature", b"signature", "size", b"size", "source", b"source", "stored_size", b"stored_size", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -951,6 +959,307 @@ class DropReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DropReply: _TypeAlias = DropReply  # noqa: Y015
+
+@_typing.final
+class EntryFilter(_message.Message):
+    """Which entries a command applies to; an empty field matches every entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    UNUSED_FOR_S_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    """a substring of the entry's target or pool"""
+    mode: _builtins.str
+    """default, reduce-overhead, max-autotune, ..."""
+    tenant: _builtins.str
+    """the tenant that first built the entry"""
+    unused_for_s: _builtins.float
+    """unused for at least this long (0: any)"""
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        unused_for_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "target", b"target", "tenant", b"tenant", "unused_for_s", b"unused_for_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EntryFilter: _TypeAlias = EntryFilter  # noqa: Y015
+
+@_typing.final
+class ListRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    SORT_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    sort: _builtins.str
+    """age (most recently used first, the default), hits or size"""
+    limit: _builtins.int
+    """rows (0: all)"""
+    @_builtins.property
+    def filter(self) -> Global___EntryFilter: ...
+    def __init__(
+        self,
+        *,
+        filter: Global___EntryFilter | None = ...,
+        sort: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "limit", b"limit", "sort", b"sort"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRequest: _TypeAlias = ListRequest  # noqa: Y015
+
+@_typing.final
+class CacheRow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    LAST_USED_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    last_used: _builtins.float
+    """unix time"""
+    @_builtins.property
+    def entry(self) -> Global___EntryMeta:
+        """without graph_code, op_counts, kernels and objects (see Show)"""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        last_used: _builtins.float = ...,
+        entry: Global___EntryMeta | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "key", b"key", "last_used", b"last_used"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheRow: _TypeAlias = CacheRow  # noqa: Y015
+
+@_typing.final
+class ListReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheRow]: ...
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[Global___CacheRow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReply: _TypeAlias = ListReply  # noqa: Y015
+
+@_typing.final
+class ShowRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """a key or a unique prefix of one (at least 4 hex digits)"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShowRequest: _TypeAlias = ShowRequest  # noqa: Y015
+
+@_typing.final
+class ShowReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntryMeta]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        entries: _abc.Iterable[Global___EntryMeta] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShowReply: _TypeAlias = ShowReply  # noqa: Y015
+
+@_typing.final
+class PurgeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    all: _builtins.bool
+    @_builtins.property
+    def filter(self) -> Global___EntryFilter:
+        """at least one field set, unless `all`"""
+
+    def __init__(
+        self,
+        *,
+        filter: Global___EntryFilter | None = ...,
+        all: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeRequest: _TypeAlias = PurgeRequest  # noqa: Y015
+
+@_typing.final
+class PurgeReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    keys: _builtins.int
+    entries: _builtins.int
+    def __init__(
+        self,
+        *,
+        keys: _builtins.int = ...,
+        entries: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeReply: _TypeAlias = PurgeReply  # noqa: Y015
+
+@_typing.final
+class ExportRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def filter(self) -> Global___EntryFilter:
+        """only `target` applies"""
+
+    def __init__(
+        self,
+        *,
+        filter: Global___EntryFilter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportRequest: _TypeAlias = ExportRequest  # noqa: Y015
+
+@_typing.final
+class BundleChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BundleChunk: _TypeAlias = BundleChunk  # noqa: Y015
+
+@_typing.final
+class ImportReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SignedByEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    UNSIGNED_FIELD_NUMBER: _builtins.int
+    PRIVATE_DROPPED_FIELD_NUMBER: _builtins.int
+    SIGNED_BY_FIELD_NUMBER: _builtins.int
+    UNSERVED_FIELD_NUMBER: _builtins.int
+    entries: _builtins.int
+    unsigned: _builtins.int
+    """imported unsigned (the CLI's direct mode with --unsigned)"""
+    private_dropped: _builtins.int
+    """entries private to a tenant, not imported"""
+    @_builtins.property
+    def signed_by(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """entries per trusted key that signed them"""
+
+    @_builtins.property
+    def unserved(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Signers of imported entries that the farm does not serve to clients (direct mode)"""
+
+    def __init__(
+        self,
+        *,
+        entries: _builtins.int = ...,
+        unsigned: _builtins.int = ...,
+        private_dropped: _builtins.int = ...,
+        signed_by: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        unserved: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "private_dropped", b"private_dropped", "signed_by", b"signed_by", "unserved", b"unserved", "unsigned", b"unsigned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportReply: _TypeAlias = ImportReply  # noqa: Y015
 
 @_typing.final
 class ShapeGuards(_message.Message):
@@ -1732,12 +2041,17 @@ class CompileChildRequest(_message.Message):
     SIZE_HINTS_FIELD_NUMBER: _builtins.int
     OP_LIBRARIES_FIELD_NUMBER: _builtins.int
     KERNEL_CACHE_FIELD_NUMBER: _builtins.int
+    KERNEL_SOURCES_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """the CompileRequest's graph (hostile until proven otherwise)"""
     kernel_cache: _builtins.bool
-    """The tenant's kernel cache is in play (a private job, TORCHFARM_KERNEL_CACHE_MB > 0): the
-    child links the objects its parent staged into Inductor's cache dir, and reports the ones
-    it built (workers/kernel_cache.py).
+    """A private job (TORCHFARM_KERNEL_CACHE_MB > 0): the child reports the C++ objects it built,
+    for its tenant's later compiles (workers/kernel_cache.py). Whatever the job, a child with a
+    staging dir looks up there each object Inductor is about to build, by name.
+    """
+    kernel_sources: _builtins.bool
+    """A shared job: the child reports the sources of the C++ libraries it built, which the pool
+    may build in a builder of its own (workers/kernel_builder.py).
     """
     @_builtins.property
     def target(self) -> Global___Target: ...
@@ -1758,10 +2072,11 @@ class CompileChildRequest(_message.Message):
         size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         op_libraries: _abc.Iterable[_builtins.str] | None = ...,
         kernel_cache: _builtins.bool = ...,
+        kernel_sources: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "kernel_cache", b"kernel_cache", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1769,8 +2084,8 @@ Global___CompileChildRequest: _TypeAlias = CompileChildRequest  # noqa: Y015
 
 @_typing.final
 class KernelFiles(_message.Message):
-    """C++ objects a compile child built, for its tenant's later compiles (workers/kernel_cache.py).
-    Sent before the artifact; the parent checks every name and caps the bytes.
+    """What a compile child reports of its C++ kernels (workers/kernel_cache.py), before the
+    artifact; hostile: the parent checks every name and caps the bytes.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1797,6 +2112,7 @@ class KernelFiles(_message.Message):
 
     BUILT_FIELD_NUMBER: _builtins.int
     REUSED_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def built(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
         """`<2 chars>/<Inductor's file name>.so|.o` -> its bytes"""
@@ -1805,19 +2121,65 @@ class KernelFiles(_message.Message):
     def reused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """staged libraries the compile loaded (for LRU pruning)"""
 
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelSource]:
+        """with CompileChildRequest.kernel_sources"""
+
     def __init__(
         self,
         *,
         built: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
         reused: _abc.Iterable[_builtins.str] | None = ...,
+        sources: _abc.Iterable[Global___KernelSource] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KernelFiles: _TypeAlias = KernelFiles  # noqa: Y015
+
+@_typing.final
+class KernelSource(_message.Message):
+    """One C++ library as Inductor's CppCodeCache.load_async was asked to build it: the only input
+    of a pool's kernel build (workers/kernel_builder.py), which derives the objects' names itself.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_CACHE_FIELD_NUMBER: _builtins.int
+    MAIN_CODE_FIELD_NUMBER: _builtins.int
+    HAS_OPTIMIZED_FIELD_NUMBER: _builtins.int
+    OPTIMIZED_CODE_FIELD_NUMBER: _builtins.int
+    NEEDS_VEC_ISA_FIELD_NUMBER: _builtins.int
+    KERNEL_NEEDS_VEC_ISA_FIELD_NUMBER: _builtins.int
+    code_cache: _builtins.str
+    """the CppCodeCache class: CppCodeCache, CppPythonBindingsCodeCache"""
+    main_code: _builtins.str
+    has_optimized: _builtins.bool
+    """optimized_code was given (even empty)"""
+    optimized_code: _builtins.str
+    needs_vec_isa: _builtins.int
+    """load_async's needs_vec_isa / kernel_needs_vec_isa: 0 unset (Inductor infers), 1 no, 2 yes"""
+    kernel_needs_vec_isa: _builtins.int
+    def __init__(
+        self,
+        *,
+        code_cache: _builtins.str = ...,
+        main_code: _builtins.str = ...,
+        has_optimized: _builtins.bool = ...,
+        optimized_code: _builtins.str = ...,
+        needs_vec_isa: _builtins.int = ...,
+        kernel_needs_vec_isa: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code_cache", b"code_cache", "has_optimized", b"has_optimized", "kernel_needs_vec_isa", b"kernel_needs_vec_isa", "main_code", b"main_code", "needs_vec_isa", b"needs_vec_isa", "optimized_code", b"optimized_code"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KernelSource: _TypeAlias = KernelSource  # noqa: Y015
 
 @_typing.final
 class CompileChildReport(_message.Message):

@@ -320,6 +320,8 @@ class Farm:
 class AdminStub:
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     def __init__(self, channel):
@@ -338,11 +340,38 @@ class AdminStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/torchfarm.v1.Admin/List',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ListRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ListReply.FromString,
+                _registered_method=True)
+        self.Show = channel.unary_unary(
+                '/torchfarm.v1.Admin/Show',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ShowRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ShowReply.FromString,
+                _registered_method=True)
+        self.Purge = channel.unary_unary(
+                '/torchfarm.v1.Admin/Purge',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.PurgeRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.PurgeReply.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/torchfarm.v1.Admin/Export',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ExportRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.FromString,
+                _registered_method=True)
+        self.Import = channel.stream_unary(
+                '/torchfarm.v1.Admin/Import',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     def Stats(self, request, context):
@@ -354,6 +383,43 @@ class AdminServicer:
 
     def Drop(self, request, context):
         """remove a key's entries and their blobs
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """`cache ls`
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Show(self, request, context):
+        """`cache show`
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Purge(self, request, context):
+        """`cache purge`
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """`cache export`: the bundle file's bytes (a zstd CacheBundle), in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request_iterator, context):
+        """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
+        the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
+        no admin RPC writes an entry that the farm's clients would not verify.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -372,6 +438,31 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.SerializeToString,
             ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ListRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ListReply.SerializeToString,
+            ),
+            'Show': grpc.unary_unary_rpc_method_handler(
+                    servicer.Show,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ShowRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ShowReply.SerializeToString,
+            ),
+            'Purge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Purge,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.PurgeRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.PurgeReply.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ExportRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.SerializeToString,
+            ),
+            'Import': grpc.stream_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'torchfarm.v1.Admin', rpc_method_handlers)
@@ -383,6 +474,8 @@ def add_AdminServicer_to_server(servicer, server):
 class Admin:
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     @staticmethod
@@ -429,6 +522,141 @@ class Admin:
             '/torchfarm.v1.Admin/Drop',
             torchfarm_dot_proto_dot_torchfarm__pb2.DropRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.DropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/List',
+            torchfarm_dot_proto_dot_torchfarm__pb2.ListRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.ListReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Show(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/Show',
+            torchfarm_dot_proto_dot_torchfarm__pb2.ShowRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.ShowReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Purge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/Purge',
+            torchfarm_dot_proto_dot_torchfarm__pb2.PurgeRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.PurgeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchfarm.v1.Admin/Export',
+            torchfarm_dot_proto_dot_torchfarm__pb2.ExportRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/torchfarm.v1.Admin/Import',
+            torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,6 +114,8 @@ def add_FarmServicer_to_server(servicer: FarmServicer, server: _typing.Union[_gr
 class AdminStub:
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     @_typing.overload
@@ -124,11 +126,26 @@ class AdminStub:
     """what `torchfarm cache stats --json` shows"""
     Drop: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.DropRequest, _torchfarm_pb2.DropReply]
     """remove a key's entries and their blobs"""
+    List: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.ListRequest, _torchfarm_pb2.ListReply]
+    """`cache ls`"""
+    Show: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.ShowRequest, _torchfarm_pb2.ShowReply]
+    """`cache show`"""
+    Purge: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.PurgeRequest, _torchfarm_pb2.PurgeReply]
+    """`cache purge`"""
+    Export: _grpc.UnaryStreamMultiCallable[_torchfarm_pb2.ExportRequest, _torchfarm_pb2.BundleChunk]
+    """`cache export`: the bundle file's bytes (a zstd CacheBundle), in chunks."""
+    Import: _grpc.StreamUnaryMultiCallable[_torchfarm_pb2.BundleChunk, _torchfarm_pb2.ImportReply]
+    """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
+    the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
+    no admin RPC writes an entry that the farm's clients would not verify.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -136,10 +153,25 @@ class AdminAsyncStub(AdminStub):
     """what `torchfarm cache stats --json` shows"""
     Drop: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.DropRequest, _torchfarm_pb2.DropReply]  # type: ignore[assignment]
     """remove a key's entries and their blobs"""
+    List: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.ListRequest, _torchfarm_pb2.ListReply]  # type: ignore[assignment]
+    """`cache ls`"""
+    Show: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.ShowRequest, _torchfarm_pb2.ShowReply]  # type: ignore[assignment]
+    """`cache show`"""
+    Purge: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.PurgeRequest, _torchfarm_pb2.PurgeReply]  # type: ignore[assignment]
+    """`cache purge`"""
+    Export: _aio.UnaryStreamMultiCallable[_torchfarm_pb2.ExportRequest, _torchfarm_pb2.BundleChunk]  # type: ignore[assignment]
+    """`cache export`: the bundle file's bytes (a zstd CacheBundle), in chunks."""
+    Import: _aio.StreamUnaryMultiCallable[_torchfarm_pb2.BundleChunk, _torchfarm_pb2.ImportReply]  # type: ignore[assignment]
+    """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
+    the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
+    no admin RPC writes an entry that the farm's clients would not verify.
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     """Operators' RPCs: need a token listed in the gateway's TORCHFARM_ADMINS. A tenant's token
     gets PERMISSION_DENIED, no or an unknown token UNAUTHENTICATED.
+    Each RPC is one `torchfarm cache` command (cache/admin.py does the work, for the gateway and
+    for the CLI's direct recovery mode alike).
     """
 
     @_abc_1.abstractmethod
@@ -157,5 +189,48 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_torchfarm_pb2.DropReply, _abc.Awaitable[_torchfarm_pb2.DropReply]]:
         """remove a key's entries and their blobs"""
+
+    @_abc_1.abstractmethod
+    def List(
+        self,
+        request: _torchfarm_pb2.ListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.ListReply, _abc.Awaitable[_torchfarm_pb2.ListReply]]:
+        """`cache ls`"""
+
+    @_abc_1.abstractmethod
+    def Show(
+        self,
+        request: _torchfarm_pb2.ShowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.ShowReply, _abc.Awaitable[_torchfarm_pb2.ShowReply]]:
+        """`cache show`"""
+
+    @_abc_1.abstractmethod
+    def Purge(
+        self,
+        request: _torchfarm_pb2.PurgeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.PurgeReply, _abc.Awaitable[_torchfarm_pb2.PurgeReply]]:
+        """`cache purge`"""
+
+    @_abc_1.abstractmethod
+    def Export(
+        self,
+        request: _torchfarm_pb2.ExportRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.BundleChunk], _abc.AsyncIterator[_torchfarm_pb2.BundleChunk]]:
+        """`cache export`: the bundle file's bytes (a zstd CacheBundle), in chunks."""
+
+    @_abc_1.abstractmethod
+    def Import(
+        self,
+        request_iterator: _MaybeAsyncIterator[_torchfarm_pb2.BundleChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.ImportReply, _abc.Awaitable[_torchfarm_pb2.ImportReply]]:
+        """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
+        the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
+        no admin RPC writes an entry that the farm's clients would not verify.
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

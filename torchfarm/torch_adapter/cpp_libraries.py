@@ -7,7 +7,8 @@ dlopen of a built file.
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
 submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]) and
-CppCodeCache._load_library. Verified: torch 2.11.0, 2.13.0, 2.15.0.
+CppCodeCache._load_library. Verified: torch 2.11.0, 2.13.0, 2.15.0. `sources_written` wraps
+codecache.write(content, extension, ...) -> (basename, path): checked on 2.13.0 only.
 """
 
 from __future__ import annotations
@@ -43,3 +44,24 @@ def wrapped_load_async(replacement: Callable) -> Iterator[None]:
         yield
     finally:
         setattr(codecache.CppCodeCache, "load_async", saved)  # noqa: B010
+
+
+@contextlib.contextmanager
+def sources_written(callback: Callable[[str], None]) -> Iterator[None]:
+    """`callback(path)` after Inductor writes each C++ source into its cache dir
+    (`<dir>/<2 chars>/<key>.<kind>.cpp`), which is before it looks for the objects built from
+    it (`<key>.<kind>.so|.o` beside it) and builds the missing ones. Uses codecache.write,
+    which load_async calls by its module-level name."""
+    original = codecache.write
+
+    def write(content, extension, *args, **kwargs):
+        basename, path = original(content, extension, *args, **kwargs)
+        if extension.endswith("cpp"):
+            callback(path)
+        return basename, path
+
+    codecache.write = write
+    try:
+        yield
+    finally:
+        codecache.write = original

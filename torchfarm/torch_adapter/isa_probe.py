@@ -1,4 +1,4 @@
-"""Inductor's CPU vector-ISA probe, run once per worker instead of once per compile.
+"""Inductor's CPU vector-ISA probe, run once per toolchain instead of once per compile.
 
 On first use of a cache dir, Inductor checks each vector ISA the CPU's flags advertise by
 building and loading a test program (`cpu_vec_isa.VecISA.check_build`): about 8 s of every
@@ -8,7 +8,12 @@ exactly the ISAs the flags list, the children may trust the flags
 (`TORCHINDUCTOR_VEC_ISA_OK=1`, read into `config.cpp.vec_isa_ok`) and pick the same ISA
 without building anything; otherwise they keep probing. The probe runs in the background
 while the worker starts (workers/toolchain.py), so the first compiles may still probe for
-themselves.
+themselves. An agreement is kept beside the toolchain's precompiled headers (the same key:
+torch build, compiler, CPU, interpreter), so the next worker of that toolchain, a restarted
+one included, vouches at once and its canary and first children probe nothing (~12 CPU
+seconds of the 2-core machine for the probe, ~8 more in each child that would start before
+it). A disagreement is not kept: every worker probes again, which costs time, never
+correctness.
 
 Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd) and
 `torch._inductor.config.cpp.vec_isa_ok`. Verified: torch 2.11.0, 2.13.0, 2.15.0.
@@ -69,10 +74,24 @@ def declare() -> str:
     return marker
 
 
-def settle(marker: str) -> None:
-    """Probe once (off the start-up path); let the children trust the flags if it agreed."""
+def recall(marker: str, kept: str) -> bool:
+    """Worker main process, at once: True (and the children trust the flags from now on) if
+    an earlier worker of this toolchain kept an agreement at `kept`."""
+    if not os.path.exists(kept):
+        return False
+    open(marker, "w").close()
+    return True
+
+
+def settle(marker: str, kept: str) -> None:
+    """Probe once (off the start-up path); let the children trust the flags if it agreed, and
+    keep the agreement at `kept` for the next worker of this toolchain."""
     if children_may_trust_flags():
         open(marker, "w").close()
+        try:
+            open(kept, "w").close()
+        except OSError:  # a store that cannot be written: the next worker probes again
+            pass
 
 
 def child_environment() -> dict[str, str]:

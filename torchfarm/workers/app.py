@@ -31,7 +31,7 @@ from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import canary, kernel_cache, metrics, sandbox, toolchain
+from torchfarm.workers import canary, kernel_builder, kernel_cache, metrics, sandbox, toolchain
 
 log = logging.getLogger("torchfarm.worker")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -54,22 +54,30 @@ def worker_celery(settings: WorkerSettings) -> Celery:
 
 
 @functools.cache
-def _store(redis_url: str, broker: str) -> Store:
-    return Store.from_url(redis_url, broker)
+def _store(redis_url: str, broker: str, blob_url: str) -> Store:
+    return Store.from_url(redis_url, broker, blob_url)
 
 
 def compile_graph(task, job_json: dict) -> str:
     """Compile the queued payload of a job in the sandbox and store the artifact under its
     key; any failure ends the job with an outcome, so waiting clients hear of it at once."""
     settings = WorkerSettings(**task.app.conf.torchfarm_worker)
-    store = _store(settings.redis_url, settings.broker_url)
+    store = _store(settings.redis_url, settings.broker_url, settings.blob_url)
     job = job_from_json(job_json)
     started = time.perf_counter()
     try:
-        with SLOTS.taken(), store.jobs.heartbeat(job.job_id):
-            result, stored_bytes = _compile_and_store(task, job, settings, store)
+        with SLOTS.taken(), store.jobs.lease(job.job_id, WORKER_NAME) as leased:
+            if leased:
+                result, stored_bytes = _compile_and_store(task, job, settings, store)
+            else:  # a redelivered copy of a task whose first run is alive: it stays the one
+                result, stored_bytes = "duplicate", 0
+                log.info(
+                    "skipped %s: %s runs it (the broker delivered it again)",
+                    job.key[:16],
+                    store.jobs.lease_holder(job.job_id) or "another worker",
+                )
     except Exception as e:
-        log.exception("worker error on %s", job.key[:16])
+        log.exception("worker error on %s", job.key[:16], extra=log_fields(job))
         result, stored_bytes = "error", 0
         _end_with_worker_error(task, store, job, e)
     metrics.record(
@@ -96,11 +104,14 @@ def _end_with_worker_error(task, store: Store, job: pb.Job, error: Exception) ->
         )
         store.counters.count(_pool_of(task), compile_failures=1)
     except Exception:
-        log.exception("could not record the end of %s: its claim goes back", job.key[:16])
+        extra = log_fields(job)
+        log.exception(
+            "could not record the end of %s: its claim goes back", job.key[:16], extra=extra
+        )
         try:
             store.jobs.release(job.job_id)
         except Exception:  # unreachable: its heartbeat stops, and its waiters take it over
-            log.exception("could not release the claim of %s", job.key[:16])
+            log.exception("could not release the claim of %s", job.key[:16], extra=extra)
 
 
 def _compile_and_store(
@@ -109,6 +120,7 @@ def _compile_and_store(
     """The task's result (compiled, uncached, failed, cached, abandoned, expired) and the
     bytes stored."""
     taken = time.time()
+    extra = log_fields(job)
     if store.jobs.outcome(job.job_id) is not None:  # a redelivered task whose first run ended
         return "cached", 0
     if store.jobs.abandoned(job.job_id):  # every client that wanted it has gone
@@ -117,7 +129,7 @@ def _compile_and_store(
             job.job_id,
             pb.JobOutcome(kind=pb.JobOutcome.ABANDONED, error="no client waits for it any more"),
         )
-        log.info("skipped %s: no client waits for it any more", job.key[:16])
+        log.info("skipped %s: no client waits for it any more", job.key[:16], extra=extra)
         return "abandoned", 0
     payload = store.jobs.payload(job.job_id)
     if payload is None:
@@ -130,13 +142,14 @@ def _compile_and_store(
         )
         return "expired", 0
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
-    extra = {"request_id": job.request_id, "tenant": job.tenant, "key": job.key}
     log.info("compiling %s (%s) for tenant %s", job.key[:16], job.label, job.tenant, extra=extra)
     handed = time.perf_counter()
     kernels = _kernel_cache(settings)
-    tenant_kernels = ""
-    if kernels and job.private:  # private only: the tenant chooses what it holds (kernel_cache)
-        tenant_kernels = kernels.tenant_dir(_pool_of(task), job.tenant)
+    pool_kernels = tenant_kernels = ""
+    if kernels:  # the pool's objects for every job; a private job's tenant's own too
+        pool_kernels = kernels.pool_dir(_pool_of(task))
+        if job.private:  # private only: the tenant chooses what it holds (kernel_cache)
+            tenant_kernels = kernels.tenant_dir(_pool_of(task), job.tenant)
     try:
         child = sandbox.run_compile(
             payload,
@@ -146,15 +159,17 @@ def _compile_and_store(
             settings,
             on_stage=lambda stage: store.jobs.set_stage(job.job_id, stage),
             abandoned=lambda: store.jobs.abandoned(job.job_id),
-            kernels_from=tenant_kernels,
+            kernels_from=tuple(d for d in (pool_kernels, tenant_kernels) if d),
+            report_built=bool(tenant_kernels),
+            report_sources=bool(pool_kernels) and not job.private,
         )
     except sandbox.CompileFailed as e:
         if e.kind == pb.JobOutcome.ABANDONED:  # its clients left: the slot is free again
-            log.info("stopped %s: no client waits for it any more", job.key[:16])
+            log.info("stopped %s: no client waits for it any more", job.key[:16], extra=extra)
             store.counters.count(_pool_of(task), abandoned=1)
             store.jobs.finish(job.job_id, e.outcome())
             return "abandoned", 0
-        log.warning("compile of %s failed: %s", job.key[:16], str(e)[-3000:])
+        log.warning("compile of %s failed: %s", job.key[:16], str(e)[-3000:], extra=extra)
         store.counters.count(_pool_of(task), compile_failures=1)
         store.jobs.finish(
             job.job_id, e.outcome(), remember_s=settings.failure_memory_s if e.lasting else 0
@@ -179,7 +194,7 @@ def _compile_and_store(
     try:
         entry = store.artifacts.put(job.key, data, meta)
     except CacheFull:
-        log.warning("the cache's Redis is at its memory limit: %s served uncached", job.key[:16])
+        log.warning("the cache's storage is full: %s served uncached", job.key[:16], extra=extra)
         timings.store_s = time.perf_counter() - read_back
         log.info("answered (cache full) %s: %d bytes", job.key[:16], len(data), extra=extra)
         store.jobs.finish(
@@ -191,8 +206,9 @@ def _compile_and_store(
     if STRUCTURE in meta.key_parts:
         store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
-    if kernels and tenant_kernels:  # before the job ends: its next compile finds them
-        _keep_kernels(kernels, tenant_kernels, child.kernels, extra)
+    if kernels:  # before the job ends: its tenant's next compile finds them
+        _keep_kernels(kernels, pool_kernels, tenant_kernels, child.kernels, extra)
+        store.counters.count(pool, kernels_reused=len(child.kernels.reused))
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
         "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child",
@@ -206,10 +222,24 @@ def _compile_and_store(
         job.job_id,
         pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
     )
+    if kernels and child.kernels.sources:  # after the job ended: no waiter waits for builds
+        queued = _pool_builds(settings).offer(pool_kernels, list(child.kernels.sources))
+        log.info("kernel cache: %d sources queued for the pool's builds", queued, extra=extra)
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
         log.info("evicted %d keys to fit the cache budget", len(evicted))
     return "compiled", len(data)
+
+
+def log_fields(job: pb.Job) -> dict[str, str]:
+    """The `extra` of a log line about a job (logs.FIELDS): the job id the gateway logged and
+    the client heard, and the request that queued it."""
+    return {
+        "request_id": job.request_id,
+        "job_id": job.job_id,
+        "tenant": job.tenant,
+        "key": job.key,
+    }
 
 
 # ---- The tenant's kernel cache (workers/kernel_cache.py) -------------------------------
@@ -224,16 +254,29 @@ def _kernel_cache(settings: WorkerSettings) -> kernel_cache.KernelCache | None:
     return kernel_cache.KernelCache(root, toolchain.toolchain_id(), settings.kernel_cache_mb << 20)
 
 
+@functools.cache
+def _pool_builds(settings: WorkerSettings) -> kernel_builder.PoolBuilds:
+    kernels = _kernel_cache(settings)
+    assert kernels is not None
+    return kernel_builder.PoolBuilds(kernels, settings)
+
+
 def _keep_kernels(
-    kernels: kernel_cache.KernelCache, tenant_dir: str, files: pb.KernelFiles, extra: dict
+    kernels: kernel_cache.KernelCache,
+    pool_dir: str,
+    tenant_dir: str,
+    files: pb.KernelFiles,
+    extra: dict,
 ) -> None:
-    """Keep what a private compile built for its tenant; a failure costs later compiles only."""
+    """Keep what a private compile built for its tenant, and mark the objects a compile
+    reused as used now; a failure costs later compiles only."""
     try:
-        stored, reused = kernels.keep(tenant_dir, files)
+        kernels.touch(pool_dir, files.reused)
+        stored = kernels.keep(tenant_dir, files)[0] if tenant_dir else 0
     except OSError:
         log.exception("could not keep the compile's kernels", extra=extra)
         return
-    log.info("kernel cache: %d objects reused, %d kept", reused, stored, extra=extra)
+    log.info("kernel cache: %d objects reused, %d kept", len(files.reused), stored, extra=extra)
 
 
 # ---- Signing: the worker vouches for what it stored (torchfarm/signing.py) ---------------
@@ -342,6 +385,7 @@ class _Slots:
 
 
 SLOTS = _Slots()  # the compile tasks of this worker process
+WORKER_NAME = f"{socket.gethostname()}.{os.getpid()}"  # as Celery's node name ends
 
 
 class _Heartbeat:
@@ -350,7 +394,7 @@ class _Heartbeat:
 
     def __init__(self, store: Store, pool: str, info: dict, every_s: float = 10):
         self.store, self.pool, self.info, self.every_s = store, pool, info, every_s
-        self.worker = f"{socket.gethostname()}.{os.getpid()}"  # as Celery's node name ends
+        self.worker = WORKER_NAME
         self.readiness = pools.Readiness()
         self.lock = threading.Lock()  # the last write is the latest readiness
 
@@ -385,6 +429,12 @@ def run_worker(settings: WorkerSettings) -> None:
     """Serve this machine's pool (or settings.pool) until stopped."""
     sandbox.check_available(settings)
     load_signer(settings)
+    try:  # a wrong TORCHFARM_BLOB_URL fails here, not on a first compile
+        artifacts = _store(settings.redis_url, settings.broker_url, settings.blob_url).artifacts
+        artifacts.blobs.check()
+        artifacts.record_store()
+    except Exception as e:
+        raise SystemExit(f"torchfarm worker: blob store {settings.blob_url}: {e}") from e
     toolchain.start_in_background(settings)
     sandbox.pool(settings)  # compile children warm up while the worker starts
     target = local_target(settings.device)
@@ -399,7 +449,9 @@ def run_worker(settings: WorkerSettings) -> None:
         "concurrency": settings.concurrency,  # for Info and `torchfarm doctor`
         "warm_children": settings.warm_children,
     }
-    heartbeat = _Heartbeat(Store.from_url(settings.redis_url, settings.broker_url), pool, info)
+    heartbeat = _Heartbeat(
+        Store.from_url(settings.redis_url, settings.broker_url, settings.blob_url), pool, info
+    )
     heartbeat.start()  # "starting": the gateway queues this pool's jobs meanwhile
     log.info("worker for pool %s (%s): canary compile", pool, describe(target))
     readiness = canary.run(settings, target)

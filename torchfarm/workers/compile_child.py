@@ -4,7 +4,9 @@ It speaks the contract's child protocol (CompileChildRequest / CompileChildRepor
 torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
 So nothing of a tenant's compile is a file the host can see, and a crashed worker leaves
 nothing behind; the one exception is the C++ objects a private job's child reports, which its
-parent checks and keeps for that tenant's later compiles (kernel_cache.py). Everything it
+parent checks and keeps for that tenant's later compiles (kernel_cache.py); a shared job's
+child reports the C++ sources it built, which only ever reach a kernel build of the pool's
+(kernel_builder.py). Everything it
 reads is hostile; it runs with no network, no secrets, no capabilities and no access to the
 cache.
 
@@ -17,6 +19,7 @@ one request. It compiles that one and exits, so no two tenants ever share a proc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import struct
@@ -98,23 +101,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     request = pb.CompileChildRequest.FromString(data)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    reuse = request.kernel_cache and bool(args.kernels)
-    if reuse:  # before anything of the tenant's runs
-        kernel_cache.link_staged(args.kernels, cache_dir)
+    sources: list[pb.KernelSource] = []
+    with contextlib.ExitStack() as kernels:
+        if args.kernels:  # before anything of the tenant's runs
+            kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
+        if request.kernel_sources:
+            kernels.enter_context(kernel_cache.recording(sources))
 
-    from torchfarm.compiler.inductor import compile_payload
+        from torchfarm.compiler.inductor import compile_payload
 
-    for module in request.op_libraries:
-        importlib.import_module(module)
-    artifact = compile_payload(
-        request.graph,
-        request.options,
-        request.target.threads,
-        dict(request.size_hints),
-        _on_stage,
-    )
-    if reuse:
-        report(pb.CompileChildReport(kernels=kernel_cache.report(cache_dir, args.kernels)))
+        for module in request.op_libraries:
+            importlib.import_module(module)
+        artifact = compile_payload(
+            request.graph,
+            request.options,
+            request.target.threads,
+            dict(request.size_hints),
+            _on_stage,
+        )
+    if args.kernels:
+        files = kernel_cache.report(cache_dir, args.kernels, built=request.kernel_cache)
+        files.sources.extend(sources)
+        report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
 

@@ -42,7 +42,7 @@ def _metrics():
         Counter(
             "torchfarm_worker_compiles",
             "Compile tasks by pool, mode and result "
-            "(compiled, failed, error, cached, abandoned, expired)",
+            "(compiled, failed, error, cached, abandoned, expired, duplicate)",
             ["pool", "mode", "result"],
         ),
         Histogram(

@@ -43,7 +43,7 @@ log = logging.getLogger("torchfarm.worker")
 SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
 LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
-KERNEL_DIR = "/run/kernels"  # inside the sandbox: the tenant's staged C++ objects, read-only
+KERNEL_DIR = "/run/kernels"  # inside the sandbox: staged C++ objects, read-only, not listable
 CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
 SHM_BYTES = COMPILE_SHM_MB << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
@@ -251,7 +251,7 @@ def child_environment(
 _CHILD = ("-m", "torchfarm.workers.compile_child")
 
 
-def _child_command(
+def child_command(
     settings: WorkerSettings,
     private_dir: str,
     python_args: tuple[str, ...] = _CHILD,
@@ -339,7 +339,7 @@ assert not os.access("/", os.W_OK)
 
 def _self_check(settings: WorkerSettings) -> str:
     """Run the compile child's full sandbox on a tiny check; what went wrong, or ""."""
-    cmd, env, cwd = _child_command(settings, "", ("-c", _SELF_CHECK))
+    cmd, env, cwd = child_command(settings, "", ("-c", _SELF_CHECK))
     try:
         proc = subprocess.run(
             cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False
@@ -350,7 +350,7 @@ def _self_check(settings: WorkerSettings) -> str:
     return f"exit {proc.returncode}: {lines[-1] if lines else ''}" if proc.returncode else ""
 
 
-def _limits(settings: WorkerSettings) -> Callable[[], None]:
+def limits(settings: WorkerSettings) -> Callable[[], None]:
     memory_mb = settings.memory_limit_mb if settings.device != "cuda" else 0
     # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
 
@@ -455,7 +455,7 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
         settings.warm_children,
         functools.partial(_pool_command, settings),
         settings.warm_up_timeout_s,
-        preexec_fn=_limits(settings),
+        preexec_fn=limits(settings),
         events=child_pool.Events(
             ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
         ),
@@ -472,7 +472,7 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
 
 
 def _pool_command(settings: WorkerSettings, number: int, private_dir: str):
-    return _child_command(settings, private_dir, number=number)
+    return child_command(settings, private_dir, number=number)
 
 
 def run_compile(
@@ -484,16 +484,18 @@ def run_compile(
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
     abandoned: Callable[[], bool] | None = None,
     timeout_s: float | None = None,
-    kernels_from: str = "",
+    kernels_from: tuple[str, ...] = (),
+    report_built: bool = False,
+    report_sources: bool = False,
 ) -> ChildResult:
     """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
     protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
     (COMPILING / AUTOTUNING) as it changes. The compile timeout (`timeout_s`, else the
     settings') runs from this call, a child still warming up included. `abandoned()`, asked
     every ABANDON_CHECK_S, stops the child once it has said True twice in a row (nobody waits
-    for the result any more). `kernels_from`: a tenant's kernel cache directory, staged for
-    the child (a private job with TORCHFARM_KERNEL_CACHE_MB on); the child then reports the
-    objects it built."""
+    for the result any more). `kernels_from`: kernel cache directories (workers/kernel_cache.py)
+    staged for the child, the first one's objects winning; the child then reports the objects
+    it built (`report_built`) or the sources of the libraries it built (`report_sources`)."""
     timeout_s = timeout_s or settings.compile_timeout_s
     called = time.perf_counter()
     request = pb.CompileChildRequest(
@@ -502,14 +504,18 @@ def run_compile(
         options=options,
         size_hints=size_hints,
         op_libraries=_op_libraries(settings),
-        kernel_cache=bool(kernels_from),
+        kernel_cache=report_built,
+        kernel_sources=report_sources,
     )
     child = pool(settings).take()
-    if kernels_from:
+    staging = staging_dir(child.private_dir) if settings.kernel_cache_mb else ""
+    if staging:
         try:
-            kernel_cache.stage(kernels_from, staging_dir(child.private_dir))
+            for directory in kernels_from:
+                kernel_cache.stage(directory, staging)
+            kernel_cache.hide(staging)
         except OSError as e:  # the compile goes on with what was staged
-            log.warning("could not stage the tenant's kernels: %s", e)
+            log.warning("could not stage the kernels: %s", e)
     timed_out = threading.Event()
 
     def expire() -> None:
@@ -544,6 +550,8 @@ def run_compile(
         timer.cancel()
         done.set()
         feeder.join(timeout=5)
+        if staging:
+            kernel_cache.unhide(staging)
         child.close()
     text = child.error_text()
     if stopped.is_set() and data is None:

@@ -5,10 +5,12 @@ toolchain: the vector-ISA probe (torch_adapter/isa_probe.py) and the precompiled
 (torch_adapter/precompiled_headers.py). A compile child starts in a fresh private cache dir,
 so it would redo both on every compile (~12 s and ~25 s here). The worker does them once in
 the background, in that order (the header's flags follow the ISA the children pick); a child
-started before they are in compiles without them, a little slower, never differently.
+started before they are in compiles without them, a little slower, never differently. Both
+are kept per toolchain, so a worker whose toolchain has them does neither.
 
 The headers are kept per toolchain (TORCHFARM_TOOLCHAIN_CACHE, default
-~/.cache/torchfarm/toolchain/<id>, ~150 MB each): a restarted worker, or another worker of the
+~/.cache/torchfarm/toolchain/<id>, ~150 MB each; the probe's agreement in <id>.vec-isa-ok
+beside them): a restarted worker, or another worker of the
 same machine and toolchain, binds them at once instead of building again. The id covers what
 Inductor's header key covers (torch build, compiler, CPU, interpreter), so a stale store only
 names headers a child's Inductor does not look for: it builds its own, never uses a wrong one.
@@ -34,6 +36,7 @@ from torchfarm.workers import sandbox
 
 log = logging.getLogger("torchfarm.worker")
 
+ISA_VERDICT_SUFFIX = ".vec-isa-ok"  # beside the header store: isa_probe.py's kept agreement
 HEADER_BUILD_TIMEOUT_S = 900  # ~25 s alone on the 2-core machine, more beside compiles
 
 
@@ -42,9 +45,12 @@ def start_in_background(settings: WorkerSettings) -> None:
     marker = isa_probe.declare()
     headers = store_dir()
     precompiled_headers.set_store(headers)
+    kept_verdict = headers + ISA_VERDICT_SUFFIX
+    vouched = isa_probe.recall(marker, kept_verdict)  # before the canary's child starts
 
     def prepare() -> None:
-        isa_probe.settle(marker)
+        if not vouched:
+            isa_probe.settle(marker, kept_verdict)
         if settings.sandbox != "bwrap":  # unconfined children have no binds: no headers
             return
         if precompiled_headers.child_binds(sandbox.WORK_DIR, sandbox.CHILD_USER):

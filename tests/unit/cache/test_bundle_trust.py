@@ -30,7 +30,7 @@ def scratch(redis_url, monkeypatch) -> Store:
 
 
 def _import(*args: str):
-    return CliRunner().invoke(app, ["cache", "import", *args])
+    return CliRunner().invoke(app, ["cache", "import", "--direct", *args])
 
 
 def _at_most(n: int) -> pb.ShapeGuards:
@@ -59,7 +59,7 @@ def _signed_entry(store: Store, signer, n: int, private_to: str = "") -> str:
 
 
 def _export_and_drop(store: Store, path, keys: list[str]) -> None:
-    assert CliRunner().invoke(app, ["cache", "export", str(path)]).exit_code == 0
+    assert CliRunner().invoke(app, ["cache", "export", "--direct", str(path)]).exit_code == 0
     for key in keys:
         store.artifacts.drop(key)
 

@@ -5,23 +5,28 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import redis
 from typer.testing import CliRunner
 
 from torchfarm.cache import keys
+from torchfarm.cache.blobs import FileBlobs, open_blobs
 from torchfarm.cache.store import Store
 from torchfarm.cli import app
 from torchfarm.proto import torchfarm_pb2 as pb
 
 
-@pytest.fixture
-def scratch(redis_url) -> Store:
-    """An empty Redis database, for synthetic entries."""
+@pytest.fixture(params=["redis", "file"])
+def scratch(request, redis_url, tmp_path, monkeypatch) -> Store:
+    """An empty Redis database, for synthetic entries; their blobs in it or in a directory
+    (cache/blobs.py), which the cache CLI's commands see too (TORCHFARM_BLOB_URL)."""
+    blob_url = "redis" if request.param == "redis" else f"file://{tmp_path}/blobs"
+    monkeypatch.setenv("TORCHFARM_BLOB_URL", blob_url)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
-    yield Store.from_clients(client)
+    yield Store.from_clients(client, blobs=open_blobs(blob_url, client))
     client.flushdb()
 
 
@@ -39,15 +44,26 @@ def _put(store: Store, n: int, size: int = 20_000) -> str:
     return key
 
 
+def _blobs_kept(store: Store) -> set[str]:
+    """The names of every blob the store holds, index or not (_put's entries have no
+    details)."""
+    blobs = store.artifacts.blobs
+    if isinstance(blobs, FileBlobs):
+        return {p.name for p in Path(blobs.root).rglob("*") if p.is_file()}
+    return {k.decode().rsplit(":", 1)[1] for k in store.artifacts.redis.scan_iter(keys.blob("*"))}
+
+
 def _consistent(store: Store) -> None:
-    """Every index entry's blob exists, and the byte counter is the sum of the entries."""
-    total = 0
+    """Every index entry's blob exists, no blob without an entry is left behind, and the
+    byte counter is the sum of the entries."""
+    total, named = 0, set()
     for key, _ in store.artifacts.keys():
         entries = store.artifacts.entries(key)
         assert entries
         for e in entries:
-            assert store.artifacts.redis.exists(keys.blob(e.digest))
             total += e.stored_bytes
+            named.add(e.digest)
+    assert _blobs_kept(store) == named
     assert store.artifacts.totals().get("stored_bytes", 0) == total
 
 
@@ -70,9 +86,14 @@ def test_ttl_drops_keys_unused_for_that_long(scratch):
     _consistent(scratch)
 
 
-def test_cli_without_redis_says_how_to_point_it_there(monkeypatch):
-    monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://127.0.0.1:1/0")
+def test_cli_says_how_to_point_it_at_the_farm(monkeypatch):
+    monkeypatch.delenv("TORCHFARM_ADDR", raising=False)
     result = CliRunner().invoke(app, ["cache", "stats"])
+    assert result.exit_code == 2 and "--addr and --token" in result.output
+    result = CliRunner().invoke(app, ["cache", "stats", "--addr", "127.0.0.1:1", "--token", "t"])
+    assert result.exit_code == 1 and "UNAVAILABLE" in result.output
+    monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://127.0.0.1:1/0")  # recovery mode
+    result = CliRunner().invoke(app, ["cache", "stats", "--direct"])
     assert result.exit_code == 2 and "cannot reach Redis" in result.output
 
 

@@ -70,6 +70,7 @@ def _bytes(served: Served) -> bytes:
 
 
 def _store_as_worker(store: Store, job: pb.Job, data: bytes = ARTIFACT, **meta) -> None:
+    store.jobs.take_lease(job.job_id, "worker")  # its run (finish drops the lease)
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
     entry = store.artifacts.put(
         job.key, data, pb.EntryMeta(tenant=job.tenant, private=job.private, **meta)
@@ -121,8 +122,12 @@ def test_a_miss_is_queued_once_then_served_and_the_repeat_is_a_hit(store):
     assert job.queued_at > 0
     assert first[-1].timings.handoff_s == merged[-1].timings.handoff_s == 0.25
     assert first[-1].timings.compile_s == 3.0
+    # one job id for the compile: in every progress and the artifact, for both waiters
+    heard = {e.job_id for e in first + merged}
+    assert heard == {job.job_id} and len(job.job_id) == 64
     again = _run(coordinator, _call())
     assert len(again) == 1 and again[0].source == "hit" and _bytes(again[0]) == ARTIFACT
+    assert again[0].job_id == ""  # a hit compiles nothing
     assert store.counters.farm()["hits"] == 1 and store.counters.farm()["misses"] == 1
 
 
@@ -172,7 +177,8 @@ def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
     events: list = []
     thread = _in_background(events, coordinator, _call())
     job = queue.next()
-    store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)  # taken, heartbeat fresh
+    assert store.jobs.take_lease(job.job_id, "worker")  # taken, lease fresh
+    store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
     time.sleep(2.5)
     assert len(queue.jobs) == 1, "a job with a fresh heartbeat was queued again"
     store.jobs.redis.delete(keys.alive(job.job_id))  # the worker is gone: no more beats
@@ -183,14 +189,15 @@ def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
     assert events[-1].source == "miss"
 
 
-def test_a_live_heartbeat_keeps_a_long_compile_its_own(store):
-    with store.jobs.heartbeat("j1"):
+def test_a_live_lease_keeps_a_long_compile_its_own(store):
+    with store.jobs.lease("j1", "worker") as leased:
+        assert leased
         assert not store.jobs.state("j1").orphaned  # nothing claimed
         store.jobs.claim("j1", 60)
         store.jobs.set_stage("j1", pb.Progress.COMPILING)
         assert store.jobs.state("j1").alive and not store.jobs.state("j1").orphaned
         assert not store.jobs.take_over("j1", store.jobs.state("j1"))
-    store.jobs.redis.delete(keys.alive("j1"))
+    assert not store.jobs.state("j1").alive  # the run ended: its lease went with it
     orphaned = store.jobs.state("j1")
     assert orphaned.orphaned
     assert store.jobs.take_over("j1", orphaned)

@@ -1,6 +1,7 @@
-"""A tenant's kernel cache on the worker host: which names it takes, its budget and pruning,
-staging for a child, and the child's side (linking, reporting what it built)."""
+"""Kernel caches on the worker host (a tenant's, the pool's): which names they take, budget and
+pruning, staging for a child, the child's side (lookup by name, reports), the pool's build."""
 
+import ctypes
 import os
 
 import pytest
@@ -89,30 +90,102 @@ def test_the_least_recently_used_objects_are_pruned_past_the_budget(tmp_path):
     assert sorted(kernel_cache._names(d)) == sorted([names[0], names[2]])
 
 
-def test_staging_links_the_tenants_objects_and_the_child_links_them_into_its_cache(tmp_path):
+def test_staging_links_the_objects_and_hides_their_names(tmp_path):
     cache = _cache(tmp_path)
     d = cache.tenant_dir("cpu", "alice")
     cache.keep(d, pb.KernelFiles(built={f"{OBJ}.so": b"lib"}))
-    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
+    staging = tmp_path / "staging"
     staging.mkdir()
     assert kernel_cache.stage(d, str(staging)) == 1
     staged = staging / f"{OBJ}.so"
     assert os.stat(staged).st_ino == os.stat(os.path.join(d, f"{OBJ}.so")).st_ino  # a link
-    assert kernel_cache.link_staged(str(staging), str(inductor)) == 1
-    assert os.readlink(inductor / f"{OBJ}.so") == str(staged)
+    kernel_cache.hide(str(staging))
+    for directory in (staging, staging / "ab"):  # searchable, not listable, by the owner
+        assert os.stat(directory).st_mode & 0o777 == 0o100
+    kernel_cache.unhide(str(staging))
+    assert os.stat(staging / "ab").st_mode & 0o777 == 0o700
+
+
+def test_the_pools_directory_is_apart_from_every_tenants(tmp_path):
+    cache = _cache(tmp_path)
+    pool = cache.pool_dir("cpu")
+    assert pool not in {cache.tenant_dir("cpu", t) for t in ("", "pool", "cpu")}
+    assert os.path.basename(pool).startswith("pool-") and pool == cache.pool_dir("cpu")
+    assert os.stat(pool).st_mode & 0o777 == 0o700
+
+
+def test_a_source_counts_as_built_while_all_its_objects_are_there(tmp_path):
+    cache = _cache(tmp_path)
+    pool = cache.pool_dir("cpu")
+    source = pb.KernelSource(code_cache="CppCodeCache", main_code="int x;")
+    assert not cache.built_before(pool, source)
+    cache.keep(pool, pb.KernelFiles(built={f"{OBJ}.so": b"lib", f"{OBJ}.o": b"obj"}))
+    cache.mark_built(pool, source, [f"{OBJ}.so", f"{OBJ}.o"])
+    assert cache.built_before(pool, source)
+    assert not cache.built_before(pool, pb.KernelSource(code_cache="CppCodeCache", main_code="y"))
+    os.remove(os.path.join(pool, f"{OBJ}.o"))  # pruned: build it again
+    assert not cache.built_before(pool, source)
+
+
+def test_a_source_written_finds_the_staged_objects_of_its_name(tmp_path, monkeypatch):
+    from torch._inductor import codecache
+
+    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    key, path = codecache.write("int staged;", "main.cpp")
+    name = os.path.relpath(path, inductor)[: -len(".cpp")]  # `<2 chars>/<key>.main`
+    os.remove(path)
+    (staging / name).parent.mkdir(parents=True)
+    (staging / f"{name}.so").write_bytes(b"staged")
+    with kernel_cache.looking_up(str(staging), str(inductor)):
+        codecache.write("int staged;", "main.cpp")
+        codecache.write("int other;", "main.cpp")
+    assert os.readlink(inductor / f"{name}.so") == str(staging / f"{name}.so")
+    assert not os.path.lexists(inductor / f"{name}.o")  # not staged: Inductor builds it
+    linked = [n for n in kernel_cache._names(str(inductor)) if os.path.islink(inductor / n)]
+    assert linked == [f"{name}.so"]
 
 
 def test_the_child_reports_what_it_built_not_what_was_staged(tmp_path):
     staging, inductor = tmp_path / "staging", tmp_path / "inductor"
     (staging / "ab").mkdir(parents=True)
     (staging / f"{OBJ}.so").write_bytes(b"staged")
-    kernel_cache.link_staged(str(staging), str(inductor))
+    (inductor / "ab").mkdir(parents=True)
+    os.symlink(staging / f"{OBJ}.so", inductor / f"{OBJ}.so")
     (inductor / f"{OBJ}.o").write_bytes(b"built")
     (inductor / "ab" / "cab.py").write_bytes(b"output code")
     (inductor / "fxgraph").mkdir()
     files = kernel_cache.report(str(inductor), str(staging))
     assert dict(files.built) == {f"{OBJ}.o": b"built"}
     assert list(files.reused) == []  # staged, but this process never loaded it
+    assert not kernel_cache.report(str(inductor), str(staging), built=False).built
+
+
+def test_a_kernel_build_names_its_objects_as_the_compile_that_recorded_its_source(
+    tmp_path, monkeypatch
+):
+    """The pool's build derives the names itself, from the recorded source alone: the same
+    names as the compile's own, for a library that works."""
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
+
+    from torchfarm.compiler.inductor import WORKER_CONFIG
+    from torchfarm.workers import kernel_builder
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))
+    code = 'extern "C" int torchfarm_probe(int x) { return 2 * x + 1; }'
+    sources: list[pb.KernelSource] = []
+    with inductor_config.patch(WORKER_CONFIG), kernel_cache.recording(sources):  # as a child
+        assert codecache.CppCodeCache.load(code).torchfarm_probe(20) == 41
+    assert [s.main_code for s in sources] == [code] and not sources[0].has_optimized
+    compiled = kernel_cache.report(str(tmp_path / "compile"), "")
+    codecache.CppCodeCache.cache_clear()  # as in the builder's fresh process
+    built = kernel_builder.build(sources[0], str(tmp_path / "build"))
+    assert built.built and set(built.built) <= set(compiled.built)  # + the ISA probe's
+    (name,) = built.built
+    library = tmp_path / "built.so"  # bytes differ in paths only (debug info): it works
+    library.write_bytes(built.built[name])
+    assert ctypes.CDLL(str(library)).torchfarm_probe(20) == 41
 
 
 def test_the_settings_size_it_turn_it_off_and_refuse_a_negative_size(monkeypatch):

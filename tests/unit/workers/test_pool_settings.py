@@ -53,7 +53,7 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
     gpus = []
     for number in range(3):
         private_dir = str(tmp_path / str(number))
-        cmd, env, _ = sandbox._child_command(settings, private_dir, number=number)
+        cmd, env, _ = sandbox.child_command(settings, private_dir, number=number)
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
         staging = sandbox.staging_dir(private_dir)  # unconfined: the host path itself
         assert cmd[-6:] == ["--device", "cuda", "--op-libraries", "", "--kernels", staging]

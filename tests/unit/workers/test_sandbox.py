@@ -145,11 +145,11 @@ def test_each_child_gets_its_own_staging_dir_only_with_the_cache_on(tmp_path, mo
     on, off = tmp_path / "on", tmp_path / "off"
     on.mkdir()
     off.mkdir()
-    cmd, _, _ = sandbox._child_command(WorkerSettings(), str(on))
+    cmd, _, _ = sandbox.child_command(WorkerSettings(), str(on))
     assert _binds(cmd)[sandbox.KERNEL_DIR] == sandbox.staging_dir(str(on))
     assert os.path.isdir(sandbox.staging_dir(str(on)))
     assert cmd[cmd.index("--kernels") + 1] == sandbox.KERNEL_DIR
-    cmd, _, _ = sandbox._child_command(WorkerSettings(kernel_cache_mb=0), str(off))
+    cmd, _, _ = sandbox.child_command(WorkerSettings(kernel_cache_mb=0), str(off))
     assert "--kernels" not in cmd and sandbox.KERNEL_DIR not in _binds(cmd)
     assert not os.listdir(off)
 

@@ -77,7 +77,8 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
     for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
         monkeypatch.setenv(name, "")
     monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
-    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: True)
+    probes: list[str] = []
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: probes.append("isa") or True)
     builds: list[str] = []
 
     def build(settings, directory):
@@ -91,7 +92,29 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
     kept = os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"]
     assert os.path.dirname(kept) == str(tmp_path / "toolchain")
     assert not os.path.exists(builds[0])  # built aside, then moved into place whole
+    assert probes == ["isa"]
+    monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", "")
     toolchain.start_in_background(WorkerSettings())  # the next worker of this toolchain
+    # vouched at once, before its canary's child starts: the kept agreement, no probe
+    assert isa_probe.child_environment() == isa_probe.TRUST_FLAGS_ENV
     time.sleep(1)
     assert len(builds) == 1 and os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"] == kept
-    assert sorted(os.listdir(tmp_path / "toolchain")) == [os.path.basename(kept)]
+    assert probes == ["isa"]
+    assert sorted(os.listdir(tmp_path / "toolchain")) == [
+        os.path.basename(kept),
+        os.path.basename(kept) + toolchain.ISA_VERDICT_SUFFIX,
+    ]
+
+
+def test_a_disagreeing_probe_is_not_kept(tmp_path, monkeypatch):
+    for name in ("TORCHFARM_PRECOMPILED_HEADERS_DIR", "TORCHFARM_ISA_PROBE_MARKER"):
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
+    probed = threading.Event()
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: probed.set() or False)
+    monkeypatch.setattr(toolchain, "build_headers", lambda settings, directory: None)
+    toolchain.start_in_background(WorkerSettings())
+    assert probed.wait(30)
+    time.sleep(0.5)
+    assert isa_probe.child_environment() == {}  # children keep probing for themselves
+    assert not [n for n in os.listdir(tmp_path / "toolchain") if n.endswith(".vec-isa-ok")]

@@ -1,0 +1,127 @@
+"""`torchfarm prepare`: compile a job's graphs on the farm before the job's hardware exists.
+
+The user's entry point (a function that builds the model and runs its first step, as the job
+does) runs on fake tensors: nothing is computed and no device is needed, while Dynamo traces
+the same graphs that the job will trace on its target. Each graph goes to the farm for the
+target's pool (a target file written by `torchfarm target` on a machine of the job's kind, or
+this machine's own), which compiles it, or already holds it; nothing is loaded here, and the
+graph's code runs on the fake tensors so that the step goes on to its next graph. The job's
+first process is then a farm hit for every graph (the keys are the same: same payload bytes,
+target and options).
+
+A torch without the target's runtime (a CPU-only build, or a CUDA build on a machine with no
+GPU) still makes fake CUDA tensors; what it cannot do with them is patched for the run
+(torch_adapter/fake_device.py). The payload must come from the job's own torch build, so a
+CUDA job is prepared with its CUDA build, which runs on a machine without a GPU (a CPU-only
+build also aborts in autograd on fake CUDA tensors: it has no CUDA device guard). A step
+that stops (a device query, a value read from a fake tensor) is reported in one line; the
+graphs before it stay prepared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import torch
+
+from torchfarm.compiler.target import torch_build
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter.fake_device import fake_device
+from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
+
+# The target graphs are prepared for while `preparing` runs (client/backend.py asks).
+_target: contextvars.ContextVar[pb.Target | None] = contextvars.ContextVar(
+    "torchfarm_prepare_target", default=None
+)
+
+
+def target() -> pb.Target | None:
+    """The target of the preparation under way in this context, or None (a normal run)."""
+    return _target.get()
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a preparation did: one row per graph (label, source, seconds), and why a step
+    stopped early, if it did."""
+
+    rows: list[tuple[str, str, float]]
+    stopped: str
+    seconds: float
+
+    def count(self, *sources: str) -> int:
+        return sum(1 for _, source, _ in self.rows if source in sources)
+
+    def table(self) -> str:
+        lines = [f"{'graph':<12} {'farm':<8} {'seconds':>8}"]
+        lines += [f"{label:<12} {source:<8} {secs:>8.2f}" for label, source, secs in self.rows]
+        lines.append(
+            f"{len(self.rows)} graphs: {self.count('hit')} hits, "
+            f"{self.count('miss', 'merged')} compiled, {self.count('failed')} failed, "
+            f"{self.seconds:.1f} s"
+        )
+        if self.stopped:
+            lines.append(f"stopped early: {self.stopped}")
+        return "\n".join(lines)
+
+
+def run(entry: Callable[[], object], target: pb.Target) -> Summary:
+    """Run `entry` on fake tensors with every graph it compiles through the torchfarm backend
+    prepared on the farm for `target`."""
+    from torchfarm.client import backend  # noqa: PLC0415  (imports this module)
+
+    if target.torch_version != torch_build():
+        raise ValueError(
+            f"prepare with the job's torch build: the target runs {target.torch_version}, "
+            f"this is {torch_build()} (a CUDA build prepares on a machine without a GPU)"
+        )
+    started = time.monotonic()
+    first = len(backend.history)
+    stopped = ""
+    with preparing(target):
+        try:
+            entry()
+        except Exception as e:  # the graphs before it stay prepared
+            stopped = _where(e)
+        backend.finish_prepared()
+    torch._dynamo.reset()  # the frames traced on fake tensors must not serve real calls
+    rows = [(r.label, _source(r.source), r.seconds) for r in backend.history[first:]]
+    return Summary(rows, stopped, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def preparing(target: pb.Target) -> Iterator[None]:
+    """Fake tensors, the device patches, no Dynamo packages (they would hold guards on fake
+    tensors), and the backend preparing for `target`. No default device: Dynamo traces
+    through `torch.device(...)`'s function mode, which changes the graphs (`x + y` became
+    `x.add(y)`), so the entry point names its devices as the job does."""
+    token = _target.set(target)
+    skip = os.environ.get("TORCHFARM_SKIP_TRACING")
+    os.environ["TORCHFARM_SKIP_TRACING"] = "0"
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_device(target.cuda_capability):
+            yield
+    finally:
+        _target.reset(token)
+        if skip is None:
+            os.environ.pop("TORCHFARM_SKIP_TRACING", None)
+        else:
+            os.environ["TORCHFARM_SKIP_TRACING"] = skip
+
+
+def _source(source: str) -> str:
+    return {"local": "failed", "eager": "failed", "split": "failed"}.get(source, source)
+
+
+def _where(e: Exception) -> str:
+    """One line: the error, and the innermost frame of the user's code it came from."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" not in f.filename]
+    place = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {message}{place}"
