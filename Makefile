@@ -54,9 +54,15 @@ integration: deps
 # $(call in_a_row,A B C): B waits for A and C for B (order-only: nothing is redone for it).
 # Only where all of them are asked for: `make test-version-2.14` alone runs 2.14 alone.
 in_a_row = $(if $(word 2,$(1)),$(eval $(word 2,$(1)): | $(word 1,$(1)))$(call in_a_row,$(wordlist 2,$(words $(1)),$(1))))
+# $(call two_ahead,VENVS,RUNS): the third venv waits for the first release's tests, and so
+# on, so that at most two releases' venvs are on disk at once (see KEEP_VENV_FREE_GB).
+two_ahead = $(if $(word 3,$(1)),$(eval $(word 3,$(1)): | $(word 1,$(2)))$(call two_ahead,$(wordlist 2,$(words $(1)),$(1)),$(wordlist 2,$(words $(2)),$(2))))
 ifneq ($(filter test checks test-versions other-venvs,$(or $(MAKECMDGOALS),demo)),)
 $(call in_a_row,$(OTHER_VENVS))
 $(call in_a_row,$(VERSION_RUNS))
+endif
+ifneq ($(filter test checks test-versions,$(or $(MAKECMDGOALS),demo)),)
+$(call two_ahead,$(OTHER_VENVS),$(VERSION_RUNS))
 endif
 
 other-venvs: $(OTHER_VENVS)
@@ -70,10 +76,19 @@ $(OTHER_VENVS): .venv-%/.installed: requirements/torch-%.txt pyproject.toml
 
 test-versions: $(VERSION_RUNS)
 
+# A release's venv is kept for the next run only where the disk keeps room for the rest
+# (KEEP_VENV_FREE_GB free after it): four of them take 21 GB, and a CI machine's disk may not
+# hold them beside the integration tier's farms (a full disk failed a compile there).
+KEEP_VENV_FREE_GB := 40
+
 $(VERSION_RUNS): test-version-%: .venv-%/.installed $(COMPOSE_SCHEMA)
 	@echo "== torch $* (.venv-$*)"
 	.venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
-		tests/unit/compiler tests/integration/test_versions.py
+		tests/unit/compiler tests/integration/test_versions.py; status=$$?; \
+	free_gb=$$(( $$(df --output=avail -k . | tail -1) / 1048576 )); \
+	if [ $$free_gb -lt $(KEEP_VENV_FREE_GB) ]; then \
+		echo "== torch $*: removing .venv-$* ($$free_gb GB free)"; rm -rf .venv-$*; fi; \
+	exit $$status
 
 lint: deps
 	$(VENV)/bin/ruff check torchfarm tests bench examples
