@@ -48,29 +48,30 @@ def run_architecture(
     farm is compared with eager only): half the compiles, for CI."""
     row = {"name": name}
     for run in ("first", "second"):
-        env = dict(
-            os.environ,
-            TORCHFARM_ADDR=addr,
-            TORCHFARM_TOKEN=token,
-            TORCHFARM_PROGRESS="0",
-            TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-            TRITON_CACHE_DIR=tempfile.mkdtemp(),
-        )
-        proc = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(HERE, "client.py"),
-                name,
-                run,
-                device,
-                scale,
-                *(["local"] if local else []),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        with tempfile.TemporaryDirectory(prefix="torchfarm-coverage-") as caches:
+            env = dict(
+                os.environ,
+                TORCHFARM_ADDR=addr,
+                TORCHFARM_TOKEN=token,
+                TORCHFARM_PROGRESS="0",
+                TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+            )
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(HERE, "client.py"),
+                    name,
+                    run,
+                    device,
+                    scale,
+                    *(["local"] if local else []),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
             row["error"] = f"{run} process failed ({proc.returncode}): {proc.stderr[-3000:]}"

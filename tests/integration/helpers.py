@@ -27,24 +27,25 @@ def run_client(
     env: dict | None = None,
 ) -> dict:
     """Run tests/integration/clients/SCRIPT in a fresh process with empty local Inductor and
-    Triton caches."""
-    full_env = dict(
-        os.environ,
-        TORCHFARM_ADDR=farm.addr,
-        TORCHFARM_TOKEN=TOKENS[tenant],
-        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-        TRITON_CACHE_DIR=tempfile.mkdtemp(),
-        **(env or {}),
-    )
-    if path_prefix:
-        full_env["PATH"] = f"{path_prefix}:{full_env['PATH']}"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "clients", script), *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    Triton caches (removed afterwards: the tier runs hundreds of clients)."""
+    with tempfile.TemporaryDirectory(prefix="torchfarm-client-") as caches:
+        full_env = dict(
+            os.environ,
+            TORCHFARM_ADDR=farm.addr,
+            TORCHFARM_TOKEN=TOKENS[tenant],
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+            TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+            **(env or {}),
+        )
+        if path_prefix:
+            full_env["PATH"] = f"{path_prefix}:{full_env['PATH']}"
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "clients", script), *args],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

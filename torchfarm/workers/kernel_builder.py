@@ -6,37 +6,53 @@ name. What a shared job's child reports for the pool is therefore only sources: 
 `KernelSource` per C++ library (Inductor's load_async arguments). After the job has ended,
 the worker builds each source it has not built before, one at a time and at niceness 10
 (compiles go first), in a builder child of its own: the compile sandbox (no network, no
-secrets, a fresh private tmpfs, nothing staged), given that one source and nothing else.
-The builder calls Inductor's own load_async for it, which names the objects after the source
-and the pool's compile command and runs g++ on them; it never loads them, and reports what
-it built. So the object
-under a name is what the pool's compiler makes of the one source that name hashes; a hostile
-payload can at most make the pool build, correctly, kernels whose sources it names.
+secrets, a private tmpfs, nothing staged), given sources and nothing else. For each source
+the builder calls Inductor's own load_async, which names the objects after the source and
+the pool's compile command and runs g++ on them; it never loads them, and reports what it
+built. So the object under a name is what the pool's compiler makes of the one source that
+name hashes; a hostile payload can at most make the pool build, correctly, kernels whose
+sources it names.
 
-`python -m torchfarm.workers.kernel_builder` is the builder child: a `KernelSource` on stdin,
-a `KernelFiles` on stdout.
+The builder child (`python -m torchfarm.workers.kernel_builder`) imports torch and Inductor
+and runs Inductor's ISA checks once, then builds the sources it is sent one after another,
+each as a fresh builder would: in a process forked for it from that untouched state, with the
+writable directories emptied and every process an earlier build left ended. That saves ~3
+CPU-seconds of imports per source: a pool's builds cost as much CPU as its compiles before.
+It exits when no source has come for IDLE_S. On stdin: length-prefixed `KernelSource`s; on
+stdout, one reply each: the build's exit status, then its `KernelFiles`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import queue
+import selectors
 import shutil
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+from typing import IO, BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import kernel_cache, sandbox
+from torchfarm.workers import compile_child, kernel_cache, sandbox
+from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
 
 BUILD_TIMEOUT_S = 600  # one library: seconds of g++ here, minutes on a crowded host
 MAX_QUEUED = 1024  # sources waiting for a build; more are dropped (a later compile offers them)
+IDLE_S = 5.0  # a builder child with nothing to build for this long exits
+PR_SET_DUMPABLE = 4  # prctl(2)
+REPLY = struct.Struct(">iQ")  # a build's exit status, then the length of its KernelFiles
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
 
 
@@ -89,62 +105,208 @@ class PoolBuilds:
 
     def _drain(self) -> None:
         while True:
-            pool_dir, source = self.waiting.get()
-            if self.kernels.built_before(pool_dir, source):  # queued twice
-                log.info("pool kernel build skipped: built already")
-                continue
-            started = time.perf_counter()
-            try:
-                files = self.run(source)
-                self.kernels.keep(pool_dir, files)
-                self.kernels.mark_built(pool_dir, source, sorted(files.built))
-            except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
-                log.warning("pool kernel build failed: %s", str(e)[-500:])
-                continue
-            log.info(
-                "pool kernel build: %d objects in %.1f s (%d waiting)",
-                len(files.built),
-                time.perf_counter() - started,
-                self.waiting.qsize(),
-            )
+            item: tuple[str, pb.KernelSource] | None = self.waiting.get()
+            with _Builder(self.settings) as builder:
+                while item is not None:
+                    self._build(builder, *item)
+                    try:  # the rest of the burst goes to the same builder
+                        item = self.waiting.get(timeout=IDLE_S)
+                    except queue.Empty:
+                        item = None
 
-    def run(self, source: pb.KernelSource) -> pb.KernelFiles:
-        """Build one source in a sandboxed builder child, at the lowest priority."""
-        private_dir = tempfile.mkdtemp(prefix="torchfarm-kernel-build-")
+    def _build(self, builder: _Builder, pool_dir: str, source: pb.KernelSource) -> None:
+        if self.kernels.built_before(pool_dir, source):  # queued twice
+            log.info("pool kernel build skipped: built already")
+            return
+        started = time.perf_counter()
         try:
-            argv, env, cwd = sandbox.child_command(
-                self.settings, private_dir, ("-m", "torchfarm.workers.kernel_builder")
-            )
-            limits = sandbox.limits(self.settings)
+            files = builder.build(source)
+            self.kernels.keep(pool_dir, files)
+            self.kernels.mark_built(pool_dir, source, sorted(files.built))
+        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+            log.warning("pool kernel build failed: %s", str(e)[-500:])
+            return
+        log.info(
+            "pool kernel build: %d objects in %.1f s (%d waiting)",
+            len(files.built),
+            time.perf_counter() - started,
+            self.waiting.qsize(),
+        )
 
-            def lowest_priority() -> None:
-                limits()
-                os.nice(10)
 
-            proc = subprocess.run(
-                argv,
-                input=source.SerializeToString(),
-                env=env,
-                cwd=cwd,
-                capture_output=True,
-                timeout=BUILD_TIMEOUT_S,
-                preexec_fn=lowest_priority,
-                check=False,
-            )
+class _Builder:
+    """A sandboxed builder child at the lowest priority, started on first use and fed one
+    source at a time; one whose build fails or times out is ended, and the next source
+    starts another."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+        self.private_dir = ""
+        self.errors: BinaryIO | None = None  # the child's stderr: the tail of a failure
+
+    def __enter__(self) -> _Builder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self) -> subprocess.Popen:
+        self.private_dir = tempfile.mkdtemp(prefix="torchfarm-kernel-build-")
+        child: tuple[str, ...] = ("-m", "torchfarm.workers.kernel_builder")
+        if self.settings.sandbox == "bwrap":  # its own PID namespace and tmpfs to clean
+            child += ("--in-sandbox",)
+        argv, env, cwd = sandbox.child_command(self.settings, self.private_dir, child)
+        limits = sandbox.limits(self.settings)
+
+        def lowest_priority() -> None:
+            limits()
+            os.nice(10)
+
+        self.errors = tempfile.TemporaryFile()
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            env=env,
+            cwd=cwd,
+            preexec_fn=lowest_priority,
+            start_new_session=True,
+        )
+
+    def build(self, source: pb.KernelSource) -> pb.KernelFiles:
+        """Build one source; RuntimeError with the child's error where it failed."""
+        self.proc = self.proc or self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        data = source.SerializeToString()
+        try:
+            self.proc.stdin.write(FRAME.pack(len(data)) + data)
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + BUILD_TIMEOUT_S
+            status, size = REPLY.unpack(_read(self.proc.stdout, REPLY.size, deadline))
+            reply = _read(self.proc.stdout, size, deadline)
+        except (OSError, TimeoutError, EOFError) as e:
+            error = f"builder: {type(e).__name__} {e} {self._error_tail()!r}"
+            self.stop()
+            raise RuntimeError(error) from None
+        if status:
+            error = f"build exit {status}: {self._error_tail()!r}"
+            self.stop()  # its stderr has served; the next source starts a clean builder
+            raise RuntimeError(error)
+        return pb.KernelFiles.FromString(reply)  # protobuf parse: no code runs
+
+    def _error_tail(self) -> bytes:
+        if self.errors is None:
+            return b""
+        self.errors.seek(0, os.SEEK_END)
+        self.errors.seek(max(0, self.errors.tell() - 500))
+        return self.errors.read()
+
+    def stop(self) -> None:
+        """Close its stdin (it exits once idle) and remove its directories; kill it if it
+        does not go at once."""
+        if self.proc is not None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of it, g++ included
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+        if self.errors is not None:
+            self.errors.close()
+            self.errors = None
+        if self.private_dir:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            self.private_dir = ""
+
+
+def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
+    """Exactly `size` bytes of a pipe by `deadline`: TimeoutError, or EOFError if it closed."""
+    chunks, left = [], size
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        while left:
+            if not selector.select(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"no reply in {BUILD_TIMEOUT_S} s")
+            chunk = os.read(stream.fileno(), min(left, 1 << 20))
+            if not chunk:
+                raise EOFError("the builder exited")
+            chunks.append(chunk)
+            left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _as_if_new(in_sandbox: bool) -> None:
+    """Before each build: what a fresh builder would find. Every process a build left in the
+    sandbox ended (its own PID namespace: bwrap is 1, this process the only other one meant
+    to be there), and the writable directories empty: the work dir (Inductor's cache dir,
+    $HOME and $TMPDIR) and, in the sandbox, /dev/shm. So a g++ run that a crafted source
+    could subvert cannot reach the next source's build."""
+    if in_sandbox:
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            if pid not in (1, os.getpid()):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+    for directory in (os.environ["TMPDIR"], *(["/dev/shm"] if in_sandbox else [])):
+        for entry in os.listdir(directory):
+            path = os.path.join(directory, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+def _build_in_fork(source: pb.KernelSource, cache_dir: str) -> tuple[int, bytes]:
+    """Build `source` in a child forked from this process, whose state no build has touched:
+    each build sees only its own source."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the build's own process
+        os.close(read_end)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
+        status = 1
+        try:
+            data = build(source, cache_dir).SerializeToString()
+            with os.fdopen(write_end, "wb") as out:
+                out.write(data)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            shutil.rmtree(private_dir, ignore_errors=True)
-        if proc.returncode:
-            raise RuntimeError(f"builder exit {proc.returncode}: {proc.stderr[-500:]!r}")
-        return pb.KernelFiles.FromString(proc.stdout)  # protobuf parse: no code runs
+            sys.stderr.flush()
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as built:
+        data = built.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), data
 
 
 def main() -> int:
-    report = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever the build prints goes to stderr, never into the report
-    source = pb.KernelSource.FromString(sys.stdin.buffer.read())
-    files = build(source, os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    report.write(files.SerializeToString())
-    report.close()
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
+    # What every build needs, once: the imports, and the ISA probe with its build checks
+    # (avx512_bf16, vnni: g++ runs of Inductor's own test programs) remembered in-process.
+    compile_child.warm_up("cpu", [])
+    in_sandbox = "--in-sandbox" in sys.argv[1:]
+    # Not dumpable: no process a build starts (g++ on a crafted source included), though of
+    # the same uid, can trace this one or write into its memory, and so into later builds.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    requests = sys.stdin.buffer
+    while head := requests.read(FRAME.size):
+        source = pb.KernelSource.FromString(requests.read(FRAME.unpack(head)[0]))
+        _as_if_new(in_sandbox)
+        status, data = _build_in_fork(source, cache_dir)
+        replies.write(REPLY.pack(status, len(data)) + data)
+        replies.flush()
     return 0
 
 

@@ -202,3 +202,29 @@ def test_the_settings_size_it_turn_it_off_and_refuse_a_negative_size(monkeypatch
     monkeypatch.setenv("TORCHFARM_KERNEL_CACHE_MB", "-1")
     with pytest.raises(ValueError, match="TORCHFARM_KERNEL_CACHE_MB"):
         WorkerSettings.from_env()
+
+
+def test_one_builder_child_builds_a_burst_each_source_alone_and_survives_a_broken_one():
+    """The pool's builder child takes sources one after another: each build reports only its
+    own source's objects (an emptied cache dir, a process forked from an untouched state), a
+    source that does not compile fails alone, and the next one starts a builder again."""
+    from torchfarm.settings import WorkerSettings
+    from torchfarm.workers import kernel_builder
+
+    def source(code: str) -> pb.KernelSource:
+        return pb.KernelSource(code_cache="CppCodeCache", main_code=code)
+
+    first = source('extern "C" int torchfarm_first(int x) { return x + 1; }')
+    second = source('extern "C" int torchfarm_second(int x) { return x + 2; }')
+    broken = source('extern "C" int torchfarm_broken(int x) { return x + ; }')
+    with kernel_builder._Builder(WorkerSettings(sandbox="none")) as builder:
+        a = set(builder.build(first).built)
+        process = builder.proc
+        b = set(builder.build(second).built)
+        assert builder.proc is process  # one child for the burst
+        with pytest.raises(RuntimeError, match="build exit 1"):
+            builder.build(broken)
+        assert builder.proc is None
+        again = set(builder.build(first).built)
+    assert a - b and b - a  # neither build reports the other's objects
+    assert again == a  # and the first source, built again after a failure, gives the same
