@@ -3,16 +3,20 @@ tenant's calls. A real gateway and redis-server with small caps; no worker (noth
 compiles)."""
 
 import threading
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from torchfarm.client import remote
+from torchfarm.contract import busy
 from torchfarm.contract.cache_key import cache_key
 from torchfarm.gateway import auth
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import ClientSettings
 
 A, B = auth.make_token(), auth.make_token()
 THREADS, TENANT_STREAMS, MESSAGE_TIMEOUT_S = 16, 4, 15
@@ -116,3 +120,34 @@ def test_health_watches_hold_capped_slots_too(farm):
     assert firsts.count(health_pb2.HealthCheckResponse.SERVING) == TENANT_STREAMS
     assert firsts.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == TENANT_STREAMS
     assert len(reply.candidates) == 1
+
+
+def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
+    """A fleet's ranks outnumber the slots while their graph compiles: a refused stream says
+    when to ask again (contract/busy.py), and the client waits and asks again instead of
+    failing (and compiling locally)."""
+    silent = Silent()
+    settings = ClientSettings(addr=farm.addr, token=B, progress=False, compile_timeout_s=60)
+    got: list = []
+    with grpc.insecure_channel(farm.addr) as channel:
+        stub = pb_grpc.FarmStub(channel)
+        done = threading.Semaphore(0)
+        calls = []
+        for _ in range(TENANT_STREAMS + 1):  # one more than B's slots: one refused at once
+            calls.append(stub.Get(iter(silent), metadata=_metadata(B), timeout=90))
+            calls[-1].add_done_callback(lambda _: done.release())
+        assert done.acquire(timeout=30)
+        (refused,) = [call for call in calls if call.done()]
+        asking = threading.Thread(
+            target=lambda: got.append(remote.get(pb.Ask(key=KEY), None, settings))
+        )
+        asking.start()
+        time.sleep(2)  # refused, and asking again
+        assert not got
+        silent.release.set()  # the held streams end: slots free
+        asking.join(60)
+        _ends(calls)
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (busy.RETRY_AFTER_MS, str(busy.STREAM_RETRY_AFTER_MS)) in refused.trailing_metadata()
+    assert got and got[0].header.source == "hit"
+    assert got[0].data == b"the artifact" * 100

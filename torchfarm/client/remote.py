@@ -25,6 +25,7 @@ import ipaddress
 import json
 import logging
 import queue
+import random
 import threading
 import time
 import typing
@@ -35,6 +36,7 @@ import grpc
 import zstandard
 
 from torchfarm import signing
+from torchfarm.contract import busy
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
@@ -60,6 +62,15 @@ class FarmError(RuntimeError):
 
 class UntrustedEntry(FarmError):
     """An entry or artifact that no trusted key signed: never loaded, the graph compiles here."""
+
+
+class FarmBusy(FarmError):
+    """The gateway had no stream slot for this call and said when to ask again
+    (contract/busy.py): asked again until the compile timeout, never compiled locally."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class GatewayLost(FarmError):
@@ -125,8 +136,11 @@ def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
 
 def _failing_over(settings: ClientSettings, call: Callable[[], T]) -> T:
     """`call`, made again while its gateway is lost under it (GatewayLost), up to
-    _attempts: the channel's round-robin then picks a gateway that is still up."""
-    attempt = 0
+    _attempts: the channel's round-robin then picks a gateway that is still up; and while
+    the farm is busy (FarmBusy), after a wait that grows with jitter, up to the compile
+    timeout."""
+    attempt, busy_count = 0, 0
+    deadline = time.monotonic() + settings.compile_timeout_s
     while True:
         attempt += 1
         try:
@@ -136,6 +150,16 @@ def _failing_over(settings: ClientSettings, call: Callable[[], T]) -> T:
                 raise
             log.info("gateway lost (%s); asking again (attempt %d)", e, attempt + 1)
             time.sleep(0.1 * attempt)  # the balancer hears of the closed connection
+        except FarmBusy as e:
+            wait = max(e.retry_after_s, min(busy.MAX_WAIT_S, 0.1 * 2**busy_count))
+            wait *= random.uniform(0.5, 1.5)  # ranks refused together do not return together
+            if time.monotonic() + wait > deadline:
+                raise
+            if not busy_count:
+                log.info("the farm is busy (%s); asking again", e)
+            busy_count += 1
+            attempt -= 1  # a busy farm is no lost gateway
+            time.sleep(wait)
 
 
 @functools.cache
@@ -222,8 +246,13 @@ def lookup(
 def _rpc_error(e: grpc.RpcError, suffix: str = "") -> FarmError:
     """A failed call as FarmError (its message ending in `suffix`, e.g. the job's id);
     GatewayLost when another gateway may answer it."""
+    message = f"{e.code().name}: {e.details()}{suffix}"
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        for name, value in getattr(e, "trailing_metadata", lambda: None)() or ():
+            if name == busy.RETRY_AFTER_MS and value.isdigit():
+                return FarmBusy(message, int(value) / 1000)
     lost = e.code() == grpc.StatusCode.UNAVAILABLE
-    return (GatewayLost if lost else FarmError)(f"{e.code().name}: {e.details()}{suffix}")
+    return (GatewayLost if lost else FarmError)(message)
 
 
 @dataclasses.dataclass(frozen=True)

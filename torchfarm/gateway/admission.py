@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import grpc
 
+from torchfarm.contract.busy import RETRY_AFTER_MS, STREAM_RETRY_AFTER_MS
+
 log = logging.getLogger("torchfarm.gateway")
 UNAUTHENTICATED_STREAMS = " no token"  # the slot owner of health and reflection streams
 # (a leading space: no tenant name has one)
@@ -58,7 +60,8 @@ class StreamSlots:
     def held(self, owner: str, context) -> Iterator[None]:
         """A slot for the body, or the RPC ends RESOURCE_EXHAUSTED now."""
         refused = self.take(owner)
-        if refused:
+        if refused:  # the client asks again after a while (contract/busy.py)
+            context.set_trailing_metadata(((RETRY_AFTER_MS, str(STREAM_RETRY_AFTER_MS)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refused}; retry later")
             raise AssertionError("context.abort returned")
         try:
