@@ -2,6 +2,8 @@
 tenant's calls. A real gateway and redis-server with small caps; no worker (nothing here
 compiles)."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,14 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from torchfarm.client import remote
 from torchfarm.contract import busy
 from torchfarm.contract.cache_key import cache_key
 from torchfarm.gateway import auth
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import ClientSettings
 
 A, B = auth.make_token(), auth.make_token()
 THREADS, TENANT_STREAMS, MESSAGE_TIMEOUT_S = 16, 4, 15
@@ -125,10 +125,9 @@ def test_health_watches_hold_capped_slots_too(farm):
 def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
     """A fleet's ranks outnumber the slots while their graph compiles: a refused stream says
     when to ask again (contract/busy.py), and the client waits and asks again instead of
-    failing (and compiling locally)."""
+    failing (and compiling locally). The client is a process of its own: no gRPC threads of
+    its channel stay in the test process, which forks compile children in other tests."""
     silent = Silent()
-    settings = ClientSettings(addr=farm.addr, token=B, progress=False, compile_timeout_s=60)
-    got: list = []
     with grpc.insecure_channel(farm.addr) as channel:
         stub = pb_grpc.FarmStub(channel)
         done = threading.Semaphore(0)
@@ -138,16 +137,33 @@ def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
             calls[-1].add_done_callback(lambda _: done.release())
         assert done.acquire(timeout=30)
         (refused,) = [call for call in calls if call.done()]
-        asking = threading.Thread(
-            target=lambda: got.append(remote.get(pb.Ask(key=KEY), None, settings))
+        asking = subprocess.Popen(
+            [sys.executable, "-c", ASK_FOR_KEY, farm.addr, B, KEY],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        asking.start()
-        time.sleep(2)  # refused, and asking again
-        assert not got
+        time.sleep(8)  # it starts, is refused, and asks again until the slots free
+        assert asking.poll() is None, asking.communicate()  # still asking: no error, no result
         silent.release.set()  # the held streams end: slots free
-        asking.join(60)
+        out, err = asking.communicate(timeout=60)
         _ends(calls)
     assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (busy.RETRY_AFTER_MS, str(busy.STREAM_RETRY_AFTER_MS)) in refused.trailing_metadata()
-    assert got and got[0].header.source == "hit"
-    assert got[0].data == b"the artifact" * 100
+    assert asking.returncode == 0, err[-2000:]
+    assert "the farm is busy" in err
+    assert out.split() == ["hit", str(len(b"the artifact" * 100))]
+
+
+# The retrying client: asks for KEY as tenant B, prints the source and the bytes received.
+ASK_FOR_KEY = """
+import logging, sys
+from torchfarm.client import remote
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+logging.basicConfig(level=logging.INFO)
+addr, token, key = sys.argv[1:]
+settings = ClientSettings(addr=addr, token=token, progress=False, compile_timeout_s=60)
+got = remote.get(pb.Ask(key=key), None, settings)
+print(got.header.source, len(got.data))
+"""
