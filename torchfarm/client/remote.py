@@ -139,17 +139,17 @@ def _failing_over(settings: ClientSettings, call: Callable[[], T]) -> T:
     _attempts: the channel's round-robin then picks a gateway that is still up; and while
     the farm is busy (FarmBusy), after a wait that grows with jitter, up to the compile
     timeout."""
-    attempt, busy_count = 0, 0
+    lost, busy_count = 0, 0  # calls whose gateway was lost; refusals of a busy farm
     deadline = time.monotonic() + settings.compile_timeout_s
     while True:
-        attempt += 1
         try:
             return call()
         except GatewayLost as e:
-            if attempt >= _attempts(settings.addr, e.silent):
+            lost += 1
+            if lost >= _attempts(settings.addr, e.silent):
                 raise
-            log.info("gateway lost (%s); asking again (attempt %d)", e, attempt + 1)
-            time.sleep(0.1 * attempt)  # the balancer hears of the closed connection
+            log.info("gateway lost (%s); asking again (attempt %d)", e, lost + 1)
+            time.sleep(0.1 * lost)  # the balancer hears of the closed connection
         except FarmBusy as e:
             wait = max(e.retry_after_s, min(busy.MAX_WAIT_S, 0.1 * 2**busy_count))
             wait *= random.uniform(0.5, 1.5)  # ranks refused together do not return together
@@ -158,7 +158,6 @@ def _failing_over(settings: ClientSettings, call: Callable[[], T]) -> T:
             if not busy_count:
                 log.info("the farm is busy (%s); asking again", e)
             busy_count += 1
-            attempt -= 1  # a busy farm is no lost gateway
             time.sleep(wait)
 
 
