@@ -67,18 +67,25 @@ class Source(Protocol):
     def import_bundle(
         self, data: bytes, trust_keys: list[str], unsigned: bool
     ) -> pb.ImportReply: ...
+    def close(self) -> None: ...
 
 
 class GatewaySource:
     """The Admin RPCs, with an admin token."""
 
     def __init__(self, settings: AdminSettings):
-        from torchfarm.client.remote import channel
+        from torchfarm.client.remote import open_channel
         from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 
         self.settings = settings
-        self.stub = pb_grpc.AdminStub(channel(settings.addr, settings.tls_ca))
+        # A channel of its own, closed after the command: never one that an earlier
+        # command's gateway, gone since, left backing off.
+        self.channel = open_channel(settings.addr, settings.tls_ca)
+        self.stub = pb_grpc.AdminStub(self.channel)
         self.metadata = [("authorization", f"Bearer {settings.token}")] if settings.token else []
+
+    def close(self) -> None:
+        self.channel.close()
 
     def _call(self, method: str, request: Any) -> Any:
         call = getattr(self.stub, method)
@@ -137,6 +144,9 @@ class StoreSource:
 
     def __init__(self, store: Store):
         self.cache = CacheAdmin(store)
+
+    def close(self) -> None:
+        """Nothing to end: the store's pooled connections go with the command's process."""
 
     def _run(self, operation: Callable[[], _T]) -> _T:
         try:
@@ -258,6 +268,8 @@ def _run(connection: Conn, command: Callable[[Source], _T]) -> _T:
         return command(source)
     except CommandFailed as e:
         _fail(str(e))
+    finally:
+        source.close()
 
 
 @app.command("ls")

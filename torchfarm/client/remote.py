@@ -115,7 +115,12 @@ def _attempts(addr: str, silent: bool) -> int:
 
 @functools.cache
 def channel(addr: str, tls_ca: str = "") -> grpc.Channel:
-    """One channel per farm, balanced over its gateways: TLS when `tls_ca` names PEM roots
+    """The client's channel to a farm, kept for the process's life."""
+    return open_channel(addr, tls_ca)
+
+
+def open_channel(addr: str, tls_ca: str = "") -> grpc.Channel:
+    """A new channel to a farm, balanced over its gateways: TLS when `tls_ca` names PEM roots
     to trust (or "system")."""
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE),

@@ -57,9 +57,7 @@ class Events:
 class Child:
     """One started compile child: its process, its stderr's tail, and whether it is ready."""
 
-    def __init__(
-        self, number: int, command: Command, preexec_fn: Callable[[], None] | None
-    ) -> None:
+    def __init__(self, number: int, command: Command) -> None:
         self.started = time.monotonic()
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-compile-")
         try:
@@ -71,7 +69,6 @@ class Child:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                preexec_fn=preexec_fn,
             )
         except BaseException:
             shutil.rmtree(self.private_dir, ignore_errors=True)
@@ -163,11 +160,10 @@ class ChildPool:
         size: int,
         command: Command,
         warm_up_timeout_s: float,
-        preexec_fn: Callable[[], None] | None = None,
         events: Events = Events(),
     ) -> None:
         self.size, self.warm_up_timeout_s = size, warm_up_timeout_s
-        self._command, self._preexec_fn, self._events = command, preexec_fn, events
+        self._command, self._events = command, events
         self._idle: list[Child] = []  # oldest first
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -213,7 +209,7 @@ class ChildPool:
     def _start(self) -> Child:
         with self._lock:
             number, self._started = self._started, self._started + 1
-        return Child(number, self._command, self._preexec_fn)
+        return Child(number, self._command)
 
     def _keep(self) -> None:
         while True:

@@ -157,12 +157,6 @@ class _Builder:
         if self.settings.sandbox == "bwrap":  # its own PID namespace and tmpfs to clean
             child += ("--in-sandbox",)
         argv, env, cwd = sandbox.child_command(self.settings, self.private_dir, child)
-        limits = sandbox.limits(self.settings)
-
-        def lowest_priority() -> None:
-            limits()
-            os.nice(10)
-
         self.errors = tempfile.TemporaryFile()
         return subprocess.Popen(
             argv,
@@ -171,7 +165,6 @@ class _Builder:
             stderr=self.errors,
             env=env,
             cwd=cwd,
-            preexec_fn=lowest_priority,
             start_new_session=True,
         )
 
@@ -290,6 +283,7 @@ def _build_in_fork(source: pb.KernelSource, cache_dir: str) -> tuple[int, bytes]
 
 
 def main() -> int:
+    os.nice(10)  # builds yield to the compiles that wait on the same cores
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks

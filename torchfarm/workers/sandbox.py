@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -271,7 +270,7 @@ def child_command(
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
-        cmd = bwrap_args(settings, layout, staging) + python
+        cmd = limits(settings) + bwrap_args(settings, layout, staging) + python
         env, cwd = child_environment(WORK_DIR, LIB_DIR, layout.python_path), "/"
     else:
         # Unconfined: still off the worker's working directory, with only the package
@@ -280,7 +279,7 @@ def child_command(
         os.makedirs(lib_dir)
         os.makedirs(work_dir)
         os.symlink(layout.package_dir, os.path.join(lib_dir, "torchfarm"))
-        cmd, cwd = python, work_dir
+        cmd, cwd = limits(settings) + python, work_dir
         env = child_environment(work_dir, lib_dir, layout.python_path)
     gpus = visible_gpus()
     if settings.device == "cuda" and gpus:
@@ -350,17 +349,14 @@ def _self_check(settings: WorkerSettings) -> str:
     return f"exit {proc.returncode}: {lines[-1] if lines else ''}" if proc.returncode else ""
 
 
-def limits(settings: WorkerSettings) -> Callable[[], None]:
+def limits(settings: WorkerSettings) -> list[str]:
+    """The argv prefix that sets a child's resource limits (util-linux's prlimit, then exec):
+    applied without a preexec_fn, so no Python runs between fork and exec in a parent that
+    may hold other threads (gRPC's, Celery's)."""
     memory_mb = settings.memory_limit_mb if settings.device != "cuda" else 0
     # CUDA reserves far more address space than it uses: RLIMIT_AS would stop it starting.
-
-    def apply() -> None:
-        if memory_mb > 0:
-            limit = memory_mb << 20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+    address_space = [f"--as={memory_mb << 20}"] if memory_mb > 0 else []
+    return ["prlimit", *address_space, "--core=0", "--"]
 
 
 def _how_it_ended(returncode: int, sandbox: str) -> str:
@@ -455,7 +451,6 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
         settings.warm_children,
         functools.partial(_pool_command, settings),
         settings.warm_up_timeout_s,
-        preexec_fn=limits(settings),
         events=child_pool.Events(
             ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
         ),

@@ -96,7 +96,8 @@ def test_a_tenant_token_is_refused_every_command_and_changes_nothing(farm, tmp_p
     addr, store, signer = farm
     key = _signed_entry(store, signer, 1)
     bundle = tmp_path / "b.tfbundle"
-    assert _cache(addr, ADMIN, "export", str(bundle)).exit_code == 0
+    exported = _cache(addr, ADMIN, "export", str(bundle))
+    assert exported.exit_code == 0, (exported.output, exported.exception)
     for command in (
         ["ls"],
         ["show", key],
