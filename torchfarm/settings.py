@@ -134,6 +134,9 @@ class GatewaySettings:
     message_timeout_s: float = 60.0
     chunk_bytes: int = 1 << 20  # TORCHFARM_CHUNK_BYTES
     verified_mb: int = 256  # TORCHFARM_GATEWAY_VERIFIED_MB: verified blobs kept (0 = none)
+    # TORCHFARM_GATEWAY_RECHECK_S: a kept blob is served without reading the store for this
+    # long after it was last compared with it (a corrupt or removed object is found after)
+    recheck_s: float = 10.0
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
     # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once under
@@ -197,6 +200,7 @@ class GatewaySettings:
             message_timeout_s=float(_env("TORCHFARM_GATEWAY_MESSAGE_TIMEOUT", "60")),
             chunk_bytes=int(_env("TORCHFARM_CHUNK_BYTES", str(cls.chunk_bytes))),
             verified_mb=int(_env("TORCHFARM_GATEWAY_VERIFIED_MB", str(cls.verified_mb))),
+            recheck_s=float(_env("TORCHFARM_GATEWAY_RECHECK_S", str(cls.recheck_s))),
             metrics_port=int(_env("TORCHFARM_METRICS_PORT", str(cls.metrics_port))),
             metrics_host=_env("TORCHFARM_METRICS_HOST", ""),
             auth_failures=int(_env("TORCHFARM_AUTH_FAILURES", str(cls.auth_failures))),

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.helpers import ADMIN_TOKEN, OP_LIBRARIES, TOKENS
+from tests.integration.helpers import ADMIN_TOKEN, OP_LIBRARIES, RECHECK_ENV, TOKENS
 from torchfarm.cache.store import Store
 from torchfarm.gateway.auth import hash_token
 from torchfarm.local_farm import LocalFarm
@@ -26,6 +26,7 @@ def farm():
             "TORCHFARM_LOG_FORMAT": "json",
             # the coverage suite's MoE model calls transformers' custom grouped-mm operator
             "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
+            **RECHECK_ENV,
         },
     ) as f:
         yield f

@@ -14,6 +14,18 @@ from torchfarm.cache import keys
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}
 ADMIN_TOKEN = "ops-admin-token-5555"  # in TORCHFARM_ADMINS, not a tenant
+# The test farms' gateways compare a kept blob with the store again after this long (the
+# default is 10 s); a test that changes the store under a gateway waits past it.
+RECHECK_S = 1.0
+RECHECK_ENV = {"TORCHFARM_GATEWAY_RECHECK_S": str(RECHECK_S)}
+
+
+def past_gateway_memory() -> None:
+    """Wait until a gateway reads again what it keeps of the store: a key's index entries
+    (gateway/recent_index.py, TTL_S = 1 s) and the blobs it verified (RECHECK_S)."""
+    time.sleep(RECHECK_S + 0.2)
+
+
 OP_LIBRARIES = "transformers.integrations.moe"  # custom operators of the coverage suite's MoE
 HERE = os.path.dirname(os.path.abspath(__file__))
 

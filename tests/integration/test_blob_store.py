@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from tests.integration.helpers import TOKENS, direct_request, run_client
+from tests.integration.helpers import (
+    RECHECK_ENV,
+    TOKENS,
+    direct_request,
+    past_gateway_memory,
+    run_client,
+)
 from tests.s3_server import seaweedfs
 from torchfarm.cache import keys
 from torchfarm.gateway.auth import hash_token
@@ -28,7 +34,9 @@ def s3_farm():
     with pytest.MonkeyPatch.context() as env, seaweedfs() as s3:
         for name, value in s3.env.items():  # this process's own store reads the bucket too
             env.setenv(name, value)
-        with LocalFarm(tenants=tenants, blob_url=s3.blob_url(PREFIX), extra_env=s3.env) as farm:
+        with LocalFarm(
+            tenants=tenants, blob_url=s3.blob_url(PREFIX), extra_env={**s3.env, **RECHECK_ENV}
+        ) as farm:
             yield farm, s3
 
 
@@ -89,6 +97,7 @@ def test_a_missing_or_corrupted_object_is_dropped_and_rebuilt(s3_farm, fault):
         stored[len(stored) // 2] ^= 0xFF
         bucket.put_object(Bucket="torchfarm", Key=name, Body=bytes(stored))
     compiles = store.counters.farm().get("compiles", 0)
+    past_gateway_memory()
     again, rebuilt = remote.fetch(request, settings)
     assert again.source == "miss" and rebuilt  # detected, never served
     assert store.counters.farm().get("compiles", 0) == compiles + 1

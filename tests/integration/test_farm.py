@@ -15,7 +15,7 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 import torchfarm
-from tests.integration.helpers import TOKENS, direct_request, run_client
+from tests.integration.helpers import TOKENS, direct_request, past_gateway_memory, run_client
 from tests.models import build
 from torchfarm.client import backend, remote
 from torchfarm.compiler.target import local_target
@@ -254,6 +254,7 @@ def test_corrupt_blob_is_dropped_and_rebuilt(farm, store):
     stored[len(stored) // 2] ^= 0xFF
     store.artifacts.blobs.put(header.digest, bytes(stored))
     compiles = store.counters.farm().get("compiles", 0)
+    past_gateway_memory()
     header2, data2 = remote.fetch(request, settings)
     assert header2.source == "miss" and data2  # detected, never served, rebuilt
     assert store.counters.farm().get("compiles", 0) == compiles + 1

@@ -12,7 +12,7 @@ import torch
 import zstandard
 
 import torchfarm
-from tests.integration.helpers import TOKENS, direct_request
+from tests.integration.helpers import TOKENS, direct_request, past_gateway_memory
 from torchfarm.client import backend, remote
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -94,6 +94,9 @@ def test_a_corrupted_blob_is_dropped_and_rebuilt_through_get(farm, store):
     stored[len(stored) // 2] ^= 0xFF
     store.artifacts.blobs.put(first.header.digest, bytes(stored))
     compiles = store.counters.farm().get("compiles", 0)
+    kept = remote.get(_ask(request), request, settings)  # within the recheck window
+    assert kept.header.source == "hit" and kept.data == first.data  # the bytes it verified
+    past_gateway_memory()
     again = remote.get(_ask(request), request, settings)
     assert again.missing is not None and again.header.source == "miss"  # never served
     assert store.artifacts.entry(again.header.key, again.header.digest) is not None  # rebuilt

@@ -17,7 +17,7 @@ import zstandard
 from typer.testing import CliRunner
 
 import torchfarm
-from tests.integration.helpers import ADMIN_TOKEN, TOKENS
+from tests.integration.helpers import ADMIN_TOKEN, TOKENS, past_gateway_memory
 from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import entry_dict
@@ -112,11 +112,13 @@ def test_a_planted_entry_is_never_loaded_unsigned_forged_or_replayed(farm, store
     ]:
         store.artifacts.drop(key)
         store.artifacts.put(key, data, _planted_meta(key, data, signature))
+        past_gateway_memory()  # the gateway serves this entry, not the one before
         warned = _run(farm, model, x)
         assert not os.path.exists(marker), name  # the planted bytes never ran
         assert [r.source for r in backend.history] == ["local"], name
         assert len(warned) == 1 and "not signed by the farm" in warned[0], (name, warned)
     store.artifacts.drop(key)
+    past_gateway_memory()
     # with the planted entry gone, the farm compiles and signs the graph, and it loads
     assert _run(farm, model, x) == [] and backend.history[-1].source == "miss"
 

@@ -81,40 +81,57 @@ class VerifiedBlobs:
     """Stored blobs that passed Codec.verify, by digest, least recently used dropped past
     `max_bytes` (0: remember none). Blobs are content-addressed, so a blob read back equal to
     the one remembered is the verified artifact: a byte comparison instead of decompressing
-    and hashing it on every hit, while a blob corrupted in storage still differs and is
-    verified (and dropped) as before. Thread-safe: the gateway serves from many threads."""
+    and hashing it on every hit. For `recheck_s` after a blob was last compared with the
+    store, it is served from here without reading the store at all (a hit storm reads each
+    blob once per `recheck_s`, not once per hit: an S3 GET costs the gateway ~1.5 ms of
+    CPU); a blob corrupted or removed in storage is then found at the next comparison, at
+    most `recheck_s` later, and dropped with its entry. What is served is always the
+    verified bytes. Thread-safe: the gateway serves from many threads."""
 
-    def __init__(self, max_bytes: int = 0):
-        self.max_bytes = max_bytes
-        self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+    def __init__(self, max_bytes: int = 0, recheck_s: float = 0.0):
+        self.max_bytes, self.recheck_s = max_bytes, recheck_s
+        self._blobs: collections.OrderedDict[str, tuple[bytes, float]] = (
+            collections.OrderedDict()
+        )  # digest -> (stored bytes, when last compared with the store)
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def holds(self, digest: str, stored: bytes) -> bool:
-        """Whether `stored` is the blob verified as `digest` before."""
+    def fresh(self, digest: str) -> bytes | None:
+        """The blob, if it was compared with the store less than `recheck_s` ago."""
         with self._lock:
             known = self._blobs.get(digest)
-            if known is None:
-                return False
+            if known is None or time.monotonic() - known[1] >= self.recheck_s:
+                return None
             self._blobs.move_to_end(digest)
-        return known == stored
+            return known[0]
+
+    def holds(self, digest: str, stored: bytes) -> bool:
+        """Whether `stored` (just read from the store) is the blob verified as `digest`
+        before; if so, it counts as compared now."""
+        with self._lock:
+            known = self._blobs.get(digest)
+            if known is None or known[0] != stored:
+                return False
+            self._blobs[digest] = (known[0], time.monotonic())
+            self._blobs.move_to_end(digest)
+            return True
 
     def remember(self, digest: str, stored: bytes) -> None:
         if len(stored) > self.max_bytes:
             return
         with self._lock:
             old = self._blobs.pop(digest, None)
-            self._bytes += len(stored) - (len(old) if old is not None else 0)
-            self._blobs[digest] = stored
+            self._bytes += len(stored) - (len(old[0]) if old is not None else 0)
+            self._blobs[digest] = (stored, time.monotonic())
             while self._bytes > self.max_bytes:
-                _, dropped = self._blobs.popitem(last=False)
+                _, (dropped, _) = self._blobs.popitem(last=False)
                 self._bytes -= len(dropped)
 
     def forget(self, digest: str) -> None:
         with self._lock:
             old = self._blobs.pop(digest, None)
             if old is not None:
-                self._bytes -= len(old)
+                self._bytes -= len(old[0])
 
 
 # An entry's bulky fields, for operators only (`cache show`, `cache export`): kept beside its
@@ -247,6 +264,9 @@ class ArtifactCache:
         """The entry's stored (encoded) bytes, verified; None (and the entry dropped) if bad.
         The gateway streams them as stored, or through Codec.chunks, never holding the
         artifact decoded."""
+        kept = self.verified.fresh(entry.digest)
+        if kept is not None:
+            return kept
         stored = self.blobs.get(entry.digest)
         if stored is not None and self.verified.holds(entry.digest, stored):
             return stored
@@ -303,15 +323,23 @@ class ArtifactCache:
             self.put(key, data, meta)
         return digest
 
-    def record_hit(self, key: str, digest: str, pipe: redis.client.Pipeline | None = None) -> None:
-        """An entry was served: count it, and the key becomes the most recently used; into
-        `pipe` (which the caller executes, with other bookkeeping: one round trip) if given."""
+    def record_hit(
+        self,
+        key: str,
+        digest: str,
+        pipe: redis.client.Pipeline | None = None,
+        hits: int = 1,
+        when: float | None = None,
+    ) -> None:
+        """An entry was served `hits` times, last at `when` (now): count them, and the key
+        becomes the most recently used; into `pipe` (which the caller executes, with other
+        bookkeeping: one round trip) if given."""
         own = pipe is None
-        now = time.time()
+        when = time.time() if when is None else when
         pipe = self.redis.pipeline() if pipe is None else pipe
-        pipe.hincrby(keys.usage(key), f"{digest}:hits", 1)
-        pipe.hset(keys.usage(key), f"{digest}:last_hit", now)
-        pipe.zadd(keys.RECENT, {key: now}, xx=True)
+        pipe.hincrby(keys.usage(key), f"{digest}:hits", hits)
+        pipe.hset(keys.usage(key), f"{digest}:last_hit", when)
+        pipe.zadd(keys.RECENT, {key: when}, xx=True)
         if not own:
             return
         try:
@@ -345,6 +373,8 @@ class ArtifactCache:
             return chosen
 
         removed = self.redis.transaction(remove, keys.index(key), value_from_callable=True)
+        for entry in removed:
+            self.verified.forget(entry.digest)
         self.blobs.delete(n for e in removed for n in (e.digest, details_name(e.digest)))
         return len(removed)
 

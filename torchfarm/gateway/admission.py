@@ -93,7 +93,8 @@ class MessageDeadlines:
                     target=self._run, name="message-deadlines", daemon=True
                 )
                 self._thread.start()
-            self._wake.notify()
+            if self._due[0][2] is armed:  # due before all others: the timer must wake sooner
+                self._wake.notify()
         try:
             return next(requests, None)
         finally:

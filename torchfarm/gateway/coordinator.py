@@ -37,6 +37,8 @@ from torchfarm.contract import shape_guards
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.gateway import explain, metrics, prefetch
+from torchfarm.gateway.hit_ledger import HitLedger
+from torchfarm.gateway.recent_index import RecentIndex
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.gateway")
@@ -136,20 +138,20 @@ class Coordinator:
         self.enqueue = enqueue
         self.compile_timeout_s = compile_timeout_s
         self.tenant_max_compiles = tenant_max_compiles
+        self.hits = HitLedger(store)
+        self.recent = RecentIndex(lambda key: store.artifacts.entries(key, usage=False))
 
     def lookup(
-        self, key: str, private: bool, tenant: str, usage: bool = True
+        self, key: str, private: bool, tenant: str, for_ask: bool = False, fresh: bool = False
     ) -> tuple[str, list[pb.EntryMeta]]:
         """The key the tenant meant (its own, derived, for a private lookup) and the entries
-        under it that the tenant may see, newest first (`usage`: with hits filled in)."""
+        under it that the tenant may see, newest first: as the ask path reads them
+        (`for_ask`: this gateway's recent read unless `fresh`, without usage;
+        gateway/recent_index.py), or from the store with their hits filled in."""
         if private:
             key = private_key(key, tenant)
-        visible = [
-            e
-            for e in self.store.artifacts.entries(key, usage)
-            if not e.private or e.tenant == tenant
-        ]
-        return key, visible
+        found = self.recent.entries(key, fresh) if for_ask else self.store.artifacts.entries(key)
+        return key, [e for e in found if not e.private or e.tenant == tenant]
 
     def explain(self, ask: pb.Ask, tenant: str) -> pb.MissExplanation:
         """Why `ask` found nothing, against the nearest entry the tenant may see."""
@@ -158,7 +160,7 @@ class Coordinator:
     def manifest(self, ask: pb.Ask, tenant: str) -> pb.Manifest | None:
         """On a hit of a program's head: the graphs to prefetch (None: nothing to send)."""
         return prefetch.manifest(
-            self.store.programs, lambda k, p, t: self.lookup(k, p, t, usage=False), ask, tenant
+            self.store.programs, lambda k, p, t: self.lookup(k, p, t, for_ask=True), ask, tenant
         )
 
     def record_program(self, ask: pb.Ask, tenant: str, digest: str) -> None:
@@ -168,38 +170,30 @@ class Coordinator:
     def get(self, ask: pb.Ask, tenant: str, request_id: str) -> Served | None:
         """Get's hit: the newest entry the tenant may see whose guards hold on `ask.sizes`
         (with `ask.digest`: that entry, whatever the sizes, for a prefetch), verified; None is
-        a miss. The client still checks the signature and the guards on its own inputs."""
-        key, entries = self.lookup(ask.key, ask.private, tenant, usage=False)
-        for entry in entries:
-            asked = entry.digest == ask.digest if ask.digest else _holds(entry.guards, ask.sizes)
-            if not asked:
-                continue
-            stored = self.store.artifacts.stored(key, entry)
-            if stored is None:
-                log.warning("dropped corrupt or missing blob %s of %s", entry.digest[:16], key[:16])
-                continue
-            extra = {"request_id": request_id, "tenant": tenant, "key": key}
-            log.info("hit %s for %s: %s", key[:16], tenant, ask.label, extra=extra)
-            self._count_hit(key, entry)
-            return Served(key, entry, stored, "hit")
+        a miss. The client still checks the signature and the guards on its own inputs. The
+        entries come from this gateway's recent read; before a miss is answered they are
+        read again, so an entry stored since is never compiled twice."""
+        for fresh in (False, True):
+            key, entries = self.lookup(ask.key, ask.private, tenant, for_ask=True, fresh=fresh)
+            for entry in entries:
+                held = entry.digest == ask.digest if ask.digest else _holds(entry.guards, ask.sizes)
+                if not held:
+                    continue
+                stored = self.store.artifacts.stored(key, entry)
+                if stored is None:
+                    log.warning(
+                        "dropped corrupt or missing blob %s of %s", entry.digest[:16], key[:16]
+                    )
+                    continue
+                extra = {"request_id": request_id, "tenant": tenant, "key": key}
+                log.info("hit %s for %s: %s", key[:16], tenant, ask.label, extra=extra)
+                self._count_hit(key, entry)
+                return Served(key, entry, stored, "hit")
         return None
 
     def _count_hit(self, key: str, entry: pb.EntryMeta) -> None:
-        """The entry's usage and the counters, in one round trip (both live in the cache's
-        Redis); bookkeeping only: a full Redis skips it with a warning."""
-        pipe = self.store.artifacts.redis.pipeline(transaction=False)
-        self.store.artifacts.record_hit(key, entry.digest, pipe)
-        self.store.counters.count(
-            entry.pool,
-            pipe=pipe,
-            hits=1,
-            bytes_served=entry.size,
-            compile_seconds_saved=entry.compile_seconds,
-        )
-        try:
-            pipe.execute()
-        except OutOfMemoryError:
-            log.warning("the cache's Redis is at its memory limit: hit of %s not counted", key)
+        """The entry's usage and the counters: into the ledger, written with other hits."""
+        self.hits.add(key, entry)
         metrics.RESULTS.labels("hit").inc()
         metrics.BYTES_SERVED.inc(entry.size)
 

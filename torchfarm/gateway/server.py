@@ -40,6 +40,7 @@ from torchfarm.gateway.coordinator import (
     Progress,
     Served,
 )
+from torchfarm.gateway.hit_ledger import HitLedger
 from torchfarm.gateway.packages import Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
@@ -113,7 +114,7 @@ class FarmServicer(pb_grpc.FarmServicer):
                 "no TORCHFARM_VERIFY_KEYS: clients that pin no keys will load no artifact "
                 "from this farm (give the gateway the workers' public signing key)"
             )
-        store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20)
+        store.artifacts.verified = VerifiedBlobs(settings.verified_mb << 20, settings.recheck_s)
         self.packages = Packages(store.artifacts.redis, settings.tenant_package_mb << 20)
         celery = queue.make_celery(settings.redis_url, settings.broker_url)
         self.coordinator = Coordinator(
@@ -449,14 +450,23 @@ class AdminServicer(pb_grpc.AdminServicer):
     """Operators' RPCs, for tokens in TORCHFARM_ADMINS only: the `torchfarm cache` commands,
     run by cache/admin.py. Import trusts exactly the keys this gateway serves clients."""
 
-    def __init__(self, settings: GatewaySettings, store: Store, authenticator: auth.Authenticator):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        store: Store,
+        authenticator: auth.Authenticator,
+        hits: HitLedger,
+    ):
         self.settings = settings
         self.cache = CacheAdmin(store)
+        self.hits = hits  # written before a command reads, so it sees this gateway's hits
         self.authenticator = authenticator
         self.verify_keys = signing.Verifier.parse(settings.verify_keys).public_keys
 
     def _authorize(self, context) -> str:
-        return _caller(context, self.authenticator.admin)
+        name = _caller(context, self.authenticator.admin)
+        self.hits.flush()
+        return name
 
     def _run(self, context, operation: Callable[[], Any]) -> Any:
         """`operation`'s answer, or the RPC ends with the status of its refusal."""
@@ -539,8 +549,10 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
         auth.FailureLimiter(settings.auth_failures),
         settings.legacy_tokens,
     )
-    pb_grpc.add_FarmServicer_to_server(FarmServicer(settings, store, authenticator, slots), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(settings, store, authenticator), server)
+    farm = FarmServicer(settings, store, authenticator, slots)
+    pb_grpc.add_FarmServicer_to_server(farm, server)
+    admin_servicer = AdminServicer(settings, store, authenticator, farm.coordinator.hits)
+    pb_grpc.add_AdminServicer_to_server(admin_servicer, server)
     health_servicer = FarmHealth(store.pools.live)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -15,20 +15,32 @@ seconds of the 2-core machine for the probe, ~8 more in each child that would st
 it). A disagreement is not kept: every worker probes again, which costs time, never
 correctness.
 
-Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd) and
-`torch._inductor.config.cpp.vec_isa_ok`. Verified: torch 2.11.0, 2.13.0, 2.15.0.
+The flags do not settle everything: on a CPU with AVX-512, Inductor's AVX512 and AVX512-VNNI
+classes also build a bf16 and a VNNI test program whatever `vec_isa_ok` says (two g++ runs,
+~1.3 s of each child's warm-up on the 2-core machine). The probe records every such
+`VecISA.check_build` it ran, by what determines it (the ISA class, its build flags and the
+test program's source), and the agreement carries them: a child answers the same checks
+from it (`vouched_checks`) instead of building them again, and builds any other.
+
+Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd),
+`VecISA.check_build(code)` and `torch._inductor.config.cpp.vec_isa_ok`. Verified: torch
+2.11.0, 2.13.0, 2.15.0 (`make test-versions` runs this module's tests on each release).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+CHECKS_ENV = "TORCHFARM_ISA_CHECKS"  # a child's: the probe's check_build results (JSON)
 # Set in the worker's main process before Celery forks its pool: where the probe's verdict
 # appears once it is in.
 _MARKER_ENV = "TORCHFARM_ISA_PROBE_MARKER"
@@ -36,16 +48,31 @@ _MARKER_ENV = "TORCHFARM_ISA_PROBE_MARKER"
 _PROBE = """
 import json
 from torch._inductor import config, cpu_vec_isa
+from torchfarm.torch_adapter.isa_probe import check_fingerprint
+checks = {}
+build = cpu_vec_isa.VecISA.check_build
+def recorded(isa, code):
+    checks[check_fingerprint(isa, code)] = ok = build(isa, code)
+    return ok
+cpu_vec_isa.VecISA.check_build = recorded
 built = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
 cpu_vec_isa.valid_vec_isa_list.cache_clear()
 config.cpp.vec_isa_ok = True
 flagged = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-print(json.dumps({"built": built, "flagged": flagged}))
+print(json.dumps({"built": built, "flagged": flagged, "checks": checks}))
 """
 
 
-def children_may_trust_flags(timeout_s: float = 300) -> bool:
-    """Run the probe once; True if its result equals what the CPU flags alone give."""
+def check_fingerprint(isa, code: str) -> str:
+    """What determines a `VecISA.check_build(code)` on one toolchain: the ISA's class, the
+    flags it builds with, and the test program."""
+    what = f"{type(isa).__name__}\0{isa.build_arch_flags()}\0{code}"
+    return hashlib.sha256(what.encode()).hexdigest()
+
+
+def children_may_trust_flags(timeout_s: float = 300) -> dict[str, bool] | None:
+    """Run the probe once: the build checks it ran (fingerprint -> result) if its result
+    equals what the CPU flags alone give, else None."""
     cache_dir = tempfile.mkdtemp(prefix="torchfarm-isa-probe-")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
     env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -61,10 +88,11 @@ def children_may_trust_flags(timeout_s: float = 300) -> bool:
         ).stdout
         found = json.loads(out.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):
-        return False
+        return None
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    return bool(found["built"]) and found["built"] == found["flagged"]
+    agreed = bool(found["built"]) and found["built"] == found["flagged"]
+    return {str(k): bool(v) for k, v in found["checks"].items()} if agreed else None
 
 
 def declare() -> str:
@@ -76,25 +104,56 @@ def declare() -> str:
 
 def recall(marker: str, kept: str) -> bool:
     """Worker main process, at once: True (and the children trust the flags from now on) if
-    an earlier worker of this toolchain kept an agreement at `kept`."""
-    if not os.path.exists(kept):
+    an earlier worker of this toolchain kept an agreement at `kept` (an empty one, kept by
+    an older release without the checks, is probed again)."""
+    if not os.path.exists(kept) or not os.path.getsize(kept):
         return False
-    open(marker, "w").close()
+    shutil.copyfile(kept, marker)
     return True
 
 
 def settle(marker: str, kept: str) -> None:
     """Probe once (off the start-up path); let the children trust the flags if it agreed, and
     keep the agreement at `kept` for the next worker of this toolchain."""
-    if children_may_trust_flags():
-        open(marker, "w").close()
-        try:
-            open(kept, "w").close()
-        except OSError:  # a store that cannot be written: the next worker probes again
-            pass
+    checks = children_may_trust_flags()
+    if checks is None:
+        return
+    with open(marker, "w") as f:
+        json.dump(checks, f)
+    with contextlib.suppress(OSError):  # a store that cannot be written: the next one probes
+        shutil.copyfile(marker, kept)
 
 
 def child_environment() -> dict[str, str]:
     """What a compile child's environment gains from the probe (nothing until it is in)."""
     marker = os.environ.get(_MARKER_ENV, "")
-    return dict(TRUST_FLAGS_ENV) if marker and os.path.exists(marker) else {}
+    if not marker or not os.path.exists(marker):
+        return {}
+    with open(marker) as f:
+        return {**TRUST_FLAGS_ENV, CHECKS_ENV: f.read()}
+
+
+@contextlib.contextmanager
+def vouched_checks() -> Iterator[None]:
+    """Inside (a child's warm-up): each ISA build check that the worker's probe ran is
+    answered with its result instead of built again; any other is built as usual."""
+    try:
+        checks = json.loads(os.environ.get(CHECKS_ENV) or "{}")
+    except ValueError:  # an agreement kept by an older worker: no checks in it
+        checks = {}
+    from torch._inductor import cpu_vec_isa
+
+    build = cpu_vec_isa.VecISA.check_build
+    if not isinstance(checks, dict) or not checks:
+        yield
+        return
+
+    def answered(isa, code: str) -> bool:
+        found = checks.get(check_fingerprint(isa, code))
+        return build(isa, code) if found is None else bool(found)
+
+    cpu_vec_isa.VecISA.check_build = answered  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        cpu_vec_isa.VecISA.check_build = build  # type: ignore[method-assign]

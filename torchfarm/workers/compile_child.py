@@ -71,11 +71,15 @@ def warm_up(device: str, op_libraries: list[str]) -> None:
     else:
         from torch._inductor import cpu_vec_isa
 
-        from torchfarm.torch_adapter import standalone
+        from torchfarm.torch_adapter import isa_probe, standalone
 
         # The ISA probe (instant where the worker's probe vouched), remembered in-process; its
         # test programs go to a directory removed at once, so the request finds an empty home.
-        with tempfile.TemporaryDirectory() as probe_dir, standalone.cache_dir_at(probe_dir):
+        with (
+            tempfile.TemporaryDirectory() as probe_dir,
+            standalone.cache_dir_at(probe_dir),
+            isa_probe.vouched_checks(),
+        ):
             cpu_vec_isa.pick_vec_isa()
 
 

@@ -5,6 +5,7 @@ precisely."""
 
 import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -59,6 +60,7 @@ def test_the_guards_choose_the_entry_on_the_asked_sizes_newest_first(store):
     assert served.source == "hit" and _decoded(served.stored) == b"large"
     assert served.key == KEY and served.entry.size == len(b"large")
     assert _get(coordinator, sizes=[]) is None  # guards over t0 hold on no sizes at all
+    coordinator.hits.flush()
     assert store.counters.farm()["hits"] == 2
 
 
@@ -96,6 +98,25 @@ def test_a_corrupted_blob_is_dropped_and_never_served_even_once_verified(store):
     assert _get(coordinator).entry.digest == older.digest  # the next one that holds
     assert [e.digest for e in store.artifacts.entries(KEY)] == [older.digest]
     assert store.artifacts.redis.get(keys.blob(newer.digest)) is None
+
+
+def test_a_verified_blob_is_served_from_memory_until_its_recheck_then_found_corrupt(store):
+    store.artifacts.verified = VerifiedBlobs(1 << 20, recheck_s=0.3)
+    coordinator = Coordinator(store, enqueue=None, compile_timeout_s=60)
+    older = _put(store, b"older, intact" * 50, created=1.0)
+    newer = _put(store, b"newer, to be corrupted" * 50, created=2.0)
+    served = _get(coordinator)
+    assert served.entry.digest == newer.digest
+    stored = bytearray(store.artifacts.redis.get(keys.blob(newer.digest)))
+    stored[len(stored) // 2] ^= 0xFF
+    store.artifacts.redis.set(keys.blob(newer.digest), bytes(stored))
+    kept = _get(coordinator)  # within the recheck: the verified bytes, the store not read
+    assert kept.entry.digest == newer.digest and kept.stored == served.stored != bytes(stored)
+    time.sleep(0.35)
+    assert _get(coordinator).entry.digest == older.digest  # compared again: dropped
+    assert [e.digest for e in store.artifacts.entries(KEY)] == [older.digest]
+    store.artifacts.drop(KEY)  # a drop forgets the blobs it kept: nothing served from memory
+    assert _get(coordinator) is None
 
 
 def test_the_verified_blobs_are_bounded_and_least_recently_used_go_first():
@@ -226,3 +247,20 @@ def test_get_needs_a_token(gateway):
     with grpc.insecure_channel(gateway) as channel, pytest.raises(grpc.RpcError) as e:
         list(pb_grpc.FarmStub(channel).Get(iter([pb.GetRequest(ask=pb.Ask(key=KEY))]), timeout=20))
     assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_an_ask_reuses_the_gateways_recent_read_yet_sees_entries_stored_or_dropped_since(store):
+    coordinator = Coordinator(store, enqueue=None, compile_timeout_s=60)
+    small = _put(store, b"small", guards=SMALL, created=1.0)
+    assert _get(coordinator, sizes=[4]).entry.digest == small.digest  # the key's entries kept
+    reads = []
+    read = coordinator.recent.read
+    coordinator.recent.read = lambda key: reads.append(key) or read(key)
+    assert _get(coordinator, sizes=[4]).entry.digest == small.digest
+    assert reads == []  # the hit storm's next ask: no index read
+
+    large = _put(store, b"large", guards=LARGE, created=2.0)  # stored since the read
+    assert _get(coordinator, sizes=[64]).entry.digest == large.digest  # read again, not a miss
+    store.artifacts.drop(KEY, [large.digest])  # dropped since, with its blob
+    assert _get(coordinator, sizes=[64]) is None
+    assert _get(coordinator, sizes=[4]).entry.digest == small.digest

@@ -1,14 +1,40 @@
-"""The vector-ISA probe runs once per worker; children trust the CPU flags only once it
-said they may."""
+"""The vector-ISA probe runs once per worker; children trust the CPU flags, and answer the
+build checks it ran, only once it said they may."""
+
+import json
+
+from torch._inductor import cpu_vec_isa
 
 from torchfarm.torch_adapter import isa_probe
 
 
 def test_children_trust_the_flags_only_after_the_probe_agreed(tmp_path, monkeypatch):
-    marker = tmp_path / "children-may-trust-flags"
+    marker, kept = tmp_path / "children-may-trust-flags", tmp_path / "kept"
     monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", str(marker))
     assert isa_probe.child_environment() == {}  # probe still running, or it disagreed
-    marker.touch()
-    assert isa_probe.child_environment() == {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+    assert not isa_probe.recall(str(marker), str(kept))
+    kept.write_text(json.dumps({"f" * 64: True}))  # an earlier worker's agreement
+    assert isa_probe.recall(str(marker), str(kept))
+    assert isa_probe.child_environment() == {
+        "TORCHINDUCTOR_VEC_ISA_OK": "1",
+        isa_probe.CHECKS_ENV: json.dumps({"f" * 64: True}),
+    }
     monkeypatch.delenv("TORCHFARM_ISA_PROBE_MARKER")
     assert isa_probe.child_environment() == {}  # not a worker
+
+
+def test_a_vouched_check_is_answered_and_any_other_still_built(monkeypatch):
+    isa = cpu_vec_isa.VecAVX2()
+    built = []
+    monkeypatch.setattr(
+        cpu_vec_isa.VecISA, "check_build", lambda self, code: built.append(code) or True
+    )
+    vouched = {isa_probe.check_fingerprint(isa, "int known;"): False}
+    monkeypatch.setenv(isa_probe.CHECKS_ENV, json.dumps(vouched))
+    with isa_probe.vouched_checks():
+        assert isa.check_build("int known;") is False  # the probe's answer, nothing built
+        assert isa.check_build("int other;") is True and built == ["int other;"]
+    assert isa.check_build("int known;") is True  # outside: Inductor's own again
+    monkeypatch.setenv(isa_probe.CHECKS_ENV, "")  # an older worker's agreement: no checks
+    with isa_probe.vouched_checks():
+        assert isa.check_build("int known;") is True

@@ -54,7 +54,7 @@ def test_the_worker_probes_then_builds_once_in_the_background(tmp_path, monkeypa
         monkeypatch.setenv(name, "")  # restored after the test; the worker sets them
     monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
     order: list[str] = []
-    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: order.append("isa") or True)
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: order.append("isa") or {})
     built = threading.Event()
 
     def build(settings, directory):  # the real build runs in tests/integration
@@ -78,7 +78,10 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
         monkeypatch.setenv(name, "")
     monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
     probes: list[str] = []
-    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: probes.append("isa") or True)
+    checks = {"c" * 64: True}  # the probe's build checks, carried to the children
+    monkeypatch.setattr(
+        isa_probe, "children_may_trust_flags", lambda: probes.append("isa") or checks
+    )
     builds: list[str] = []
 
     def build(settings, directory):
@@ -96,7 +99,10 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
     monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", "")
     toolchain.start_in_background(WorkerSettings())  # the next worker of this toolchain
     # vouched at once, before its canary's child starts: the kept agreement, no probe
-    assert isa_probe.child_environment() == isa_probe.TRUST_FLAGS_ENV
+    assert isa_probe.child_environment() == {
+        **isa_probe.TRUST_FLAGS_ENV,
+        isa_probe.CHECKS_ENV: json.dumps(checks),
+    }
     time.sleep(1)
     assert len(builds) == 1 and os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"] == kept
     assert probes == ["isa"]
@@ -111,7 +117,7 @@ def test_a_disagreeing_probe_is_not_kept(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "")
     monkeypatch.setenv("TORCHFARM_TOOLCHAIN_CACHE", str(tmp_path / "toolchain"))
     probed = threading.Event()
-    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: probed.set() or False)
+    monkeypatch.setattr(isa_probe, "children_may_trust_flags", lambda: probed.set() or None)
     monkeypatch.setattr(toolchain, "build_headers", lambda settings, directory: None)
     toolchain.start_in_background(WorkerSettings())
     assert probed.wait(30)
