@@ -2,6 +2,7 @@
 tenant's calls. A real gateway and redis-server with small caps; no worker (nothing here
 compiles)."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -23,6 +24,10 @@ THREADS, TENANT_STREAMS, MESSAGE_TIMEOUT_S = 16, 4, 15
 IDLE = 64  # four times the gateway's threads
 TARGET = pb.Target(device="cpu", torch_version="2.13.0", python_version="3.11")
 KEY = cache_key(b"a graph", TARGET, pb.Options())
+# An entry whose stored bytes do not fit one message of this farm (TORCHFARM_CHUNK_BYTES):
+# its hit is streamed by Get, in one of the tenant's stream slots.
+LARGE_KEY, LARGE = cache_key(b"a large graph", TARGET, pb.Options()), os.urandom(4096)
+CHUNK_BYTES = 1024
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +40,11 @@ def farm():
             "TORCHFARM_GATEWAY_THREADS": str(THREADS),
             "TORCHFARM_TENANT_MAX_STREAMS": str(TENANT_STREAMS),
             "TORCHFARM_GATEWAY_MESSAGE_TIMEOUT": str(MESSAGE_TIMEOUT_S),
+            "TORCHFARM_CHUNK_BYTES": str(CHUNK_BYTES),
         },
     ) as f:
         f.store().artifacts.put(KEY, b"the artifact" * 100, pb.EntryMeta(tenant="b"))
+        f.store().artifacts.put(LARGE_KEY, LARGE, pb.EntryMeta(tenant="b"))
         yield f
 
 
@@ -125,8 +132,9 @@ def test_health_watches_hold_capped_slots_too(farm):
 def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
     """A fleet's ranks outnumber the slots while their graph compiles: a refused stream says
     when to ask again (contract/busy.py), and the client waits and asks again instead of
-    failing (and compiling locally). The client is a process of its own: no gRPC threads of
-    its channel stay in the test process, which forks compile children in other tests."""
+    failing (and compiling locally). A small hit needs no slot: it is one unary Hit call.
+    The clients are processes of their own: no gRPC threads of their channels stay in the
+    test process, which forks compile children in other tests."""
     silent = Silent()
     with grpc.insecure_channel(farm.addr) as channel:
         stub = pb_grpc.FarmStub(channel)
@@ -137,12 +145,9 @@ def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
             calls[-1].add_done_callback(lambda _: done.release())
         assert done.acquire(timeout=30)
         (refused,) = [call for call in calls if call.done()]
-        asking = subprocess.Popen(
-            [sys.executable, "-c", ASK_FOR_KEY, farm.addr, B, KEY],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        small = _ask_for(farm, KEY)
+        assert small.communicate(timeout=60)[0].split() == ["hit", str(len(b"the artifact" * 100))]
+        asking = _ask_for(farm, LARGE_KEY)
         time.sleep(8)  # it starts, is refused, and asks again until the slots free
         assert asking.poll() is None, asking.communicate()  # still asking: no error, no result
         silent.release.set()  # the held streams end: slots free
@@ -152,10 +157,19 @@ def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):
     assert (busy.RETRY_AFTER_MS, str(busy.STREAM_RETRY_AFTER_MS)) in refused.trailing_metadata()
     assert asking.returncode == 0, err[-2000:]
     assert "the farm is busy" in err
-    assert out.split() == ["hit", str(len(b"the artifact" * 100))]
+    assert out.split() == ["hit", str(len(LARGE))]
 
 
-# The retrying client: asks for KEY as tenant B, prints the source and the bytes received.
+def _ask_for(farm, key: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", ASK_FOR_KEY, farm.addr, B, key],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+# The retrying client: asks for a key as tenant B, prints the source and the bytes received.
 ASK_FOR_KEY = """
 import logging, sys
 from torchfarm.client import remote

@@ -301,21 +301,48 @@ def _get_once(
     request_id: str,
     on_manifest: Callable[[pb.Manifest], None] | None,
 ) -> Received:
+    """A small hit in one unary Hit call; else Get: after Hit's `missing`, with the ask and
+    the payload sent together."""
+    missed = None
+    if settings.addr not in _without_hit:
+        started = time.monotonic()
+        reply = _hit(stub, ask, settings, request_id)
+        if reply is not None and reply.HasField("header"):
+            if reply.HasField("manifest") and on_manifest:
+                on_manifest(reply.manifest)
+            decoder = _Decoder(reply.header)
+            rpc_s = time.monotonic() - started
+            decoder.feed(reply.data)
+            data = decoder.result()
+            timings = {
+                "rpc_s": rpc_s,
+                "transfer_s": time.monotonic() - started - rpc_s,
+                "decompress_s": decoder.seconds,
+                "wire_bytes": decoder.wire_bytes,
+            }
+            return Received(reply.header, data, timings)
+        if reply is not None and reply.HasField("missing"):
+            if request is None:
+                raise FarmError("the farm has no entry for this ask")
+            missed = reply.missing
     outbox: queue.SimpleQueue[pb.GetRequest | None] = queue.SimpleQueue()
     outbox.put(pb.GetRequest(ask=ask))
+    if missed is not None:  # the payload with the ask: the gateway reads it after `missing`
+        outbox.put(pb.GetRequest(compile=request))
 
     def requests() -> Iterator[pb.GetRequest]:
         while (message := outbox.get()) is not None:
             yield message
 
-    missing: list[pb.Missing] = []
+    missing: list[pb.Missing] = [missed] if missed is not None else []
 
     def on_missing(event: pb.Missing) -> None:
-        missing.append(event)
-        if request is not None:
-            outbox.put(pb.GetRequest(compile=request))
-            if on_progress:  # the compile is on its way to a queue
-                on_progress(pb.Progress(stage=pb.Progress.QUEUED))
+        if missed is None:
+            missing.append(event)
+            if request is not None:
+                outbox.put(pb.GetRequest(compile=request))
+        if request is not None and on_progress:  # the compile is on its way to a queue
+            on_progress(pb.Progress(stage=pb.Progress.QUEUED))
         outbox.put(None)
 
     call = stub.Get(
@@ -326,6 +353,25 @@ def _get_once(
     finally:
         outbox.put(None)  # a hit: the request stream ends with the ask
     return dataclasses.replace(received, missing=missing[0] if missing else None)
+
+
+# Gateways (by the farm's address) of a release without the Hit call: asked with Get only.
+_without_hit: set[str] = set()
+
+
+def _hit(
+    stub: pb_grpc.FarmStub, ask: pb.Ask, settings: ClientSettings, request_id: str
+) -> pb.HitReply | None:
+    """The Hit call's reply; None where the farm's gateway has no Hit call (remembered)."""
+    try:
+        return stub.Hit(
+            ask, timeout=settings.inactivity_timeout_s, metadata=_metadata(settings, request_id)
+        )
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            _without_hit.add(settings.addr)
+            return None
+        raise _rpc_error(e) from None
 
 
 def fetch(

@@ -51,6 +51,10 @@ QUEUE_GRACE_S = 5.0
 Enqueue = Callable[[pb.Job, str], None]  # (job, pool): queue the job on the pool's queue
 
 
+class TooLarge(Exception):
+    """The entry that holds does not fit where it was asked for (Coordinator.get)."""
+
+
 class Failure(enum.Enum):
     """Why a request ends without an artifact."""
 
@@ -167,18 +171,21 @@ class Coordinator:
         """`ask` was served entry `digest`: remember it in its program, for the next run."""
         prefetch.record(self.store.programs, ask, tenant, digest)
 
-    def get(self, ask: pb.Ask, tenant: str, request_id: str) -> Served | None:
+    def get(self, ask: pb.Ask, tenant: str, request_id: str, max_stored: int = 0) -> Served | None:
         """Get's hit: the newest entry the tenant may see whose guards hold on `ask.sizes`
         (with `ask.digest`: that entry, whatever the sizes, for a prefetch), verified; None is
         a miss. The client still checks the signature and the guards on its own inputs. The
         entries come from this gateway's recent read; before a miss is answered they are
-        read again, so an entry stored since is never compiled twice."""
+        read again, so an entry stored since is never compiled twice. `max_stored`: raise
+        TooLarge, serving nothing, where the entry's stored bytes are more (or unknown)."""
         for fresh in (False, True):
             key, entries = self.lookup(ask.key, ask.private, tenant, for_ask=True, fresh=fresh)
             for entry in entries:
                 held = entry.digest == ask.digest if ask.digest else _holds(entry.guards, ask.sizes)
                 if not held:
                     continue
+                if max_stored and not 0 < entry.stored_bytes <= max_stored:
+                    raise TooLarge(entry.stored_bytes)
                 stored = self.store.artifacts.stored(key, entry)
                 if stored is None:
                     log.warning(

@@ -39,6 +39,7 @@ from torchfarm.gateway.coordinator import (
     Failure,
     Progress,
     Served,
+    TooLarge,
 )
 from torchfarm.gateway.hit_ledger import HitLedger
 from torchfarm.gateway.packages import Packages
@@ -168,6 +169,26 @@ class FarmServicer(pb_grpc.FarmServicer):
         with self.slots.held(tenant, context):
             yield from self._get(requests, tenant, context)
 
+    def Hit(self, ask: pb.Ask, context) -> pb.HitReply:
+        """Get's ask in one unary call, for a hit whose stored bytes fit one message
+        (`chunk_bytes`); otherwise `missing` or `stream`, and the client goes on with Get."""
+        tenant = self._authenticate(context)
+        self._validate_ask(ask, context)
+        try:
+            served = self.coordinator.get(
+                ask, tenant, _request_id(context), max_stored=self.settings.chunk_bytes
+            )
+        except TooLarge:
+            return pb.HitReply(stream=True)
+        if served is None:
+            explanation = self.coordinator.explain(ask, tenant)
+            return pb.HitReply(missing=pb.Missing(explanation=explanation))
+        manifest = self.coordinator.manifest(ask, tenant)
+        self.coordinator.record_program(ask, tenant, served.entry.digest)
+        return pb.HitReply(
+            header=self._header(served, STORED), data=served.stored, manifest=manifest
+        )
+
     def _get(
         self, requests: Iterator[pb.GetRequest], tenant: str, context
     ) -> Iterator[pb.CompileEvent]:
@@ -269,20 +290,7 @@ class FarmServicer(pb_grpc.FarmServicer):
         one chunk at a time (verified in the same bounded way before), so a hit costs a chunk
         of memory whatever it inflates to."""
         stored = served.stored
-        yield pb.CompileEvent(
-            header=pb.ArtifactHeader(
-                key=served.key,
-                digest=served.entry.digest,
-                size=served.entry.size,
-                source=served.source,
-                compile_seconds=served.entry.compile_seconds,
-                signature=served.entry.signature,
-                timings=served.timings,
-                encoding=encoding,
-                stored_size=len(stored) if encoding else served.entry.size,
-                job_id=served.job_id,
-            )
-        )
+        yield pb.CompileEvent(header=self._header(served, encoding))
         step = self.settings.chunk_bytes
         chunks = (
             (stored[i : i + step] for i in range(0, len(stored), step))
@@ -291,6 +299,22 @@ class FarmServicer(pb_grpc.FarmServicer):
         )
         for chunk in chunks:
             yield pb.CompileEvent(chunk=chunk)
+
+    @staticmethod
+    def _header(served: Served, encoding: str) -> pb.ArtifactHeader:
+        """What the client checks the artifact's bytes against, and where they came from."""
+        return pb.ArtifactHeader(
+            key=served.key,
+            digest=served.entry.digest,
+            size=served.entry.size,
+            source=served.source,
+            compile_seconds=served.entry.compile_seconds,
+            signature=served.entry.signature,
+            timings=served.timings,
+            encoding=encoding,
+            stored_size=len(served.stored) if encoding else served.entry.size,
+            job_id=served.job_id,
+        )
 
 
 def _ask_problem(ask: pb.Ask) -> str:

@@ -533,6 +533,55 @@ class GetRequest(_message.Message):
 Global___GetRequest: _TypeAlias = GetRequest  # noqa: Y015
 
 @_typing.final
+class HitReply(_message.Message):
+    """---- Hit: a small hit in one unary call ------------------------------------------------
+    The same ask as Get's, answered the same way (the newest entry this tenant may see whose
+    guards hold), in one message: a unary call costs the gateway about 0.3 ms of CPU less than
+    a stream. A miss, or a hit too large for one message, sends the client on to Get; after a
+    miss it sends its ask and its payload together there (the gateway still answers `missing`
+    first, then reads the payload).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    stream: _builtins.bool
+    """a hit whose stored bytes do not fit one message: ask with Get"""
+    @_builtins.property
+    def header(self) -> Global___ArtifactHeader:
+        """a hit (encoding "zstd"), its stored bytes all in `data`"""
+
+    @_builtins.property
+    def manifest(self) -> Global___Manifest:
+        """prefetch: on a hit of a program's head, as Get sends it"""
+
+    @_builtins.property
+    def missing(self) -> Global___Missing:
+        """nothing under the asked key holds here"""
+
+    def __init__(
+        self,
+        *,
+        header: Global___ArtifactHeader | None = ...,
+        data: _builtins.bytes = ...,
+        manifest: Global___Manifest | None = ...,
+        missing: Global___Missing | None = ...,
+        stream: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "manifest", b"manifest", "missing", b"missing"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "manifest", b"manifest", "missing", b"missing", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HitReply: _TypeAlias = HitReply  # noqa: Y015
+
+@_typing.final
 class Ask(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

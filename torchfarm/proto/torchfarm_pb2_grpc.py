@@ -54,6 +54,11 @@ class FarmStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
                 _registered_method=True)
+        self.Hit = channel.unary_unary(
+                '/torchfarm.v1.Farm/Hit',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.Ask.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.HitReply.FromString,
+                _registered_method=True)
         self.PutPackage = channel.unary_unary(
                 '/torchfarm.v1.Farm/PutPackage',
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.PutPackageRequest.SerializeToString,
@@ -97,6 +102,13 @@ class FarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hit(self, request, context):
+        """A hit in one unary call, for an entry whose stored bytes fit one message: see HitReply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutPackage(self, request, context):
         """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest.
         """
@@ -132,6 +144,11 @@ def add_FarmServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.SerializeToString,
+            ),
+            'Hit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hit,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.Ask.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.HitReply.SerializeToString,
             ),
             'PutPackage': grpc.unary_unary_rpc_method_handler(
                     servicer.PutPackage,
@@ -252,6 +269,33 @@ class Farm:
             '/torchfarm.v1.Farm/Get',
             torchfarm_dot_proto_dot_torchfarm__pb2.GetRequest.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.CompileEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Farm/Hit',
+            torchfarm_dot_proto_dot_torchfarm__pb2.Ask.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.HitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,8 @@ class FarmStub:
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
     Get: _grpc.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]
     """One round trip per graph on a hit (issue 19): see GetRequest."""
+    Hit: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.Ask, _torchfarm_pb2.HitReply]
+    """A hit in one unary call, for an entry whose stored bytes fit one message: see HitReply."""
     PutPackage: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.PutPackageRequest, _torchfarm_pb2.PutPackageReply]
     """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest."""
     GetPackage: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.GetPackageRequest, _torchfarm_pb2.GetPackageReply]
@@ -57,6 +59,8 @@ class FarmAsyncStub(FarmStub):
     """Answers from the cache or compiles; streams progress, then a header and the artifact's chunks."""
     Get: _aio.StreamStreamMultiCallable[_torchfarm_pb2.GetRequest, _torchfarm_pb2.CompileEvent]  # type: ignore[assignment]
     """One round trip per graph on a hit (issue 19): see GetRequest."""
+    Hit: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.Ask, _torchfarm_pb2.HitReply]  # type: ignore[assignment]
+    """A hit in one unary call, for an entry whose stored bytes fit one message: see HitReply."""
     PutPackage: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.PutPackageRequest, _torchfarm_pb2.PutPackageReply]  # type: ignore[assignment]
     """The caller's own Dynamo package (issue 19 item 4): see PutPackageRequest."""
     GetPackage: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.GetPackageRequest, _torchfarm_pb2.GetPackageReply]  # type: ignore[assignment]
@@ -93,6 +97,14 @@ class FarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_torchfarm_pb2.CompileEvent], _abc.AsyncIterator[_torchfarm_pb2.CompileEvent]]:
         """One round trip per graph on a hit (issue 19): see GetRequest."""
+
+    @_abc_1.abstractmethod
+    def Hit(
+        self,
+        request: _torchfarm_pb2.Ask,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.HitReply, _abc.Awaitable[_torchfarm_pb2.HitReply]]:
+        """A hit in one unary call, for an entry whose stored bytes fit one message: see HitReply."""
 
     @_abc_1.abstractmethod
     def PutPackage(

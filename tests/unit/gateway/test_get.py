@@ -15,13 +15,14 @@ from tests.unit.gateway.conftest import TARGET
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import VerifiedBlobs, digest_of
 from torchfarm.cache.store import Store
+from torchfarm.client import remote
 from torchfarm.contract.cache_key import cache_key, private_key
-from torchfarm.gateway import auth
+from torchfarm.gateway import auth, server
 from torchfarm.gateway.coordinator import Coordinator
 from torchfarm.gateway.server import build_server
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import GatewaySettings
+from torchfarm.settings import ClientSettings, GatewaySettings
 
 KEY = cache_key(b"graph payload", TARGET, pb.Options())
 TOKEN = "alice-token-0123456789"
@@ -247,6 +248,79 @@ def test_get_needs_a_token(gateway):
     with grpc.insecure_channel(gateway) as channel, pytest.raises(grpc.RpcError) as e:
         list(pb_grpc.FarmStub(channel).Get(iter([pb.GetRequest(ask=pb.Ask(key=KEY))]), timeout=20))
     assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def _hit(addr: str, ask: pb.Ask, metadata=METADATA) -> pb.HitReply:
+    with grpc.insecure_channel(addr) as channel:
+        return pb_grpc.FarmStub(channel).Hit(ask, metadata=metadata, timeout=20)
+
+
+def test_a_small_hit_is_one_unary_call_and_a_large_one_or_a_miss_goes_on_to_get(gateway, store):
+    small = _put(store, b"small artifact" * 20, guards=SMALL)  # stored in under 1 KiB
+    reply = _hit(gateway, pb.Ask(key=KEY, sizes=[4], label="graph 1"))
+    assert reply.header.source == "hit" and reply.header.encoding == "zstd"
+    assert reply.header.digest == small.digest and reply.header.stored_size == len(reply.data)
+    assert _decoded(reply.data) == b"small artifact" * 20 and not reply.stream
+
+    missing = _hit(gateway, pb.Ask(key=KEY, sizes=[9]))  # no entry holds at 9
+    assert missing.HasField("missing") and not missing.HasField("header")
+    assert missing.missing.explanation.failed_guards  # as Get explains it
+
+    large = _put(store, os.urandom(4000), guards=LARGE)  # stored in more than 1 KiB
+    assert _hit(gateway, pb.Ask(key=KEY, sizes=[9])) == pb.HitReply(stream=True)
+    events = _events(gateway, Stream(pb.GetRequest(ask=pb.Ask(key=KEY, sizes=[9]))))
+    assert events[0].header.digest == large.digest  # Get streams it
+
+    with pytest.raises(grpc.RpcError) as e:
+        _hit(gateway, pb.Ask(key="0" * 63))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "key: 64" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        _hit(gateway, pb.Ask(key=KEY), metadata=[])
+    assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_client_takes_a_small_hit_in_one_call_and_sends_a_miss_payload_with_its_ask(
+    gateway, store, monkeypatch
+):
+    settings = ClientSettings(addr=gateway, token=TOKEN, progress=False)
+    _put(store, b"small artifact" * 20, guards=SMALL)
+    calls: list[str] = []
+    stub = remote._stub(settings)
+    for name in ("Hit", "Get"):
+        method = getattr(stub, name)
+        monkeypatch.setattr(
+            stub, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k)
+        )
+    got = remote.get(pb.Ask(key=KEY, sizes=[4]), None, settings)
+    assert got.data == b"small artifact" * 20 and calls == ["Hit"]
+
+    calls.clear()
+    payload = pb.CompileRequest(graph=b"", target=TARGET)  # refused once read: it was sent
+    with pytest.raises(remote.FarmError, match="empty graph payload"):
+        remote.get(pb.Ask(key=KEY, sizes=[9]), payload, settings)
+    assert calls == ["Hit", "Get"]
+    with pytest.raises(remote.FarmError, match="no entry"):
+        remote.get(pb.Ask(key=KEY, sizes=[9]), None, settings)  # a miss ends a prefetch
+
+
+def test_a_gateway_without_the_hit_call_is_asked_with_get(redis_url, store, monkeypatch):
+    """A gateway of an older release answers Hit UNIMPLEMENTED: the client remembers it and
+    asks with Get only."""
+    monkeypatch.setattr(server.FarmServicer, "Hit", pb_grpc.FarmServicer.Hit)
+    settings = GatewaySettings(
+        port=0, redis_url=redis_url, tenants=f"alice:{auth.hash_token(TOKEN)}", metrics_port=0
+    )
+    old, port = build_server(settings, store)
+    old.start()
+    try:
+        _put(store, b"small artifact" * 20, guards=SMALL)
+        client = ClientSettings(addr=f"127.0.0.1:{port}", token=TOKEN, progress=False)
+        for _ in range(2):
+            got = remote.get(pb.Ask(key=KEY, sizes=[4]), None, client)
+            assert got.header.source == "hit" and got.data == b"small artifact" * 20
+        assert client.addr in remote._without_hit
+    finally:
+        old.stop(0)
 
 
 def test_an_ask_reuses_the_gateways_recent_read_yet_sees_entries_stored_or_dropped_since(store):
