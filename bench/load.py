@@ -1,8 +1,9 @@
 """Load run: many client processes asking one gateway of an embedded farm for a cached graph.
 
-Each request is what a client does on a hit: one `Get` call with the key computed locally
-and the graph's SymInt sizes (no payload sent), the artifact's bytes arriving as stored
-(zstd), decompressed while they arrive, their size and sha256 checked. The graph (a
+Each request is what a client does on a hit (`remote.get`): one call with the key computed
+locally and the graph's SymInt sizes (no payload sent), the unary `Hit` where the stored bytes
+fit one message (they do with the defaults) and a `Get` stream otherwise; the artifact's
+bytes arrive as stored (zstd) and are decompressed, their size and sha256 checked. The graph (a
 training step of an MLP of `--layers` layers of width `--width`: an artifact of 0.9 MB
 with the defaults) is compiled once first, the miss, so every timed request is a hit.
 

@@ -120,7 +120,9 @@ def test_a_child_that_dies_while_idle_is_replaced(pools):
 
 def test_a_hanging_warm_up_is_killed_and_replaced(pools):
     events = _Events()
-    pool = pools(1, _command("hang", "ready"), warm_up_timeout_s=1, events=events.events)
+    # 5 s: long enough for a ready stand-in to start on a machine as busy as CI's (at 1 s, one
+    # run saw its next two children counted as hung too)
+    pool = pools(1, _command("hang", "ready"), warm_up_timeout_s=5, events=events.events)
     _until(lambda: len(pool.idle()) == 1)
     hung = pool.idle()[0]
     _until(lambda: len(_ready(pool)) == 1)
