@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Iterator
 
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
-CHECKS_ENV = "TORCHFARM_ISA_CHECKS"  # a child's: the probe's check_build results (JSON)
+CHECKS_ARGUMENT = "--isa-checks"  # a child's: the probe's check_build results (JSON)
 # Set in the worker's main process before Celery forks its pool: where the probe's verdict
 # appears once it is in.
 _MARKER_ENV = "TORCHFARM_ISA_PROBE_MARKER"
@@ -124,21 +124,34 @@ def settle(marker: str, kept: str) -> None:
         shutil.copyfile(marker, kept)
 
 
-def child_environment() -> dict[str, str]:
-    """What a compile child's environment gains from the probe (nothing until it is in)."""
+def _agreement() -> str | None:
+    """The probe's agreement as the marker holds it (None: not in, or it disagreed)."""
     marker = os.environ.get(_MARKER_ENV, "")
     if not marker or not os.path.exists(marker):
-        return {}
+        return None
     with open(marker) as f:
-        return {**TRUST_FLAGS_ENV, CHECKS_ENV: f.read()}
+        return f.read()
+
+
+def child_environment() -> dict[str, str]:
+    """What a compile child's environment gains from the probe (nothing until it is in)."""
+    return dict(TRUST_FLAGS_ENV) if _agreement() is not None else {}
+
+
+def child_arguments() -> list[str]:
+    """What a child's command line gains from the probe: the build checks it ran (on the
+    command line, not in the environment, which carries nothing of the farm's)."""
+    agreement = _agreement()
+    return [CHECKS_ARGUMENT, agreement] if agreement else []
 
 
 @contextlib.contextmanager
-def vouched_checks() -> Iterator[None]:
-    """Inside (a child's warm-up): each ISA build check that the worker's probe ran is
-    answered with its result instead of built again; any other is built as usual."""
+def vouched_checks(agreement: str) -> Iterator[None]:
+    """Inside (a child's warm-up): each ISA build check that the worker's probe ran (its
+    `agreement`, child_arguments') is answered with its result instead of built again; any
+    other is built as usual."""
     try:
-        checks = json.loads(os.environ.get(CHECKS_ENV) or "{}")
+        checks = json.loads(agreement or "{}")
     except ValueError:  # an agreement kept by an older worker: no checks in it
         checks = {}
     from torch._inductor import cpu_vec_isa

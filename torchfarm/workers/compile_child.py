@@ -48,7 +48,7 @@ def _on_stage(stage: pb.Progress.Stage.ValueType) -> None:
     report(pb.CompileChildReport(stage=stage))
 
 
-def warm_up(device: str, op_libraries: list[str]) -> None:
+def warm_up(device: str, op_libraries: list[str], isa_checks: str = "") -> None:
     """Everything a compile needs that no request decides, done before the request exists."""
     import torch
     import torch._inductor.codecache
@@ -78,7 +78,7 @@ def warm_up(device: str, op_libraries: list[str]) -> None:
         with (
             tempfile.TemporaryDirectory() as probe_dir,
             standalone.cache_dir_at(probe_dir),
-            isa_probe.vouched_checks(),
+            isa_probe.vouched_checks(isa_checks),
         ):
             cpu_vec_isa.pick_vec_isa()
 
@@ -89,6 +89,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--op-libraries", default="", help="comma-separated modules")
     parser.add_argument("--kernels", default="", help="staged C++ objects (kernel_cache.py)")
+    parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
     return parser.parse_args(argv)
 
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     # Whatever the compile prints goes to stderr (the error text), never into the reports.
     _reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    warm_up(args.device, [m for m in args.op_libraries.split(",") if m])
+    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
     report(pb.CompileChildReport(ready=True))
     data = sys.stdin.buffer.read()
     if not data:  # the worker closed the pipe without a request: it is going away

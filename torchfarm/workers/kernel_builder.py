@@ -24,6 +24,7 @@ stdout, one reply each: the build's exit status, then its `KernelFiles`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import logging
@@ -288,8 +289,12 @@ def main() -> int:
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks
     # (avx512_bf16, vnni: g++ runs of Inductor's own test programs) remembered in-process.
-    compile_child.warm_up("cpu", [])
-    in_sandbox = "--in-sandbox" in sys.argv[1:]
+    parser = argparse.ArgumentParser(prog="torchfarm.workers.kernel_builder")
+    parser.add_argument("--in-sandbox", action="store_true")
+    parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
+    args = parser.parse_args()
+    compile_child.warm_up("cpu", [], args.isa_checks)
+    in_sandbox = args.in_sandbox
     # Not dumpable: no process a build starts (g++ on a crafted source included), though of
     # the same uid, can trace this one or write into its memory, and so into later builds.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)

@@ -260,7 +260,7 @@ def child_command(
     child gets one of the visible GPUs, in turn). `private_dir` is an empty host directory
     of the parent's: with the kernel cache on, it holds the child's staging directory
     (`staging_dir`); without a sandbox, its library and work directories too."""
-    python = [sys.executable, *python_args]
+    python = [sys.executable, *python_args, *isa_probe.child_arguments()]
     staging = ""
     if python_args == _CHILD:
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]

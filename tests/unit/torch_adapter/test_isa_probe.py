@@ -15,26 +15,23 @@ def test_children_trust_the_flags_only_after_the_probe_agreed(tmp_path, monkeypa
     assert not isa_probe.recall(str(marker), str(kept))
     kept.write_text(json.dumps({"f" * 64: True}))  # an earlier worker's agreement
     assert isa_probe.recall(str(marker), str(kept))
-    assert isa_probe.child_environment() == {
-        "TORCHINDUCTOR_VEC_ISA_OK": "1",
-        isa_probe.CHECKS_ENV: json.dumps({"f" * 64: True}),
-    }
+    assert isa_probe.child_environment() == {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+    assert isa_probe.child_arguments() == ["--isa-checks", json.dumps({"f" * 64: True})]
     monkeypatch.delenv("TORCHFARM_ISA_PROBE_MARKER")
-    assert isa_probe.child_environment() == {}  # not a worker
+    assert isa_probe.child_environment() == {} and isa_probe.child_arguments() == []
 
 
 def test_a_vouched_check_is_answered_and_any_other_still_built(monkeypatch):
+    # monkeypatch's check_build stands in for Inductor's g++ build
     isa = cpu_vec_isa.VecAVX2()
     built = []
     monkeypatch.setattr(
         cpu_vec_isa.VecISA, "check_build", lambda self, code: built.append(code) or True
     )
-    vouched = {isa_probe.check_fingerprint(isa, "int known;"): False}
-    monkeypatch.setenv(isa_probe.CHECKS_ENV, json.dumps(vouched))
-    with isa_probe.vouched_checks():
+    vouched = json.dumps({isa_probe.check_fingerprint(isa, "int known;"): False})
+    with isa_probe.vouched_checks(vouched):
         assert isa.check_build("int known;") is False  # the probe's answer, nothing built
         assert isa.check_build("int other;") is True and built == ["int other;"]
     assert isa.check_build("int known;") is True  # outside: Inductor's own again
-    monkeypatch.setenv(isa_probe.CHECKS_ENV, "")  # an older worker's agreement: no checks
-    with isa_probe.vouched_checks():
+    with isa_probe.vouched_checks(""):  # an older worker's agreement: no checks
         assert isa.check_build("int known;") is True

@@ -99,10 +99,8 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
     monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", "")
     toolchain.start_in_background(WorkerSettings())  # the next worker of this toolchain
     # vouched at once, before its canary's child starts: the kept agreement, no probe
-    assert isa_probe.child_environment() == {
-        **isa_probe.TRUST_FLAGS_ENV,
-        isa_probe.CHECKS_ENV: json.dumps(checks),
-    }
+    assert isa_probe.child_environment() == isa_probe.TRUST_FLAGS_ENV
+    assert isa_probe.child_arguments() == ["--isa-checks", json.dumps(checks)]
     time.sleep(1)
     assert len(builds) == 1 and os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"] == kept
     assert probes == ["isa"]
