@@ -313,14 +313,7 @@ def _get_once(
             decoder = _Decoder(reply.header)
             rpc_s = time.monotonic() - started
             decoder.feed(reply.data)
-            data = decoder.result()
-            timings = {
-                "rpc_s": rpc_s,
-                "transfer_s": time.monotonic() - started - rpc_s,
-                "decompress_s": decoder.seconds,
-                "wire_bytes": decoder.wire_bytes,
-            }
-            return Received(reply.header, data, timings)
+            return _received(reply.header, decoder, started, rpc_s)
         if reply is not None and reply.HasField("missing"):
             if request is None:
                 raise FarmError("the farm has no entry for this ask")
@@ -404,7 +397,7 @@ def _receive(
     started = time.monotonic()
     header: pb.ArtifactHeader | None = None
     decoder: _Decoder | None = None
-    timings: dict[str, float] = {}
+    rpc_s = 0.0  # request sent -> header
     silence = _SilenceGuard(call, settings.inactivity_timeout_s)
     job_id = ""  # the compile the farm runs for us, as its logs name it
     try:
@@ -421,7 +414,7 @@ def _receive(
                 on_manifest(event.manifest)
             elif kind == "header":
                 header = event.header
-                timings["rpc_s"] = time.monotonic() - started
+                rpc_s = time.monotonic() - started
                 decoder = _Decoder(header)
                 if on_progress:
                     on_progress(pb.Progress(stage=pb.Progress.DOWNLOADING))
@@ -442,10 +435,21 @@ def _receive(
         silence.close()
     if header is None or decoder is None:
         raise FarmError("the farm ended the stream without an artifact")
+    return _received(header, decoder, started, rpc_s)
+
+
+def _received(
+    header: pb.ArtifactHeader, decoder: _Decoder, started: float, rpc_s: float
+) -> Received:
+    """The artifact `decoder` was fed, checked, with where its time went since `started`
+    (rpc_s: until the header came)."""
     data = decoder.result()
-    timings["transfer_s"] = time.monotonic() - started - timings["rpc_s"]
-    timings["decompress_s"] = decoder.seconds
-    timings["wire_bytes"] = decoder.wire_bytes
+    timings = {
+        "rpc_s": rpc_s,
+        "transfer_s": time.monotonic() - started - rpc_s,
+        "decompress_s": decoder.seconds,
+        "wire_bytes": decoder.wire_bytes,
+    }
     return Received(header, data, timings)
 
 

@@ -8,7 +8,8 @@ entries are kept. What it can get wrong for TTL_S, and why that is safe:
   reads the key again before it answers a miss;
 - an entry dropped since: its blob is gone too, so serving it fails its read and the next
   entry that holds is served, as for a corrupt blob.
-Every blob served is still read and verified as before."""
+Every blob served is still verified as before (read from the store, or kept by the gateway
+after it was: VerifiedBlobs)."""
 
 from __future__ import annotations
 

@@ -175,19 +175,30 @@ class FarmServicer(pb_grpc.FarmServicer):
         tenant = self._authenticate(context)
         self._validate_ask(ask, context)
         try:
-            served = self.coordinator.get(
-                ask, tenant, _request_id(context), max_stored=self.settings.chunk_bytes
-            )
+            hit = self._answer(ask, tenant, _request_id(context), self.settings.chunk_bytes)
         except TooLarge:
             return pb.HitReply(stream=True)
-        if served is None:
-            explanation = self.coordinator.explain(ask, tenant)
-            return pb.HitReply(missing=pb.Missing(explanation=explanation))
-        manifest = self.coordinator.manifest(ask, tenant)
-        self.coordinator.record_program(ask, tenant, served.entry.digest)
+        if hit is None:
+            return pb.HitReply(missing=self._missing(ask, tenant))
+        served, manifest = hit
         return pb.HitReply(
             header=self._header(served, STORED), data=served.stored, manifest=manifest
         )
+
+    def _answer(
+        self, ask: pb.Ask, tenant: str, request_id: str, max_stored: int = 0
+    ) -> tuple[Served, pb.Manifest | None] | None:
+        """An ask's hit (Coordinator.get) and, for a program's head, what to prefetch with
+        it; the program remembers what it was served. None: a miss."""
+        served = self.coordinator.get(ask, tenant, request_id, max_stored)
+        if served is None:
+            return None
+        manifest = self.coordinator.manifest(ask, tenant)
+        self.coordinator.record_program(ask, tenant, served.entry.digest)
+        return served, manifest
+
+    def _missing(self, ask: pb.Ask, tenant: str) -> pb.Missing:
+        return pb.Missing(explanation=self.coordinator.explain(ask, tenant))
 
     def _get(
         self, requests: Iterator[pb.GetRequest], tenant: str, context
@@ -198,15 +209,14 @@ class FarmServicer(pb_grpc.FarmServicer):
         self._validate_ask(first.ask, context)
         ask = first.ask
         request_id = _request_id(context)
-        served = self.coordinator.get(ask, tenant, request_id)
-        if served is not None:
-            manifest = self.coordinator.manifest(ask, tenant)  # prefetch: the head's hit
+        hit = self._answer(ask, tenant, request_id)
+        if hit is not None:
+            served, manifest = hit
             if manifest is not None:
                 yield pb.CompileEvent(manifest=manifest)
-            self.coordinator.record_program(ask, tenant, served.entry.digest)
             yield from self._send(served, STORED)
             return
-        yield pb.CompileEvent(missing=pb.Missing(explanation=self.coordinator.explain(ask, tenant)))
+        yield pb.CompileEvent(missing=self._missing(ask, tenant))
         then = self.deadlines.next(requests, context, "payload after missing")
         if then is None:  # the client went on without the farm
             return
@@ -488,6 +498,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.verify_keys = signing.Verifier.parse(settings.verify_keys).public_keys
 
     def _authorize(self, context) -> str:
+        """The admin's name, else the RPC ends; every command starts here, so this gateway's
+        counted hits are written first and what the command reads includes them."""
         name = _caller(context, self.authenticator.admin)
         self.hits.flush()
         return name

@@ -15,9 +15,9 @@ seconds of the 2-core machine for the probe, ~8 more in each child that would st
 it). A disagreement is not kept: every worker probes again, which costs time, never
 correctness.
 
-The flags do not settle everything: on a CPU with AVX-512, Inductor's AVX512 and AVX512-VNNI
-classes also build a bf16 and a VNNI test program whatever `vec_isa_ok` says (two g++ runs,
-~1.3 s of each child's warm-up on the 2-core machine). The probe records every such
+The flags do not settle everything: on a CPU with AVX-512, Inductor's AVX512, AVX512-VNNI and
+AMX classes also build bf16, VNNI and AMX test programs whatever `vec_isa_ok` says (6 g++
+check builds in each child's warm-up on the 2-core machine). The probe records every such
 `VecISA.check_build` it ran, by what determines it (the ISA class, its build flags and the
 test program's source), and the agreement carries them: a child answers the same checks
 from it (`vouched_checks`) instead of building them again, and builds any other.

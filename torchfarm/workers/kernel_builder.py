@@ -288,7 +288,8 @@ def main() -> int:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks
-    # (avx512_bf16, vnni: g++ runs of Inductor's own test programs) remembered in-process.
+    # (bf16, VNNI, AMX: Inductor's own test programs, answered from the worker's probe where
+    # it ran them) remembered in-process.
     parser = argparse.ArgumentParser(prog="torchfarm.workers.kernel_builder")
     parser.add_argument("--in-sandbox", action="store_true")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")

@@ -270,7 +270,7 @@ def child_command(
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
-        cmd = limits(settings) + bwrap_args(settings, layout, staging) + python
+        cmd = bwrap_args(settings, layout, staging) + python
         env, cwd = child_environment(WORK_DIR, LIB_DIR, layout.python_path), "/"
     else:
         # Unconfined: still off the worker's working directory, with only the package
@@ -279,8 +279,9 @@ def child_command(
         os.makedirs(lib_dir)
         os.makedirs(work_dir)
         os.symlink(layout.package_dir, os.path.join(lib_dir, "torchfarm"))
-        cmd, cwd = limits(settings) + python, work_dir
+        cmd, cwd = python, work_dir
         env = child_environment(work_dir, lib_dir, layout.python_path)
+    cmd = limits(settings) + cmd
     gpus = visible_gpus()
     if settings.device == "cuda" and gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[number % len(gpus)]
