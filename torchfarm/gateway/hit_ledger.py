@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 
 import redis
 
@@ -39,7 +40,7 @@ class _PoolCounts:
 
 class HitLedger:
     """Hits not written yet; a daemon thread writes them every `flush_s` (started with the
-    first hit), and once more when the process exits."""
+    first hit), and flush_all once more when the process exits."""
 
     def __init__(self, store: Store, flush_s: float = FLUSH_S):
         self.store, self.flush_s = store, flush_s
@@ -62,7 +63,7 @@ class HitLedger:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hit-ledger", daemon=True)
                 self._thread.start()
-                atexit.register(self.flush)
+                _started.add(self)
 
     def flush(self) -> None:
         """Write what was counted so far, in one round trip; a refusal (Redis full or
@@ -88,3 +89,14 @@ class HitLedger:
         while True:
             time.sleep(self.flush_s)
             self.flush()
+
+
+_started: weakref.WeakSet[HitLedger] = weakref.WeakSet()  # ledgers whose thread runs
+
+
+@atexit.register
+def flush_all() -> None:
+    """Write every ledger's hits now: at exit, and in tests before they empty the store (a
+    ledger of an earlier test would otherwise write into the next one's)."""
+    for ledger in list(_started):
+        ledger.flush()
