@@ -58,11 +58,15 @@ class LocalFarm:
         separate_broker: bool = False,
         gateways: int = 1,
         blob_url: str = "",
+        cache_url: str = "",
     ):
         self.host, self.grpc_port, self.redis_port = host, grpc_port, redis_port
+        # The cache on a Redis that runs already (a Redis Cluster: redis+cluster://...)
+        # instead of a redis-server of the farm's own; the broker is then the farm's.
+        self.cache_url = cache_url
         # A second redis-server for Celery and job state (as in docker-compose.yml); without
         # it they use database 1 of the cache's server.
-        self.broker_port = 0 if separate_broker else None
+        self.broker_port = 0 if separate_broker or cache_url else None
         self.tenants = os.environ.get("TORCHFARM_TENANTS", "") if tenants is None else tenants
         self.admins = os.environ.get("TORCHFARM_ADMINS", "") if admins is None else admins
         self.sandbox, self.workers = sandbox, workers
@@ -101,7 +105,7 @@ class LocalFarm:
 
     @property
     def redis_url(self) -> str:
-        return self._url(self.redis_port)
+        return self.cache_url or self._url(self.redis_port)
 
     @property
     def broker_url(self) -> str:
@@ -145,7 +149,8 @@ class LocalFarm:
         return proc
 
     def start(self, timeout_s: float = 300) -> None:
-        self.start_redis()
+        if not self.cache_url:
+            self.start_redis()
         if self.broker_port is not None:
             self.start_redis("broker")
         for name in self.gateway_ports:

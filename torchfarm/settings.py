@@ -437,9 +437,29 @@ def compile_memory_mb(share_mb: int, disk_mb: int) -> int:
 MIN_COMPILE_MEMORY_MB = 2048  # below this a CPU compile child cannot even start Inductor
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # the cache on a Redis Cluster
+
+
+def is_cluster(url: str) -> bool:
+    """Whether a Redis URL names a Redis (or Valkey) Cluster: redis+cluster://[:password@]
+    host:port, any one node of it (rediss+cluster:// over TLS)."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
 def broker_url(redis_url: str, broker: str) -> str:
-    """Celery's broker: given explicitly, or the cache's Redis server on database 1."""
+    """Celery's broker: given explicitly, or the cache's Redis server on database 1. A Redis
+    Cluster holds the cache only: Celery's queues and the job board need one server."""
+    if is_cluster(broker):
+        raise ValueError(
+            "TORCHFARM_BROKER_URL names a Redis Cluster: the broker (Celery's queues, the "
+            "job board) needs a single Redis or Valkey server (redis://...)"
+        )
     if broker:
         return broker
+    if is_cluster(redis_url):
+        raise ValueError(
+            "the cache is on a Redis Cluster (TORCHFARM_REDIS_URL); set TORCHFARM_BROKER_URL "
+            "to a single Redis or Valkey server for Celery's queues and the job board"
+        )
     base, _, db = redis_url.rpartition("/")
     return f"{base}/1" if db.isdigit() else f"{redis_url.rstrip('/')}/1"

@@ -15,7 +15,7 @@ from tests.integration.helpers import TOKENS, run_client
 from torchfarm.cache import keys
 from torchfarm.client.packages import FORMAT, seal
 
-PACKAGES = keys.package("*")  # every tenant's packages, under the current key format
+PACKAGES = f"{keys.FORMAT}:package:*"  # every tenant's packages, under the current key format
 USER_CACHE = tempfile.mkdtemp()  # the clients' package key file (one user, one machine)
 
 

@@ -22,12 +22,18 @@ import time
 from collections.abc import Iterator
 from typing import Literal
 
-import redis
 import zstandard
 from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
-from torchfarm.cache.blobs import BlobBackend, CacheFull, OutOfMemoryError, RedisBlobs
+from torchfarm.cache.blobs import (
+    BlobBackend,
+    CacheClient,
+    CacheFull,
+    CachePipeline,
+    OutOfMemoryError,
+    RedisBlobs,
+)
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
@@ -179,6 +185,34 @@ def _split(entry: pb.EntryMeta) -> tuple[pb.EntryMeta, pb.EntryMeta]:
     return index, details
 
 
+# Remove a key's entries (ARGV[1] "all", or "these" and their digests) with their usage, in
+# the key's slot; the whole key once it has none. KEYS: its index, its usage.
+# Returns {entries left, {digest, index value, ...} of those removed}.
+_DROP = """
+local found = {}
+if ARGV[1] == 'all' then
+  found = redis.call('HGETALL', KEYS[1])
+else
+  for i = 2, #ARGV do
+    local value = redis.call('HGET', KEYS[1], ARGV[i])
+    if value then
+      table.insert(found, ARGV[i])
+      table.insert(found, value)
+    end
+  end
+end
+for i = 1, #found, 2 do
+  redis.call('HDEL', KEYS[1], found[i])
+  redis.call('HDEL', KEYS[2], found[i] .. ':hits', found[i] .. ':last_hit')
+end
+local left = redis.call('HLEN', KEYS[1])
+if left == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+end
+return {left, found}
+"""
+
+
 class WrongBlobStore(Exception):
     """This process's TORCHFARM_BLOB_URL names another store than the cache's workers use."""
 
@@ -188,7 +222,7 @@ class ArtifactCache:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: CacheClient,
         blobs: BlobBackend | None = None,
         codec=None,
         verified: VerifiedBlobs | None = None,
@@ -197,6 +231,11 @@ class ArtifactCache:
         self.blobs: BlobBackend = blobs if blobs is not None else RedisBlobs(client)
         self.codec: Codec = codec or Codec()
         self.verified = verified if verified is not None else VerifiedBlobs()
+        self._drop = client.register_script(_DROP)  # type: ignore[union-attr]  # (types-redis lacks the cluster's)
+
+    def _use(self, key: str, when: float) -> None:
+        """`key` is the most recently used (it joins the LRU order if new)."""
+        self.redis.zadd(keys.RECENT, {key: when})
 
     # ---- the blob store ----------------------------------------------------------------
     def record_store(self) -> None:
@@ -285,9 +324,10 @@ class ArtifactCache:
     # ---- writes ------------------------------------------------------------------------
     def put(self, key: str, data: bytes, meta: pb.EntryMeta) -> pb.EntryMeta:
         """Store `data` under `key` with `meta` (digest, sizes and creation time filled in):
-        the blob and the entry's details first, then its index entry (without the details)
-        in one transaction, so no entry ever names a missing blob. Raises CacheFull (with
-        nothing kept) when storage is full."""
+        the blob and the entry's details first, then its index entry (without the details),
+        so no entry ever names a missing blob; then the totals (another slot of a cluster:
+        a crash just before leaves them one entry short). Raises CacheFull (with nothing
+        kept) when storage is full."""
         entry = pb.EntryMeta()
         entry.CopyFrom(meta)
         stored = self.codec.encode(data)
@@ -298,22 +338,29 @@ class ArtifactCache:
         index, details = _split(entry)
         written = [entry.digest, details_name(entry.digest)]
         self.blobs.put(entry.digest, stored)
-        pipe = self.redis.pipeline()
-        pipe.hset(keys.index(key), entry.digest, index_value(index.SerializeToString()))
-        pipe.zadd(keys.RECENT, {key: time.time()})
-        pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", len(stored))
-        pipe.hincrbyfloat(keys.TOTALS, "entries", 1)
         try:
             if details.ByteSize():
                 self.blobs.put(written[1], details.SerializeToString())
-            pipe.execute()
-        except OutOfMemoryError as e:  # MULTI/EXEC: nothing was written
+            # The key joins the LRU order before its entry exists (a crash after this leaves
+            # a key without entries there, which eviction passes over) and again after (a
+            # drop that emptied the key in between may have taken it out; see drop).
+            self._use(key, time.time())
+            self.redis.hset(keys.index(key), entry.digest, index_value(index.SerializeToString()))
+        except OutOfMemoryError as e:  # no entry names the blob: nothing is kept
             self.blobs.delete(written)
             raise CacheFull(str(e)) from e
         except BaseException:  # no object without its entry (a lost reply: a miss, rebuilt)
             with contextlib.suppress(Exception):  # the first failure is the one to report
                 self.blobs.delete(written)
             raise
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(keys.RECENT, {key: time.time()})
+        pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", len(stored))
+        pipe.hincrbyfloat(keys.TOTALS, "entries", 1)
+        try:
+            pipe.execute()
+        except OutOfMemoryError:  # the entry is stored and in the LRU order: only counts lag
+            log.warning("the cache's Redis is at its memory limit: totals of %s not counted", key)
         return entry
 
     def put_new(self, key: str, data: bytes, meta: pb.EntryMeta) -> str:
@@ -327,7 +374,7 @@ class ArtifactCache:
         self,
         key: str,
         digest: str,
-        pipe: redis.client.Pipeline | None = None,
+        pipe: CachePipeline | None = None,
         hits: int = 1,
         when: float | None = None,
     ) -> None:
@@ -336,7 +383,7 @@ class ArtifactCache:
         bookkeeping: one round trip) if given."""
         own = pipe is None
         when = time.time() if when is None else when
-        pipe = self.redis.pipeline() if pipe is None else pipe
+        pipe = self.redis.pipeline(transaction=False) if pipe is None else pipe
         pipe.hincrby(keys.usage(key), f"{digest}:hits", hits)
         pipe.hset(keys.usage(key), f"{digest}:last_hit", when)
         pipe.zadd(keys.RECENT, {key: when}, xx=True)
@@ -350,29 +397,23 @@ class ArtifactCache:
     def drop(self, key: str, digests: list[str] | None = None) -> int:
         """Remove entries of `key` (all if `digests` is None), then their blobs and details;
         the number removed. The key leaves the LRU order once it has none."""
-
-        def remove(pipe: redis.client.Pipeline) -> list[pb.EntryMeta]:
-            raw: dict[bytes, bytes] = pipe.hgetall(keys.index(key))  # type: ignore[assignment]
-            chosen = [
-                _parse(key, d, v) or pb.EntryMeta(digest=d.decode())
-                for d, v in raw.items()
-                if digests is None or d.decode() in digests
-            ]
-            pipe.multi()
-            if chosen:
-                pipe.hdel(keys.index(key), *(e.digest for e in chosen))
-                pipe.hdel(
-                    keys.usage(key),
-                    *(f"{e.digest}:{f}" for e in chosen for f in ("hits", "last_hit")),
-                )
-                pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", -sum(e.stored_bytes for e in chosen))
-                pipe.hincrbyfloat(keys.TOTALS, "entries", -len(chosen))
-            if len(chosen) == len(raw):
-                pipe.zrem(keys.RECENT, key)
-                pipe.delete(keys.index(key), keys.usage(key))
-            return chosen
-
-        removed = self.redis.transaction(remove, keys.index(key), value_from_callable=True)
+        left, found = self._drop(
+            keys=[keys.index(key), keys.usage(key)],
+            args=["all" if digests is None else "these", *(digests or [])],
+        )
+        removed = [
+            _parse(key, digest, value) or pb.EntryMeta(digest=digest.decode())
+            for digest, value in zip(found[::2], found[1::2], strict=True)
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        if removed:
+            pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", -sum(e.stored_bytes for e in removed))
+            pipe.hincrbyfloat(keys.TOTALS, "entries", -len(removed))
+        if not left:
+            pipe.zrem(keys.RECENT, key)
+        pipe.execute()
+        if not left and self.redis.exists(keys.index(key)):
+            self._use(key, time.time())  # a put stored an entry meanwhile: it keeps its place
         for entry in removed:
             self.verified.forget(entry.digest)
         self.blobs.delete(n for e in removed for n in (e.digest, details_name(e.digest)))

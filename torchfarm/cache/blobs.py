@@ -23,11 +23,15 @@ import os
 import tempfile
 import urllib.parse
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import redis
 
 from torchfarm.cache import keys
+
+# The cache's Redis: one server, or a Redis Cluster (cache/store.py's connect, keys.py's tags).
+CacheClient: TypeAlias = "redis.Redis | redis.RedisCluster"
+CachePipeline: TypeAlias = "redis.client.Pipeline | redis.cluster.ClusterPipeline"
 
 # What a Redis at its memory limit raises (missing from the types-redis stubs).
 OutOfMemoryError: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
@@ -65,7 +69,7 @@ class RedisBlobs:
 
     where = "redis"
 
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: CacheClient):
         self.redis = client
 
     def get(self, digest: str) -> bytes | None:
@@ -204,7 +208,7 @@ class S3Blobs:
             self.client.create_bucket(Bucket=self.bucket)
 
 
-def open_blobs(url: str, cache: redis.Redis) -> BlobBackend:
+def open_blobs(url: str, cache: CacheClient) -> BlobBackend:
     """The backend TORCHFARM_BLOB_URL names (the module's docstring lists the forms); `cache`
     is the cache's Redis, for `redis`."""
     parsed = urllib.parse.urlsplit(url)

@@ -206,10 +206,12 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 def _store(redis_url: str | None) -> Store:
     settings = WorkerSettings.from_env()
     url = redis_url or settings.redis_url
-    store = Store.from_url(url, settings.broker_url, settings.blob_url)
     try:
+        store = Store.from_url(url, settings.broker_url, settings.blob_url)
         store.artifacts.redis.ping()
-    except redis.RedisError as e:
+    except ValueError as e:  # a cluster without a broker named (settings.broker_url)
+        _fail(str(e), code=2)
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
         _fail(f"cannot reach Redis at {url} ({e}); pass --redis or set TORCHFARM_REDIS_URL", code=2)
     try:
         store.artifacts.check_store()

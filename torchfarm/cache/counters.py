@@ -6,25 +6,23 @@ from __future__ import annotations
 
 import logging
 
-import redis
-
 from torchfarm.cache import keys
-from torchfarm.cache.artifacts import OutOfMemoryError
+from torchfarm.cache.blobs import CacheClient, CachePipeline, OutOfMemoryError
 
 log = logging.getLogger("torchfarm.cache")
 
 
 class Counters:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: CacheClient):
         self.redis = client
 
     def count(
-        self, pool: str = "", *, pipe: redis.client.Pipeline | None = None, **increments: float
+        self, pool: str = "", *, pipe: CachePipeline | None = None, **increments: float
     ) -> None:
         """Add to the farm-wide counters, and to `pool`'s when given; into `pipe` (which the
         caller executes, with other bookkeeping: one round trip) if given."""
         own = pipe is None
-        pipe = self.redis.pipeline() if pipe is None else pipe
+        pipe = self.redis.pipeline(transaction=False) if pipe is None else pipe
         for name, amount in increments.items():
             pipe.hincrbyfloat(keys.STATS, name, amount)
             if pool:

@@ -2,14 +2,25 @@
 format version, so an upgrade never reads old data as new (tf2: entries, outcomes and stages
 are protobuf messages and enums; tf3: an entry's guards are a ShapeGuards tree, not text;
 tf4: artifacts hold AOTAutograd's bundled entry, loaded from memory, ARTIFACT_FORMAT 3;
-tf5: index entries are zstd-compressed and their bulky details live beside the blob).
+tf5: index entries are zstd-compressed and their bulky details live beside the blob; tf6:
+keys carry Redis Cluster hash tags).
 
 Two servers may hold them: the cache (index, usage, counters; blobs too where
 TORCHFARM_BLOB_URL=redis, else they live in the store it names: cache/blobs.py) and the
 broker's Redis (jobs, claims, stages, outcomes, notifications and pools, next to Celery's
-queues), so a full cache never stops a compile from being queued and answered."""
+queues), so a full cache never stops a compile from being queued and answered.
 
-FORMAT = "tf5"
+The cache's Redis may be a Redis (or Valkey) Cluster. A hash tag (the part of a name between
+the first `{` and `}`) picks the slot, so every multi-key command or script stays in one slot:
+a cache key's index and usage share the key's tag; a tenant's packages and their ledger share
+the tenant's. What spans slots (the LRU order, the totals and counters beside an entry) is
+written in separate commands, ordered so that a crash or a race never leaves an entry outside
+the LRU order (cache/artifacts.py). The broker's Redis stays one server: Celery's queues and
+the job board's scripts (cache/jobs.py) need it."""
+
+import hashlib
+
+FORMAT = "tf6"
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256
@@ -21,11 +32,11 @@ def blob_object(digest: str) -> str:  # the same bytes' name in a file or S3 blo
 
 
 def index(key: str) -> str:  # hash: artifact digest -> EntryMeta bytes
-    return f"{FORMAT}:index:{key}"
+    return f"{FORMAT}:index:{{{key}}}"  # the key (hex) is the hash tag: one slot with usage
 
 
 def usage(key: str) -> str:  # hash: "{digest}:hits" / "{digest}:last_hit" per entry
-    return f"{FORMAT}:usage:{key}"
+    return f"{FORMAT}:usage:{{{key}}}"
 
 
 def structure(tenant: str, digest: str) -> str:  # sorted set: key -> stored time, the keys
@@ -94,9 +105,15 @@ RECENT = f"{FORMAT}:recent"  # sorted set: key -> last use (stored or hit), for 
 BLOB_STORE = f"{FORMAT}:blobstore"  # string: which blob store holds the cache's blobs
 
 
+def tenant_tag(tenant: str) -> str:  # a tenant's hash tag: hex, whatever its name holds
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16]  # (a `}` in it would cut a tag)
+
+
 def tenant_packages(tenant: str) -> str:  # hash: package key -> its bytes, one tenant's
-    return f"{FORMAT}:tenantpackages:{tenant}"  # packages, for TORCHFARM_TENANT_PACKAGE_MB
+    return f"{FORMAT}:tenantpackages:{{{tenant_tag(tenant)}}}:{tenant}"  # packages, for
+    # TORCHFARM_TENANT_PACKAGE_MB; one slot with them (its script reads both)
 
 
-def package(scoped: str) -> str:  # a tenant's Dynamo package; `scoped` = gateway/packages.py's
-    return f"{FORMAT}:package:{scoped}"  # hash of (tenant, client's key): never the client's key
+def package(tenant: str, scoped: str) -> str:  # a tenant's Dynamo package; `scoped` =
+    return f"{FORMAT}:package:{{{tenant_tag(tenant)}}}:{scoped}"  # gateway/packages.py's hash
+    # of (tenant, client's key): never the client's key

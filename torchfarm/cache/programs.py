@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 
-import redis
 from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
-from torchfarm.cache.artifacts import OutOfMemoryError
+from torchfarm.cache.blobs import CacheClient, OutOfMemoryError
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
@@ -22,7 +21,7 @@ TTL_S = 7 * 24 * 3600
 
 
 class Programs:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: CacheClient):
         self.redis = client
 
     def record(self, tenant: str, head: str, position: int, key: str, digest: str) -> None:
@@ -31,7 +30,7 @@ class Programs:
             return
         name = keys.program(tenant, head)
         entry = pb.ManifestEntry(key=key, digest=digest, position=position)
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=False)
         pipe.hset(name, str(position), entry.SerializeToString())
         pipe.expire(name, TTL_S)
         try:

@@ -17,22 +17,37 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from torchfarm.cache.artifacts import ArtifactCache
-from torchfarm.cache.blobs import BlobBackend, open_blobs
+from torchfarm.cache.blobs import BlobBackend, CacheClient, open_blobs
 from torchfarm.cache.counters import Counters
 from torchfarm.cache.jobs import JobBoard
 from torchfarm.cache.pools import PoolRegistry
 from torchfarm.cache.programs import Programs
 from torchfarm.cache.structures import Structures
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import broker_url
+from torchfarm.settings import broker_url, is_cluster
 
 
 def connect(url: str) -> redis.Redis:
+    """A client of one Redis (or Valkey) server."""
     return redis.Redis.from_url(
         url,
         socket_timeout=10,
         socket_connect_timeout=5,
         health_check_interval=30,
+        retry_on_timeout=True,
+    )
+
+
+def connect_cache(url: str) -> CacheClient:
+    """A client of the cache's Redis: for a cluster (redis+cluster://, settings.is_cluster)
+    one that learns the slots from the node named and follows them (reading the cluster at
+    once, where a plain client connects on its first command)."""
+    if not is_cluster(url):
+        return connect(url)
+    return redis.RedisCluster.from_url(
+        url.replace("+cluster", "", 1),
+        socket_timeout=10,
+        socket_connect_timeout=5,
         retry_on_timeout=True,
     )
 
@@ -49,18 +64,21 @@ class Store:
     @classmethod
     def from_url(cls, redis_url: str, broker: str = "", blob_url: str = "redis") -> Store:
         """`blob_url`: where blobs live (TORCHFARM_BLOB_URL, cache/blobs.py)."""
-        cache = connect(redis_url)
+        cache = connect_cache(redis_url)
         return cls.from_clients(
             cache, connect(broker_url(redis_url, broker)), open_blobs(blob_url, cache)
         )
 
     @classmethod
     def from_clients(
-        cls, cache: redis.Redis, jobs: redis.Redis | None = None, blobs: BlobBackend | None = None
+        cls, cache: CacheClient, jobs: redis.Redis | None = None, blobs: BlobBackend | None = None
     ) -> Store:
         """One client for both servers unless `jobs` is given (tests with one database);
         blobs in the cache's Redis unless `blobs` is given."""
-        jobs = cache if jobs is None else jobs
+        if jobs is None:
+            if not isinstance(cache, redis.Redis):
+                raise ValueError("a Redis Cluster holds the cache only: give the broker's server")
+            jobs = cache
         return cls(
             ArtifactCache(cache, blobs),
             Counters(cache),

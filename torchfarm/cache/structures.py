@@ -13,10 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-import redis
-
 from torchfarm.cache import keys
-from torchfarm.cache.artifacts import OutOfMemoryError
+from torchfarm.cache.blobs import CacheClient, OutOfMemoryError
 
 log = logging.getLogger("torchfarm.cache")
 
@@ -25,14 +23,14 @@ TTL_S = 30 * 24 * 3600
 
 
 class Structures:
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: CacheClient):
         self.redis = client
 
     def add(self, tenant: str, structure: str, key: str) -> None:
         """`key` (as stored: a private entry's derived key) has an entry of `structure` that a
         request of `tenant` made."""
         name = keys.structure(tenant, structure)
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(name, {key: time.time()})
         pipe.zremrangebyrank(name, 0, -MAX_KEYS - 1)
         pipe.expire(name, TTL_S)

@@ -11,14 +11,16 @@ makes room for them), and keeps them for a while after their last use.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 
 import grpc
-import redis
 
 from torchfarm.cache import keys
-from torchfarm.cache.artifacts import OutOfMemoryError
+from torchfarm.cache.blobs import CacheClient, OutOfMemoryError
 from torchfarm.proto import torchfarm_pb2 as pb
+
+log = logging.getLogger("torchfarm.gateway")
 
 # Measured: a 6-block transformer's package is ~0.3 MB, transformers' GPT-2 training step's
 # ~1 MB (its sources and guarded values); 8 MiB leaves headroom for the largest HF models.
@@ -27,41 +29,43 @@ KEEP_S = 7 * 24 * 3600  # a package unused this long is dropped (its sources hav
 PACKAGE_BYTES = "package_bytes"  # the field of keys.TOTALS that counts packages
 
 # Store a tenant's package unless its packages would pass the tenant's budget, in one atomic
-# step: forget the tenant's packages that expired, then count what is left.
-# KEYS: the package, the tenant's package sizes, the cache's totals.
-# ARGV: the package bytes, the budget, the expiry. Returns -1 if stored, else the bytes in use.
+# step: forget the tenant's packages that expired, then count what is left. Every key it
+# touches carries the tenant's hash tag (one slot of a Redis Cluster); the change to the
+# cache's totals (another slot) is returned for the caller to add.
+# KEYS: the package, the tenant's package sizes.
+# ARGV: the package bytes, the budget, the expiry.
+# Returns {-1 if stored else the bytes in use, the change in the tenant's package bytes}.
 _PUT = """
-local used = 0
+local used, change = 0, 0
 for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
   local size = tonumber(redis.call('HGET', KEYS[2], name))
   if redis.call('EXISTS', name) == 0 then
     redis.call('HDEL', KEYS[2], name)
-    redis.call('HINCRBYFLOAT', KEYS[3], 'package_bytes', -size)
+    change = change - size
   elseif name ~= KEYS[1] then
     used = used + size
   end
 end
 local size = string.len(ARGV[1])
-if used + size > tonumber(ARGV[2]) then return used end
+if used + size > tonumber(ARGV[2]) then return {used, change} end
 local old = tonumber(redis.call('HGET', KEYS[2], KEYS[1]) or '0')
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 redis.call('HSET', KEYS[2], KEYS[1], size)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('HINCRBYFLOAT', KEYS[3], 'package_bytes', size - old)
-return -1
+return {-1, change + size - old}
 """
 _KEY = re.compile(r"[0-9a-f]{64}")
 
 
 class Packages:
-    def __init__(self, client: redis.Redis, tenant_budget_bytes: int):
+    def __init__(self, client: CacheClient, tenant_budget_bytes: int):
         self.redis = client
         self.tenant_budget_bytes = tenant_budget_bytes
-        self._put = client.register_script(_PUT)
+        self._put = client.register_script(_PUT)  # type: ignore[union-attr]  # (types-redis lacks the cluster's)
 
     @staticmethod
     def redis_key(tenant: str, key: str) -> str:
-        return keys.package(hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest())
+        return keys.package(tenant, hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest())
 
     def put(self, tenant: str, request: pb.PutPackageRequest, context) -> pb.PutPackageReply:
         _check_key(request.key, context)
@@ -74,12 +78,17 @@ class Packages:
             )
         name = self.redis_key(tenant, request.key)
         try:
-            used = self._put(
-                keys=[name, keys.tenant_packages(tenant), keys.TOTALS],
+            used, change = self._put(
+                keys=[name, keys.tenant_packages(tenant)],
                 args=[request.package, self.tenant_budget_bytes, KEEP_S],
             )
         except OutOfMemoryError:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the farm's cache is full")
+        if change:
+            try:
+                self.redis.hincrbyfloat(keys.TOTALS, PACKAGE_BYTES, change)
+            except OutOfMemoryError:  # bookkeeping: the package itself is stored (or refused)
+                log.warning("the cache's Redis is at its memory limit: package bytes not counted")
         if int(used) >= 0:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -8,25 +8,37 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 from typer.testing import CliRunner
 
 from torchfarm.cache import keys
 from torchfarm.cache.blobs import FileBlobs, open_blobs
-from torchfarm.cache.store import Store
+from torchfarm.cache.store import Store, connect, connect_cache
 from torchfarm.cli import app
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import broker_url
 
 
-@pytest.fixture(params=["redis", "file"])
-def scratch(request, redis_url, tmp_path, monkeypatch) -> Store:
-    """An empty Redis database, for synthetic entries; their blobs in it or in a directory
-    (cache/blobs.py), which the cache CLI's commands see too (TORCHFARM_BLOB_URL)."""
-    blob_url = "redis" if request.param == "redis" else f"file://{tmp_path}/blobs"
+@pytest.fixture(params=["redis", "file", "cluster"])
+def scratch_url(request, redis_url, tmp_path, monkeypatch) -> str:
+    """The cache's URL for `scratch`: a bare redis-server holding the index and the blobs,
+    the same with the blobs in a directory (cache/blobs.py), or a real three-master Redis
+    Cluster (keys.py's hash tags) with the bare server as its broker. The cache CLI's
+    commands see the same (TORCHFARM_BLOB_URL, TORCHFARM_BROKER_URL)."""
+    blob_url = f"file://{tmp_path}/blobs" if request.param == "file" else "redis"
     monkeypatch.setenv("TORCHFARM_BLOB_URL", blob_url)
-    client = redis.Redis.from_url(redis_url)
+    monkeypatch.setenv("TORCHFARM_BROKER_URL", broker_url(redis_url, ""))
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster_url")
+    return redis_url
+
+
+@pytest.fixture
+def scratch(scratch_url, redis_url) -> Store:
+    """An empty cache at `scratch_url`, for synthetic entries."""
+    client = connect_cache(scratch_url)
     client.flushdb()
-    yield Store.from_clients(client, blobs=open_blobs(blob_url, client))
+    blobs = open_blobs(os.environ["TORCHFARM_BLOB_URL"], client)
+    yield Store.from_clients(client, connect(broker_url(redis_url, "")), blobs)
     client.flushdb()
 
 
@@ -97,8 +109,8 @@ def test_cli_says_how_to_point_it_at_the_farm(monkeypatch):
     assert result.exit_code == 2 and "cannot reach Redis" in result.output
 
 
-def test_purge_older_than_and_rm(scratch, redis_url):
-    url = redis_url
+def test_purge_older_than_and_rm(scratch, scratch_url):
+    url = scratch_url
     old, fresh, other = _put(scratch, 1), _put(scratch, 2), _put(scratch, 3)
     scratch.artifacts.redis.zadd(keys.RECENT, {old: time.time() - 3 * 86400})
     assert _cli("purge", "--older-than", "2d", "--redis", url)["keys_removed"] == 1

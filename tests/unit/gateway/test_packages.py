@@ -1,12 +1,12 @@
-"""gateway/packages.py on a real redis-server: each tenant reads only its own packages, and
-keeps no more than its budget."""
+"""gateway/packages.py on a real redis-server and a real Redis Cluster: each tenant reads only
+its own packages, and keeps no more than its budget."""
 
 import grpc
 import pytest
-import redis
 
 from torchfarm.cache import keys
 from torchfarm.cache.artifacts import ArtifactCache
+from torchfarm.cache.store import connect_cache
 from torchfarm.gateway.packages import MAX_PACKAGE_BYTES, Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 
@@ -23,9 +23,12 @@ class Context:
         raise Aborted(message)
 
 
-@pytest.fixture
-def packages(redis_url):
-    client = redis.Redis.from_url(redis_url)
+@pytest.fixture(params=["redis", "cluster"])
+def packages(request, redis_url):
+    """On a bare redis-server, and on a real three-master Redis Cluster (the script's keys
+    share the tenant's hash tag; the totals live in another slot)."""
+    url = request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else redis_url
+    client = connect_cache(url)
     client.flushdb()
     return Packages(client, BUDGET)
 
@@ -45,7 +48,7 @@ def test_a_tenant_gets_its_own_package_and_no_other(packages):
 
 def test_the_redis_key_is_derived_never_the_clients(packages):
     packages.put("alice", pb.PutPackageRequest(key=KEY, package=b"x"), Context())
-    (stored,) = packages.redis.keys(keys.package("*"))
+    (stored,) = packages.redis.scan_iter(keys.package("alice", "*"))
     assert KEY not in stored.decode()
     assert stored.decode() == Packages.redis_key("alice", KEY)
     assert 0 < packages.redis.ttl(stored)
@@ -68,7 +71,7 @@ def test_bad_puts_get_a_precise_status_and_store_nothing(packages, request_, cod
     with pytest.raises(Aborted):
         packages.put("alice", request_, context)
     assert context.code == code
-    assert packages.redis.keys(keys.package("*")) == []
+    assert list(packages.redis.scan_iter(f"{keys.FORMAT}:package:*")) == []
 
 
 def test_a_bad_key_on_get_is_refused(packages):
