@@ -60,16 +60,6 @@ def test_a_farm_on_a_redis_cluster_compiles_once_and_serves_hits(cluster_farm, m
     assert [remote.fetch(r, settings)[0].source for r in requests] == ["hit"] * 4
     assert store.counters.farm()["compiles"] == compiles + 5  # one per distinct graph
 
-    # Each key's index and usage live together on the master of the key's slot (that the
-    # keys spread over the masters, test_cluster.py of the unit tier shows with fixed keys);
-    # the broker's server holds none of it.
-    stored = [k for k, _ in store.artifacts.keys()]
-    assert len(stored) == 5
-    for key in stored:
-        port = store.artifacts.redis.get_node_from_key(keys.index(key)).port
-        assert cluster.node(port).exists(keys.index(key), keys.usage(key)) == 2
-    assert not list(store.jobs.redis.scan_iter(match=f"{keys.FORMAT}:index:*"))
-
     # The operators' CLI through the gateway, with an admin token only.
     monkeypatch.setenv("TORCHFARM_ADDR", farm.addr)
     monkeypatch.setenv("TORCHFARM_ADMIN_TOKEN", ADMIN_TOKEN)
@@ -78,6 +68,18 @@ def test_a_farm_on_a_redis_cluster_compiles_once_and_serves_hits(cluster_farm, m
     assert {h.key for h in headers} <= set(rows) and all(rows[h.key]["hits"] >= 1 for h in headers)
     stats = _cli("stats")
     assert stats["entries"] == 5 and stats["hits"] >= 5 and stats["misses"] >= 5
+
+    # Each key's index and usage (written by the hit ledger, which the admin RPCs above
+    # flushed) live together on the master of the key's slot (that the keys spread over the
+    # masters, test_cluster.py of the unit tier shows with fixed keys); the broker's server
+    # holds none of it.
+    stored = [k for k, _ in store.artifacts.keys()]
+    assert len(stored) == 5
+    for key in stored:
+        port = store.artifacts.redis.get_node_from_key(keys.index(key)).port
+        assert cluster.node(port).exists(keys.index(key), keys.usage(key)) == 2
+    assert not list(store.jobs.redis.scan_iter(match=f"{keys.FORMAT}:index:*"))
+
     assert _cli("rm", headers[0].key)["entries_removed"] == 1
     assert remote.fetch(requests[0], settings)[0].source == "miss"  # rebuilt
 
