@@ -279,6 +279,10 @@ class WorkerSettings:
     kernel_cache_mb: int = 2048
     # TORCHFARM_KERNEL_CACHE: where those kernels live; "" = ~/.cache/torchfarm/kernels
     kernel_cache_dir: str = ""
+    # TORCHFARM_SPREAD_TUNING: on a worker with several GPUs, one compile's max-autotune
+    # candidates are benchmarked on all of them at once (torch_adapter/tuning_devices.py);
+    # 0 = each compile benchmarks on its own GPU only
+    spread_tuning: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
@@ -357,6 +361,7 @@ class WorkerSettings:
             insecure_unsigned=_env("TORCHFARM_INSECURE_UNSIGNED", "0") in ("1", "true", "yes"),
             kernel_cache_mb=_whole("TORCHFARM_KERNEL_CACHE_MB", str(cls.kernel_cache_mb)),
             kernel_cache_dir=_env("TORCHFARM_KERNEL_CACHE", ""),
+            spread_tuning=_env("TORCHFARM_SPREAD_TUNING", "1") not in ("0", "false", "no"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -14,7 +14,9 @@ Runs the model eagerly (the reference), then compiled: time from torch.compile t
 compiled step's result (compile or fetch included), errors against eager, steady-state step
 times of both, and what the first step cost in Triton compiles (ptxas calls, logged by a
 wrapper that TRITON_PTXAS_PATH points at) and in kernels autotuned at run time.
-Outputs and gradients go to OUTFILE so that the runner can compare farm with local.
+Outputs and gradients go to OUTFILE so that the runner can compare farm with local. Under
+torchrun each rank runs all of this on its own GPU, after joining an NCCL group (`join_ranks`),
+and writes OUTFILE.rank<N>.
 """
 
 from __future__ import annotations
@@ -201,9 +203,25 @@ def prepare_only(name: str, mode: str) -> None:
     )
 
 
+def join_ranks() -> int:
+    """Under torchrun (PyTorch's distributed GEMM autotuning, as its users run it): this
+    rank's GPU and an NCCL group whose ranks share max-autotune's GEMM benchmarking
+    (TORCHINDUCTOR_DISTRIBUTED_MAX_AUTOTUNE_GEMM=1); -1 outside torchrun."""
+    if "LOCAL_RANK" not in os.environ:
+        return -1
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    return dist.get_rank()
+
+
 def main(name: str, mode: str, backend: str, outfile: str) -> None:
     if backend == "prepare":
         return prepare_only(name, mode)
+    rank = join_ranks()
+    if rank >= 0:
+        outfile = f"{outfile}.rank{rank}"
     record_runtime_tuning()
     model, x, spec = build(name)
     eager = make_step(model, model, spec)
@@ -254,6 +272,7 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                 "model": name,
                 "mode": mode,
                 "backend": backend,
+                "rank": rank,
                 "first_step_s": round(first_s, 2),
                 "max_rel_err": max(errors),
                 "compiled_ms": round(compiled_ms, 3),

@@ -24,6 +24,11 @@ prepare:  issue 30: for GPT and one coverage model (or MODELS=a,b,...): `torchfa
           and local cold: the prepared first step over the normal hit.
 profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
           the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
+spread:   issue 31: max-autotune-no-cudagraphs (MODE) for GPT (MODELS), the rows SPREAD_ROWS
+          names (default check,local,farm,ranks): the seam checked in-process, local cold on
+          one GPU, the farm's miss on a worker that spreads one compile's benchmarking over
+          all its GPUs (TORCHFARM_SPREAD_TUNING, on by default), PyTorch's distributed GEMM
+          autotuning with the GPUs as ranks of one torchrun job.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
           (CUDA graphs on the client); the warm-start rows for max-autotune-no-cudagraphs
@@ -45,7 +50,7 @@ import time
 import torch
 
 from torchfarm.gateway.auth import hash_token, make_token
-from torchfarm.local_farm import LocalFarm
+from torchfarm.local_farm import LocalFarm, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -288,6 +293,83 @@ class Runner:
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
+    def ranks(self, model: str, mode: str, case: str, ranks: int, extra_env: dict) -> dict:
+        """One torchrun job of `ranks` local-compile clients, one per GPU, sharing one cache
+        dir as ranks of a machine do; the row is the slowest rank's first step."""
+        cache = tempfile.mkdtemp(prefix="ranks-")
+        outfile = os.path.join(self.tensors, f"{model}-{mode}-{case}.pt")
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={ranks}",
+                f"--master-port={free_port()}",
+                os.path.join(HERE, "client.py"),
+                model,
+                mode,
+                "local",
+                outfile,
+            ],
+            env={**self.env(cache, ""), **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
+        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        row = {"model": model, "mode": mode, "case": case, "ranks": ranks}
+        row["process_s"] = round(time.perf_counter() - started, 1)
+        if len(results) == ranks:
+            row["first_step_s"] = max(r["first_step_s"] for r in results)
+            row["first_step_s_per_rank"] = [r["first_step_s"] for r in results]
+            row["max_rel_err"] = max(r["max_rel_err"] for r in results)
+            row["compiled_ms"] = max(r["compiled_ms"] for r in results)
+        else:
+            row["error"] = proc.stderr[-2000:]
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        return row
+
+    def spread(self, model: str, mode: str, rows: list[str]) -> None:
+        """Issue 31: one compile's max-autotune benchmarking spread over this worker's GPUs
+        (`farm`: the farm's miss; spread or not as TORCHFARM_SPREAD_TUNING started the farm),
+        against a local cold compile on one GPU (`local`) and PyTorch's distributed GEMM
+        autotuning with the GPUs as ranks of one job (`ranks`); `check` first shows the seam
+        at work in this process. Ratios of the rows this call ran."""
+        gpus = torch.cuda.device_count()
+        spread = os.environ.get("TORCHFARM_SPREAD_TUNING", "1") != "0"
+        farm_case = f"farm miss, {gpus}-GPU worker, spread {'on' if spread else 'off'}"
+        got: dict[str, dict] = {}
+        if "check" in rows:
+            self.rows.append(spread_check(gpus))
+            print(json.dumps(self.rows[-1]), flush=True)
+        if "local" in rows:
+            got["local"] = self.run(model, mode, "local", "local cold", tempfile.mkdtemp())
+        if "farm" in rows:
+            got["farm"] = self.run(model, mode, "farm", farm_case, tempfile.mkdtemp())
+            if "local" in rows:
+                self.compare(model, mode, farm_case, "local cold")
+        if "ranks" in rows and gpus > 1:
+            got["ranks"] = self.ranks(
+                model,
+                mode,
+                f"PyTorch distributed GEMM autotune, {gpus} ranks",
+                gpus,
+                {"TORCHINDUCTOR_DISTRIBUTED_MAX_AUTOTUNE_GEMM": "1", "BENCH_STEADY": "0"},
+            )
+        firsts = {k: r["first_step_s"] for k, r in got.items() if "first_step_s" in r}
+        ratios: dict = {"model": model, "mode": mode, "case": "ratios", "first_step_s": firsts}
+        for a, b in (("farm", "local"), ("farm", "ranks"), ("ranks", "local")):
+            if a in firsts and b in firsts:
+                ratios[f"{a}_over_{b}"] = round(firsts[a] / firsts[b], 3)
+        if "farm" in firsts and "local" in firsts:
+            ratios["step_ms_farm_over_local"] = round(
+                got["farm"]["compiled_ms"] / max(got["local"]["compiled_ms"], 1e-9), 3
+            )
+        print(json.dumps(ratios), flush=True)
+        self.rows.append(ratios)
+
     def storm(self, clients: int = 16) -> None:
         store = self.farm.store()
         before = store.counters.farm().get("compiles", 0)
@@ -325,6 +407,29 @@ class Runner:
         self.rows.append(row)
 
 
+def spread_check(gpus: int) -> dict:
+    """A max-autotune GEMM compiled in this process inside tuning_devices.spread_over, as a
+    compile child does: which GPUs Inductor's tuning pool benchmarked on, and the result
+    against eager."""
+    from torch._inductor import autotune_process
+
+    from torchfarm.torch_adapter import tuning_devices
+
+    a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    started = time.perf_counter()
+    with tuning_devices.spread_over([str(i) for i in range(gpus)]):
+        out = torch.compile(torch.mm, mode="max-autotune-no-cudagraphs")(a, b)
+    pool = autotune_process.get_tuning_process_pool()
+    return {
+        "case": "spread check",
+        "compile_s": round(time.perf_counter() - started, 1),
+        "tuning_pool_devices": [p.device for p in pool.processes],
+        "tuning_processes_alive": sum(p.alive() for p in pool.processes),
+        "max_abs_err": (out.float() - (a.float() @ b.float())).abs().max().item(),
+    }
+
+
 def redis_value_bytes(port: int) -> int:
     """The bytes of every value in a redis-server: what PyTorch's remote caches stored."""
     import redis
@@ -337,7 +442,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--part",
-        choices=("default", "autotune", "smoke", "miss", "hit", "profile", "skipcheck", "prepare"),
+        choices=(
+            "default",
+            "autotune",
+            "smoke",
+            "miss",
+            "hit",
+            "profile",
+            "skipcheck",
+            "prepare",
+            "spread",
+        ),
         required=True,
     )
     parser.add_argument("--out", required=True)
@@ -402,6 +517,11 @@ def main() -> None:
                 runner.run(model, "default", "farm", "farm hit", tempfile.mkdtemp())
                 runner.run(model, "default", "local", "local cold", tempfile.mkdtemp())
                 runner.compare(model, "default", "first step after prepare", "farm hit")
+        elif args.part == "spread":  # issue 31: MODELS (default gpt), MODE
+            mode = os.environ.get("MODE", "max-autotune-no-cudagraphs")
+            rows = os.environ.get("SPREAD_ROWS", "check,local,farm,ranks").split(",")
+            for model in os.environ.get("MODELS", "gpt").split(","):
+                runner.spread(model, mode, rows)
         elif args.part == "profile":
             with plain_redis() as redis_port:
                 runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)

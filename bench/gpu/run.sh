@@ -3,12 +3,12 @@
 # Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
 # part of bench/gpu/run.py. Results and farm logs land in $OUT.
 #
-#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|device|ddp|coverage|never_wait)
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait)
 # coverage runs bench/coverage/suite.py (ONLY=a,b,... for a subset) on the GPU, with the
 # transformers that the machine's image already holds.
 # Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
 set -euo pipefail
-[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|device|ddp|coverage|never_wait)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait)" >&2; exit 2; }
 OUT=${OUT:-/tmp/torchfarm-bench}
 mkdir -p "$OUT"
 

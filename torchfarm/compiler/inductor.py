@@ -24,6 +24,7 @@ from torchfarm.torch_adapter import (
     precompiled_headers,
     standalone,
     triton_bundle,
+    tuning_devices,
 )
 from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
 from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
@@ -81,10 +82,12 @@ def compile_payload(
     threads: int,
     size_hints: dict[str, int] | None = None,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
+    tuning_gpus: tuple[str, ...] = (),
 ) -> pb.Artifact:
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
     `on_stage(AUTOTUNING)` / `on_stage(COMPILING)` (Progress.Stage) mark where benchmarking
-    starts and ends."""
+    starts and ends. With two or more `tuning_gpus`, max-autotune benchmarks its candidates
+    on all of them at once (torch_adapter/tuning_devices.py)."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -103,6 +106,7 @@ def compile_payload(
         trace_state.applied(options.state),
         native.capture(objects),
         autotune_progress.reporting(on_stage),
+        tuning_devices.spread_over(tuning_gpus),
         AutogradCacheLog() as cache_log,
     ):
         try:

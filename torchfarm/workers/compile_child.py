@@ -90,6 +90,9 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--op-libraries", default="", help="comma-separated modules")
     parser.add_argument("--kernels", default="", help="staged C++ objects (kernel_cache.py)")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
+    parser.add_argument(
+        "--tuning-gpus", default="", help="GPUs to benchmark candidates on (tuning_devices.py)"
+    )
     return parser.parse_args(argv)
 
 
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             request.target.threads,
             dict(request.size_hints),
             _on_stage,
+            tuple(g for g in args.tuning_gpus.split(",") if g),
         )
     if args.kernels:
         files = kernel_cache.report(cache_dir, args.kernels, built=request.kernel_cache)

@@ -264,6 +264,7 @@ def child_command(
     staging = ""
     if python_args == _CHILD:
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
+        python += ["--tuning-gpus", ",".join(tuning_gpus(settings))]
         if settings.kernel_cache_mb:
             staging = staging_dir(private_dir)
             os.makedirs(staging)
@@ -286,6 +287,13 @@ def child_command(
     if settings.device == "cuda" and gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[number % len(gpus)]
     return cmd, env, cwd
+
+
+def tuning_gpus(settings: WorkerSettings) -> tuple[str, ...]:
+    """The GPUs a child benchmarks its autotuning candidates on: all of the worker's where
+    spread_tuning is on (torch_adapter/tuning_devices.py), else none beside its own."""
+    gpus = visible_gpus() if settings.device == "cuda" and settings.spread_tuning else ()
+    return gpus if len(gpus) > 1 else ()
 
 
 def staging_dir(private_dir: str) -> str:

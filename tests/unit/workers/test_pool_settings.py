@@ -56,8 +56,20 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
         cmd, env, _ = sandbox.child_command(settings, private_dir, number=number)
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
         staging = sandbox.staging_dir(private_dir)  # unconfined: the host path itself
-        assert cmd[-6:] == ["--device", "cuda", "--op-libraries", "", "--kernels", staging]
+        assert cmd[-8:] == [
+            "--device", "cuda", "--op-libraries", "", "--tuning-gpus", "2,5", "--kernels", staging
+        ]  # fmt: skip
     assert gpus == ["2", "5", "2"]
+
+
+def test_a_child_benchmarks_on_every_gpu_of_the_worker_unless_spreading_is_off(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert sandbox.tuning_gpus(WorkerSettings(device="cuda")) == ("2", "5")
+    monkeypatch.setenv("TORCHFARM_SPREAD_TUNING", "0")
+    assert sandbox.tuning_gpus(WorkerSettings.from_env(device="cuda")) == ()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU: nothing to spread over
+    assert sandbox.tuning_gpus(WorkerSettings(device="cuda")) == ()
+    assert sandbox.tuning_gpus(WorkerSettings(device="cpu")) == ()
 
 
 def test_without_cuda_visible_devices_the_gpus_are_cudas_ordinals(monkeypatch):
