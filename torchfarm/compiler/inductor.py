@@ -163,16 +163,21 @@ def _kernels(inductor_bytes: bytes) -> list[pb.Kernel]:
 
 
 @contextlib.contextmanager
-def _artifact_cache_dir(artifact: pb.Artifact) -> Iterator[str]:
-    """The Inductor cache dir of this artifact alone, reused when it loads again.
+def _artifact_cache_dir(artifact: pb.Artifact, device_index: int | None = None) -> Iterator[str]:
+    """The Inductor cache dir of this artifact alone on this device, reused when it loads
+    again.
 
     The artifact itself loads from memory; what Inductor's loader must still write lands
     here, once: the output code's Python module (imported from a file), the C++ libraries
     (`dlopen` needs a file) and, on a GPU, the Triton kernel binaries (the static launcher
-    loads a cubin from a path) with the worker's autotune results for them.
+    loads a cubin from a path) with the worker's autotune results for them. One dir per
+    CUDA device: the output code, rewritten for the caller's device, is written under its
+    graph's key only where no file is yet, so ranks sharing a machine's cache dir would
+    otherwise import the first rank's code, for its device.
     """
-    digest = hashlib.sha256(artifact.inductor).hexdigest()
-    directory = os.path.join(standalone.cache_dir(), "torchfarm", digest[:32])
+    digest = hashlib.sha256(artifact.inductor).hexdigest()[:32]
+    on = f"-cuda{device_index}" if device_index else ""  # None and 0: as compiled
+    directory = os.path.join(standalone.cache_dir(), "torchfarm", digest + on)
     with standalone.cache_dir_at(directory):
         yield directory
 
@@ -197,7 +202,7 @@ def load_artifact(
     objects = {n.source_sha256: n.binary for n in artifact.natives}
     spent = timings if timings is not None else {}
     with (
-        _artifact_cache_dir(artifact) as directory,
+        _artifact_cache_dir(artifact, device_index) as directory,
         standalone.inductor_config.patch(_LOAD_CONFIG),
         native.provide(objects, os.path.join(directory, "native"), spent),
         triton_bundle.timed(spent),
