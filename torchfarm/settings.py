@@ -279,10 +279,11 @@ class WorkerSettings:
     kernel_cache_mb: int = 2048
     # TORCHFARM_KERNEL_CACHE: where those kernels live; "" = ~/.cache/torchfarm/kernels
     kernel_cache_dir: str = ""
-    # TORCHFARM_SPREAD_TUNING: on a worker with several GPUs, one compile's max-autotune
-    # candidates are benchmarked on all of them at once (torch_adapter/tuning_devices.py);
-    # 0 = each compile benchmarks on its own GPU only
-    spread_tuning: bool = True
+    # TORCHFARM_SPREAD_TUNING=1: on a worker with several GPUs, one compile's max-autotune
+    # candidates are benchmarked on all of them at once (torch_adapter/tuning_devices.py).
+    # Off by default: on the bench GPT it made a 2-GPU worker's miss no faster
+    # (docs/benchmarks.md, "Two GPUs"); each compile benchmarks on its own GPU
+    spread_tuning: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 0:
@@ -361,7 +362,7 @@ class WorkerSettings:
             insecure_unsigned=_env("TORCHFARM_INSECURE_UNSIGNED", "0") in ("1", "true", "yes"),
             kernel_cache_mb=_whole("TORCHFARM_KERNEL_CACHE_MB", str(cls.kernel_cache_mb)),
             kernel_cache_dir=_env("TORCHFARM_KERNEL_CACHE", ""),
-            spread_tuning=_env("TORCHFARM_SPREAD_TUNING", "1") not in ("0", "false", "no"),
+            spread_tuning=_env("TORCHFARM_SPREAD_TUNING", "0") in ("1", "true", "yes"),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -27,7 +27,7 @@ profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (h
 spread:   issue 31: max-autotune-no-cudagraphs (MODE) for GPT (MODELS), the rows SPREAD_ROWS
           names (default check,local,farm,ranks): the seam checked in-process, local cold on
           one GPU, the farm's miss on a worker that spreads one compile's benchmarking over
-          all its GPUs (TORCHFARM_SPREAD_TUNING, on by default), PyTorch's distributed GEMM
+          all its GPUs where TORCHFARM_SPREAD_TUNING=1, PyTorch's distributed GEMM
           autotuning with the GPUs as ranks of one torchrun job.
 autotune: a storm of 16 client processes started at once on one uncompiled model; runtime
           parity of farm vs local compile in one process; reduce-overhead through the farm
@@ -338,7 +338,7 @@ class Runner:
         autotuning with the GPUs as ranks of one job (`ranks`); `check` first shows the seam
         at work in this process. Ratios of the rows this call ran."""
         gpus = torch.cuda.device_count()
-        spread = os.environ.get("TORCHFARM_SPREAD_TUNING", "1") != "0"
+        spread = os.environ.get("TORCHFARM_SPREAD_TUNING", "0") == "1"
         farm_case = f"farm miss, {gpus}-GPU worker, spread {'on' if spread else 'off'}"
         got: dict[str, dict] = {}
         if "check" in rows:

@@ -49,7 +49,7 @@ def test_bad_sizes_are_refused_with_the_variable_named(monkeypatch, name, value,
 def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     assert visible_gpus() == ("2", "5")
-    settings = WorkerSettings(device="cuda", sandbox="none")
+    settings = WorkerSettings(device="cuda", sandbox="none", spread_tuning=True)
     gpus = []
     for number in range(3):
         private_dir = str(tmp_path / str(number))
@@ -62,14 +62,15 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
     assert gpus == ["2", "5", "2"]
 
 
-def test_a_child_benchmarks_on_every_gpu_of_the_worker_unless_spreading_is_off(monkeypatch):
+def test_a_child_benchmarks_on_every_gpu_of_the_worker_where_spreading_is_on(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
-    assert sandbox.tuning_gpus(WorkerSettings(device="cuda")) == ("2", "5")
-    monkeypatch.setenv("TORCHFARM_SPREAD_TUNING", "0")
-    assert sandbox.tuning_gpus(WorkerSettings.from_env(device="cuda")) == ()
+    monkeypatch.delenv("TORCHFARM_SPREAD_TUNING", raising=False)
+    assert sandbox.tuning_gpus(WorkerSettings.from_env(device="cuda")) == ()  # off by default
+    monkeypatch.setenv("TORCHFARM_SPREAD_TUNING", "1")
+    assert sandbox.tuning_gpus(WorkerSettings.from_env(device="cuda")) == ("2", "5")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU: nothing to spread over
-    assert sandbox.tuning_gpus(WorkerSettings(device="cuda")) == ()
-    assert sandbox.tuning_gpus(WorkerSettings(device="cpu")) == ()
+    assert sandbox.tuning_gpus(WorkerSettings.from_env(device="cuda")) == ()
+    assert sandbox.tuning_gpus(WorkerSettings(device="cpu", spread_tuning=True)) == ()
 
 
 def test_without_cuda_visible_devices_the_gpus_are_cudas_ordinals(monkeypatch):
