@@ -222,6 +222,12 @@ def prepare(
         "", "--target", help="the job's target (`torchfarm target` there); default: this machine"
     ),
     device: str = typer.Option("cpu", help="without --target: cpu or cuda, this machine's"),
+    world_size: int = typer.Option(
+        1,
+        min=1,
+        help="the job's data-parallel ranks (DDP): ENTRY runs as rank 0 of a process group "
+        "of this size that communicates nothing; its dist.init_process_group call is absorbed",
+    ),
     addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
     token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
 ) -> None:
@@ -254,7 +260,7 @@ def prepare(
             job_target = json_format.Parse(f.read(), pb.Target())
     else:
         job_target = local_target(device)
-    summary = preparation.run(fn, job_target)
+    summary = preparation.run(fn, job_target, world_size)
     print(summary.table())
     raise typer.Exit(1 if summary.stopped or summary.count("failed") else 0)
 

@@ -33,6 +33,7 @@ import torch
 from torchfarm.compiler.target import torch_build
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter.fake_device import fake_device
+from torchfarm.torch_adapter.fake_ranks import fake_ranks
 from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
 
 # The target graphs are prepared for while `preparing` runs (client/backend.py asks).
@@ -71,9 +72,12 @@ class Summary:
         return "\n".join(lines)
 
 
-def run(entry: Callable[[], object], target: pb.Target) -> Summary:
+def run(entry: Callable[[], object], target: pb.Target, world_size: int = 1) -> Summary:
     """Run `entry` on fake tensors with every graph it compiles through the torchfarm backend
-    prepared on the farm for `target`."""
+    prepared on the farm for `target`; for a data-parallel job of `world_size` ranks, as its
+    rank 0 in a process group that communicates nothing (torch_adapter/fake_ranks.py)."""
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, not {world_size}")
     from torchfarm.client import backend  # noqa: PLC0415  (imports this module)
 
     if target.torch_version != torch_build():
@@ -84,7 +88,7 @@ def run(entry: Callable[[], object], target: pb.Target) -> Summary:
     started = time.monotonic()
     first = len(backend.history)
     stopped = ""
-    with preparing(target):
+    with fake_ranks(world_size), preparing(target):
         try:
             entry()
         except Exception as e:  # the graphs before it stay prepared
