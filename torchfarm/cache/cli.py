@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 import redis
 import typer
+from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 from rich.table import Table
 
@@ -212,7 +213,10 @@ def _store(redis_url: str | None) -> Store:
     except ValueError as e:  # a cluster without a broker named (settings.broker_url)
         _fail(str(e), code=2)
     except (redis.RedisError, redis.exceptions.RedisClusterException) as e:
-        _fail(f"cannot reach Redis at {url} ({e}); pass --redis or set TORCHFARM_REDIS_URL", code=2)
+        shown = maybe_sanitize_url(url)  # the password stays off the terminal and its logs
+        _fail(
+            f"cannot reach Redis at {shown} ({e}); pass --redis or set TORCHFARM_REDIS_URL", code=2
+        )
     try:
         store.artifacts.check_store()
     except WrongBlobStore as e:

@@ -104,9 +104,12 @@ def test_cli_says_how_to_point_it_at_the_farm(monkeypatch):
     assert result.exit_code == 2 and "--addr and --token" in result.output
     result = CliRunner().invoke(app, ["cache", "stats", "--addr", "127.0.0.1:1", "--token", "t"])
     assert result.exit_code == 1 and "UNAVAILABLE" in result.output
-    monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://127.0.0.1:1/0")  # recovery mode
+    monkeypatch.setenv("TORCHFARM_REDIS_URL", "redis://:s3cret@127.0.0.1:1/0")  # recovery mode
     result = CliRunner().invoke(app, ["cache", "stats", "--direct"])
-    assert result.exit_code == 2 and "cannot reach Redis" in result.output
+    assert result.exit_code == 2 and "cannot reach Redis at redis://:**@127.0.0.1:1/0" in (
+        result.output
+    )
+    assert "s3cret" not in result.output
 
 
 def test_purge_older_than_and_rm(scratch, scratch_url):
