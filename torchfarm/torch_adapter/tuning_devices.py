@@ -14,7 +14,8 @@ exclusively, so nothing waits for a GPU (and nothing can deadlock), at the price
 taken beside other work, as on a shared GPU of a single process.
 
 Uses: inductor config `autotune_in_subproc`, `autotune_multi_device`, and
-`autotune_process.TuningProcessPool.get_device_list` (a staticmethod, torch 2.11-2.15)."""
+`autotune_process.TuningProcessPool.get_device_list` (a staticmethod: the pool's own in torch
+2.11-2.14, inherited from `TuningPoolBase` in 2.15)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,14 @@ def spread_over(gpus: Sequence[str]) -> Iterator[None]:
     from torch._inductor import autotune_process  # here: only a spread compile needs it
 
     pool = autotune_process.TuningProcessPool
-    original = pool.__dict__["get_device_list"]
+    own = pool.__dict__.get("get_device_list")  # None where inherited (2.15: TuningPoolBase's)
     listed = devices_of(gpus)
     pool.get_device_list = staticmethod(lambda: list(listed))  # type: ignore[method-assign,assignment]
     try:
         with inductor_config.patch(autotune_in_subproc=True, autotune_multi_device=True):
             yield
     finally:
-        pool.get_device_list = original  # type: ignore[method-assign]
+        if own is None:
+            del pool.get_device_list
+        else:
+            pool.get_device_list = own  # type: ignore[method-assign]

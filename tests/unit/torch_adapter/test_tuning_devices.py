@@ -3,6 +3,8 @@
 two GPUs the pool's devices are the worker's and the benchmarks run in subprocesses; with one
 (K = 1, the CPU machine's case) nothing changes; either way all is restored afterwards."""
 
+import inspect
+
 from torch._inductor import autotune_process
 from torch._inductor import config as inductor_config
 
@@ -14,7 +16,8 @@ def _state():
     return (
         inductor_config.autotune_in_subproc,
         inductor_config.autotune_multi_device,
-        pool.__dict__["get_device_list"],
+        inspect.getattr_static(pool, "get_device_list"),  # its own, or (2.15) its base's
+        "get_device_list" in pool.__dict__,
     )
 
 
