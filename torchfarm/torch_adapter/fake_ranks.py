@@ -23,6 +23,7 @@ _register_builtin_comm_hook (torch 2.11-2.15)."""
 import contextlib
 import os
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
@@ -68,26 +69,18 @@ def fake_ranks(world_size: int) -> Iterator[None]:
         (ddp, "register_comm_hook", _nothing),
         (ddp, "_register_builtin_comm_hook", _nothing),
     ]
-    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patched]
     env = {
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
     }
-    saved_env = {name: os.environ.get(name) for name in env}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        os.environ.update(env)
-        for owner, name, value in patched:
-            setattr(owner, name, value)
-        yield
+        with contextlib.ExitStack() as restored:
+            restored.enter_context(mock.patch.dict(os.environ, env))
+            for owner, name, value in patched:
+                restored.enter_context(mock.patch.object(owner, name, value))
+            yield
     finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        for variable, was in saved_env.items():
-            if was is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = was
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from unittest import mock
 
 from torch._inductor import config as inductor_config
 
@@ -41,15 +42,14 @@ def spread_over(gpus: Sequence[str]) -> Iterator[None]:
         return
     from torch._inductor import autotune_process  # here: only a spread compile needs it
 
-    pool = autotune_process.TuningProcessPool
-    own = pool.__dict__.get("get_device_list")  # None where inherited (2.15: TuningPoolBase's)
     listed = devices_of(gpus)
-    pool.get_device_list = staticmethod(lambda: list(listed))  # type: ignore[method-assign,assignment]
-    try:
-        with inductor_config.patch(autotune_in_subproc=True, autotune_multi_device=True):
-            yield
-    finally:
-        if own is None:
-            del pool.get_device_list
-        else:
-            pool.get_device_list = own  # type: ignore[method-assign]
+    # mock.patch.object restores the pool's own method, or removes ours where it inherits one
+    with (
+        mock.patch.object(
+            autotune_process.TuningProcessPool,
+            "get_device_list",
+            staticmethod(lambda: list(listed)),
+        ),
+        inductor_config.patch(autotune_in_subproc=True, autotune_multi_device=True),
+    ):
+        yield
