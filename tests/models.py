@@ -1,4 +1,5 @@
-"""Small models the tests compile: an MLP, a CNN and a transformer block using SDPA."""
+"""Small models the tests compile: an MLP, a CNN and a transformer block using SDPA; and a
+block exported with torch.export (a dynamic batch) for AOTInductor."""
 
 import torch
 from torch import nn
@@ -76,3 +77,44 @@ def build(name: str, seed: int = 0):
     cls, make_input = MODELS[name]
     torch.manual_seed(seed)
     return cls(), make_input()
+
+
+class ExportBlock(nn.Module):
+    """What an AOTInductor package must carry: parameters, a buffer, one small enough that
+    Inductor would write its values into the code, under a dynamic batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) * self.scale
+
+
+def exported_block(
+    seed: int, max_batch: int = 512
+) -> tuple[nn.Module, torch.export.ExportedProgram]:
+    """ExportBlock with weights of `seed`, exported with a dynamic batch (2..max_batch: a
+    program of its own for each)."""
+    torch.manual_seed(seed)
+    model = ExportBlock().eval()
+    for p in model.parameters():  # LayerNorm's ones and zeros would hide a placeholder
+        nn.init.normal_(p)
+    batch = torch.export.Dim("batch", min=2, max=max_batch)
+    program = torch.export.export(model, (torch.randn(4, 32),), dynamic_shapes={"x": {0: batch}})
+    return model, program
+
+
+def relative_diff(compiled, model: nn.Module) -> float:
+    """The largest difference of `compiled` from `model` at the example's batch and two
+    others of the exported range, relative to the model's largest value."""
+    worst = 0.0
+    with torch.no_grad():
+        for batch in (4, 3, 97):
+            x = torch.randn(batch, 32)
+            eager = model(x)
+            worst = max(worst, ((compiled(x) - eager).abs().max() / eager.abs().max()).item())
+    return worst

@@ -1,5 +1,5 @@
 """`torchfarm` command line: up (embedded farm), gateway, worker, cache, doctor, keygen, token,
-target, prepare."""
+target, prepare, export."""
 
 from __future__ import annotations
 
@@ -263,6 +263,61 @@ def prepare(
     summary = preparation.run(fn, job_target, world_size)
     print(summary.table())
     raise typer.Exit(1 if summary.stopped or summary.count("failed") else 0)
+
+
+@app.command()
+def export(
+    program: str = typer.Argument(..., help="a torch.export program saved by torch.export.save"),
+    output: str = typer.Option(..., "--output", "-o", help="the package to write (.pt2)"),
+    target_file: str = typer.Option(
+        "", "--target", help="the target (`torchfarm target` there); default: this machine"
+    ),
+    mode: str = typer.Option("default", help="default, max-autotune, max-autotune-no-cudagraphs"),
+    config: list[str] = typer.Option(
+        [], help="an Inductor config KEY=JSON_VALUE (repeatable), e.g. max_autotune=true"
+    ),
+    weights: bool = typer.Option(
+        False, help="send the weights too: a self-contained package (default: none sent)"
+    ),
+    addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
+    token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
+) -> None:
+    """Build an AOTInductor package of PROGRAM on the farm, for the target's pool. Without
+    --weights the package holds no weights: load it with
+    torchfarm.aoti_load_package(path, exported_program). Exits 1 if the farm gave none."""
+    import json
+    import time
+
+    import torch
+
+    from torchfarm.client import exported, remote
+    from torchfarm.settings import ClientSettings
+
+    configs = {}
+    for item in config:
+        key, _, value = item.partition("=")
+        try:
+            configs[key] = json.loads(value)
+        except ValueError:
+            typer.echo(f"torchfarm export: --config {item!r}: the value is not JSON", err=True)
+            raise typer.Exit(2) from None
+    settings = ClientSettings.from_env(addr=addr, token=token)
+    started = time.monotonic()
+    try:
+        package, source = exported.package_bytes(
+            torch.export.load(program),
+            target=target_file or None,
+            mode=mode,
+            inductor_configs=configs,
+            weights=weights,
+            settings=settings,
+        )
+    except (remote.FarmError, ValueError) as e:
+        typer.echo(f"torchfarm export: {e}", err=True)
+        raise typer.Exit(1) from None
+    with open(output, "wb") as f:
+        f.write(package)
+    print(f"{output}: {len(package) / 1e6:.1f} MB, {source}, {time.monotonic() - started:.1f} s")
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchfarm.compiler import compilers
+
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
@@ -254,6 +256,9 @@ class WorkerSettings:
     # TORCHFARM_OP_LIBRARIES: comma-separated modules the compile child imports first, so that
     # graphs may call the custom operators they register (e.g. transformers.integrations.moe)
     op_libraries: str = ""
+    # TORCHFARM_COMPILERS: the compilers this pool runs (compiler/compilers.py): built-ins by
+    # name (inductor, aoti), others as name=module:Class importable in the compile child
+    compilers: str = compilers.DEFAULT
     # TORCHFARM_FAILURE_MEMORY: a job whose compile raised (not a timeout or a killed child) is
     # answered with that error, without compiling again, for this long; 0 = always retry
     failure_memory_s: float = 600
@@ -350,6 +355,7 @@ class WorkerSettings:
             metrics_port=int(_env("TORCHFARM_WORKER_METRICS_PORT", "0")),
             metrics_host=_env("TORCHFARM_WORKER_METRICS_HOST", cls.metrics_host),
             op_libraries=_env("TORCHFARM_OP_LIBRARIES", ""),
+            compilers=_env("TORCHFARM_COMPILERS", cls.compilers),
             failure_memory_s=float(_env("TORCHFARM_FAILURE_MEMORY", "600")),
             compile_disk_mb=_whole("TORCHFARM_COMPILE_DISK_MB", "0"),
             max_artifact_bytes=int(

@@ -3,12 +3,12 @@
 # Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
 # part of bench/gpu/run.py. Results and farm logs land in $OUT.
 #
-#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait)
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti)
 # coverage runs bench/coverage/suite.py (ONLY=a,b,... for a subset) on the GPU, with the
 # transformers that the machine's image already holds.
 # Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
 set -euo pipefail
-[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti)" >&2; exit 2; }
 OUT=${OUT:-/tmp/torchfarm-bench}
 mkdir -p "$OUT"
 
@@ -55,6 +55,9 @@ for PART in "$@"; do  # each part starts a farm of its own
         PYTHONUNBUFFERED=1 python3 bench/never_wait.py --device cuda --models "${MODELS:-gpt}" \
             --modes "${MODES:-default}" --steps "${STEPS:-200}" --json "$OUT/never_wait.json" \
             ${FARM_GPU:+--farm-gpu "$FARM_GPU" --client-gpu "${CLIENT_GPU:-0}"} || echo "never_wait failed ($?)"
+    elif [ "$PART" = aoti ]; then  # issue 30: AOTInductor packages, local vs farm (MODELS)
+        PYTHONUNBUFFERED=1 python3 bench/aoti.py --device cuda --models "${MODELS:-gpt,resnet50}" \
+            --json "$OUT/aoti.json" || echo "aoti failed ($?)"
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else

@@ -524,17 +524,7 @@ def _verified(received: remote.Received, graph_key: str, trusted: signing.Verifi
     """The artifact of `received` once a trusted key has signed it for `graph_key`."""
     header = received.header
     started = time.monotonic()
-    artifact = pb.Artifact.FromString(received.data)  # protobuf only: nothing runs before it
-    served = pb.Candidate(
-        digest=header.digest,
-        size=header.size,
-        guards=artifact.guards,
-        signature=header.signature,
-    )
-    if not signing.entry_verifies(trusted, graph_key, served):
-        raise remote.UntrustedEntry(
-            f"the artifact of key {graph_key[:16]} is not signed by the farm"
-        )
+    artifact = remote.verified_artifact(received, graph_key, trusted)
     timings = {f.name: v for f, v in header.timings.ListFields()}
     timings.update(received.timings)
     timings["verify_s"] = time.monotonic() - started

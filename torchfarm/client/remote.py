@@ -348,6 +348,20 @@ def _get_once(
     return dataclasses.replace(received, missing=missing[0] if missing else None)
 
 
+def verified_artifact(received: Received, key: str, trusted: signing.Verifier) -> pb.Artifact:
+    """The Artifact of `received`, once a trusted key has signed it for `key` (the public key
+    this client computed); UntrustedEntry otherwise. Parsed as protobuf only: nothing of it
+    runs before the check."""
+    header = received.header
+    artifact = pb.Artifact.FromString(received.data)
+    served = pb.Candidate(
+        digest=header.digest, size=header.size, guards=artifact.guards, signature=header.signature
+    )
+    if not signing.entry_verifies(trusted, key, served):
+        raise UntrustedEntry(f"the artifact of key {key[:16]} is not signed by the farm")
+    return artifact
+
+
 # Gateways (by the farm's address) of a release without the Hit call: asked with Get only.
 _without_hit: set[str] = set()
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from torchfarm.compiler import files, guards, native, serialize, structure, trace_state
+from torchfarm.compiler.compilers import CompileContext
 from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import (
@@ -130,6 +131,20 @@ def compile_payload(
         tuned_configs=_tuned_configs(),
         structure=graph_structure,
     )
+
+
+class InductorCompiler:
+    """Options.compiler "" / "inductor": a Dynamo graph payload into Artifact.inductor."""
+
+    def compile(self, request: pb.CompileChildRequest, context: CompileContext) -> pb.Artifact:
+        return compile_payload(
+            request.graph,
+            request.options,
+            request.target.threads,
+            dict(request.size_hints),
+            context.on_stage,
+            context.tuning_gpus,
+        )
 
 
 # `name = async_compile.kind(..., '''source'''`: how Inductor's wrapper code defines a kernel.

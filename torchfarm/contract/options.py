@@ -8,6 +8,7 @@ before it reaches a worker.
 from __future__ import annotations
 
 import json
+import re
 
 from torchfarm.contract.modes import MODES
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -15,6 +16,16 @@ from torchfarm.proto import torchfarm_pb2 as pb
 AUTOCAST_DEVICES = ("cuda", "cpu")
 AUTOCAST_DTYPES = ("bfloat16", "float16", "float32")
 PRECISIONS = ("highest", "high", "medium")
+# Options.compiler: Inductor on a Dynamo graph is the default, written "" (so its keys are
+# those from before compilers had names); the compilers built in (compiler/compilers.py), and
+# any other a pool names (TORCHFARM_COMPILERS), are names of this form.
+INDUCTOR, AOTI = "inductor", "aoti"
+COMPILER_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def compiler_of(options: pb.Options) -> str:
+    """The name of the compiler `options` ask for ("inductor" where they name none)."""
+    return options.compiler or INDUCTOR
 
 
 def validate_state(state: pb.TraceState) -> None:
@@ -32,7 +43,8 @@ def validate_state(state: pb.TraceState) -> None:
 
 def canonical_options(options: pb.Options) -> pb.Options:
     """Options with the mode checked, the config patches re-encoded canonically (sorted,
-    compact JSON) and the trace state checked; raises ValueError on anything malformed."""
+    compact JSON), the trace state and the compiler's name checked; raises ValueError on
+    anything malformed. Whether a pool runs the compiler is its workers' to say."""
     mode = options.mode or "default"
     if mode not in MODES:
         raise ValueError(f"unknown mode {options.mode!r}; one of {', '.join(MODES)}")
@@ -40,6 +52,9 @@ def canonical_options(options: pb.Options) -> pb.Options:
     if not isinstance(patches, dict):
         raise ValueError("config_patches_json must be a JSON object")
     validate_state(options.state)
+    compiler = compiler_of(options)
+    if not COMPILER_NAME.fullmatch(compiler):
+        raise ValueError(f"malformed compiler name {options.compiler!r}")
     state = pb.TraceState()
     state.CopyFrom(options.state)
     state.autocast[:] = sorted(set(options.state.autocast))
@@ -49,4 +64,5 @@ def canonical_options(options: pb.Options) -> pb.Options:
         if patches
         else "",
         state=state,
+        compiler="" if compiler == INDUCTOR else compiler,
     )

@@ -125,10 +125,16 @@ class Options(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     CONFIG_PATCHES_JSON_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    COMPILER_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs"""
     config_patches_json: _builtins.str
     """a JSON object of Inductor config patches"""
+    compiler: _builtins.str
+    """Which compiler the worker runs (compiler/compilers.py): "" Inductor on a Dynamo graph
+    (`graph` is a GraphPickler payload), "aoti" AOTInductor on a torch.export program
+    (`graph` is an ExportedProgram); a pool's TORCHFARM_COMPILERS may name others.
+    """
     @_builtins.property
     def state(self) -> Global___TraceState: ...
     def __init__(
@@ -137,10 +143,11 @@ class Options(_message.Message):
         mode: _builtins.str = ...,
         config_patches_json: _builtins.str = ...,
         state: Global___TraceState | None = ...,
+        compiler: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_patches_json", b"config_patches_json", "mode", b"mode", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compiler", b"compiler", "config_patches_json", b"config_patches_json", "mode", b"mode", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1549,6 +1556,7 @@ class Artifact(_message.Message):
     TUNED_CONFIGS_FIELD_NUMBER: _builtins.int
     GUARDS_FIELD_NUMBER: _builtins.int
     STRUCTURE_FIELD_NUMBER: _builtins.int
+    PACKAGE_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1558,6 +1566,10 @@ class Artifact(_message.Message):
     structure: _builtins.str
     """The graph's structure digest (compiler/structure.py), computed by the child from the graph
     it compiled: groups the entries of one program for explaining misses, nothing more.
+    """
+    package: _builtins.bytes
+    """A compiler that builds a package (Options.compiler "aoti": AOTInductor's .pt2 archive,
+    which torch._inductor.aoti_load_package loads), instead of `inductor`.
     """
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
@@ -1592,14 +1604,115 @@ class Artifact(_message.Message):
         tuned_configs: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
         guards: Global___ShapeGuards | None = ...,
         structure: _builtins.str = ...,
+        package: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Artifact: _TypeAlias = Artifact  # noqa: Y015
+
+@_typing.final
+class ExportedProgram(_message.Message):
+    """---- torch.export programs (issue 30): the payload of Options.compiler "aoti" -------------
+    The program as torch.export's own serializer writes it (JSON; stack traces left out, so
+    the same program exported anywhere is the same bytes), and its tensors described. Their
+    bytes travel only where the user sends the weights: otherwise the worker compiles on
+    placeholders and the package holds no weights (the client loads its own into it). Nothing
+    here is pickled; the JSON is parsed only in a compile child (its symbolic expressions go
+    through sympy, i.e. eval).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRAM_JSON_FIELD_NUMBER: _builtins.int
+    STATE_DICT_FIELD_NUMBER: _builtins.int
+    CONSTANTS_FIELD_NUMBER: _builtins.int
+    EXAMPLE_INPUTS_FIELD_NUMBER: _builtins.int
+    EXAMPLE_INPUTS_SPEC_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    program_json: _builtins.bytes
+    example_inputs_spec: _builtins.str
+    """their pytree structure (torch.utils._pytree JSON)"""
+    weights: _builtins.bool
+    """state_dict and constants carry their bytes"""
+    @_builtins.property
+    def state_dict(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """parameters and buffers, by name"""
+
+    @_builtins.property
+    def constants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """lifted tensor constants, by name"""
+
+    @_builtins.property
+    def example_inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """the leaves of (args, kwargs), in pytree order"""
+
+    def __init__(
+        self,
+        *,
+        program_json: _builtins.bytes = ...,
+        state_dict: _abc.Iterable[Global___TensorSpec] | None = ...,
+        constants: _abc.Iterable[Global___TensorSpec] | None = ...,
+        example_inputs: _abc.Iterable[Global___TensorSpec] | None = ...,
+        example_inputs_spec: _builtins.str = ...,
+        weights: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constants", b"constants", "example_inputs", b"example_inputs", "example_inputs_spec", b"example_inputs_spec", "program_json", b"program_json", "state_dict", b"state_dict", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportedProgram: _TypeAlias = ExportedProgram  # noqa: Y015
+
+@_typing.final
+class TensorSpec(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    STRIDES_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    PARAMETER_FIELD_NUMBER: _builtins.int
+    REQUIRES_GRAD_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dtype: _builtins.str
+    """torch's name without "torch.": float32, bfloat16, int64, ..."""
+    device: _builtins.str
+    """cpu, cuda:0"""
+    parameter: _builtins.bool
+    """an nn.Parameter (export's verifier asks)"""
+    requires_grad: _builtins.bool
+    data: _builtins.bytes
+    """with ExportedProgram.weights: the values, contiguous"""
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def strides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+        strides: _abc.Iterable[_builtins.int] | None = ...,
+        device: _builtins.str = ...,
+        parameter: _builtins.bool = ...,
+        requires_grad: _builtins.bool = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "device", b"device", "dtype", b"dtype", "name", b"name", "parameter", b"parameter", "requires_grad", b"requires_grad", "sizes", b"sizes", "strides", b"strides"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015
 
 @_typing.final
 class Kernel(_message.Message):

@@ -25,8 +25,10 @@ from torchfarm import signing
 from torchfarm.cache import pools
 from torchfarm.cache.artifacts import CacheFull, digest_of
 from torchfarm.cache.store import Store
+from torchfarm.compiler import compilers
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import STRUCTURE, key_parts, key_values, private_key, public_key
+from torchfarm.contract.options import compiler_of
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
@@ -141,6 +143,17 @@ def _compile_and_store(
             ),
         )
         return "expired", 0
+    compiler = compiler_of(job.options)
+    if compiler not in compilers.parse(settings.compilers):  # no child for it
+        store.jobs.finish(
+            job.job_id,
+            pb.JobOutcome(
+                kind=pb.JobOutcome.FAILED,
+                error=f"pool {_pool_of(task)} does not run the compiler {compiler!r} "
+                f"(its TORCHFARM_COMPILERS: {settings.compilers})",
+            ),
+        )
+        return "failed", 0
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
     log.info("compiling %s (%s) for tenant %s", job.key[:16], job.label, job.tenant, extra=extra)
     handed = time.perf_counter()
@@ -427,6 +440,10 @@ class _Heartbeat:
 
 def run_worker(settings: WorkerSettings) -> None:
     """Serve this machine's pool (or settings.pool) until stopped."""
+    try:
+        compilers.parse(settings.compilers)
+    except ValueError as e:
+        raise SystemExit(f"torchfarm worker: {e}") from None
     sandbox.check_available(settings)
     load_signer(settings)
     try:  # a wrong TORCHFARM_BLOB_URL fails here, not on a first compile

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from typing import BinaryIO
 
+from torchfarm.compiler import compilers
+from torchfarm.contract.options import compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.workers import kernel_cache
 
@@ -93,6 +95,9 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tuning-gpus", default="", help="GPUs to benchmark candidates on (tuning_devices.py)"
     )
+    parser.add_argument(
+        "--compilers", default=compilers.DEFAULT, help="the pool's TORCHFARM_COMPILERS"
+    )
     return parser.parse_args(argv)
 
 
@@ -116,18 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         if request.kernel_sources:
             kernels.enter_context(kernel_cache.recording(sources))
 
-        from torchfarm.compiler.inductor import compile_payload
-
         for module in request.op_libraries:
             importlib.import_module(module)
-        artifact = compile_payload(
-            request.graph,
-            request.options,
-            request.target.threads,
-            dict(request.size_hints),
-            _on_stage,
-            tuple(g for g in args.tuning_gpus.split(",") if g),
+        compiler = compilers.load(compiler_of(request.options), compilers.parse(args.compilers))
+        context = compilers.CompileContext(
+            on_stage=_on_stage, tuning_gpus=tuple(g for g in args.tuning_gpus.split(",") if g)
         )
+        artifact = compiler.compile(request, context)
     if args.kernels:
         files = kernel_cache.report(cache_dir, args.kernels, built=request.kernel_cache)
         files.sources.extend(sources)

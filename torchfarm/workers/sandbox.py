@@ -265,6 +265,7 @@ def child_command(
     if python_args == _CHILD:
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
         python += ["--tuning-gpus", ",".join(tuning_gpus(settings))]
+        python += ["--compilers", settings.compilers]
         if settings.kernel_cache_mb:
             staging = staging_dir(private_dir)
             os.makedirs(staging)
@@ -571,7 +572,7 @@ def run_compile(
         how = _how_it_ended(returncode, settings.sandbox)
         raise CompileFailed(f"compile child failed ({how}):\n{text}", lasting=returncode == 1)
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
-    if not artifact.inductor:
+    if not (artifact.inductor or artifact.package):
         raise CompileFailed("compile child returned an empty artifact")
     metrics.handoff(handoff_s)
     return ChildResult(data, handoff_s, kernels)

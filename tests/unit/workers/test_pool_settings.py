@@ -56,8 +56,9 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
         cmd, env, _ = sandbox.child_command(settings, private_dir, number=number)
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
         staging = sandbox.staging_dir(private_dir)  # unconfined: the host path itself
-        assert cmd[-8:] == [
-            "--device", "cuda", "--op-libraries", "", "--tuning-gpus", "2,5", "--kernels", staging
+        assert cmd[-10:] == [
+            "--device", "cuda", "--op-libraries", "", "--tuning-gpus", "2,5",
+            "--compilers", "inductor,aoti", "--kernels", staging,
         ]  # fmt: skip
     assert gpus == ["2", "5", "2"]
 

@@ -1,0 +1,178 @@
+"""AOTInductor packages on the farm against a local AOTInductor compile (issue 30).
+
+Starts an embedded farm for the device, then for each model runs, each in a fresh process
+with an empty Inductor cache:
+  local       torch._inductor.aoti_compile_and_package (what users run today), load, run;
+  farm miss   torchfarm.aoti_compile_and_package (weights not sent), load with the weights;
+  farm hit    the same, another process: the same package, signed;
+  farm sent   weights=True: a self-contained package torch's loader runs as it is.
+Each row: the package call's seconds (export excluded), load and first call, the step time of
+the package, the package's bytes and its largest difference from eager (relative to eager's
+largest value). The ratios farm / local are printed and written to --json.
+
+    python bench/aoti.py --device cuda --models gpt,resnet50 --json results.json
+    python bench/aoti.py --device cpu --models gpt-cpu --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROWS = ("local", "farm miss", "farm hit", "farm sent")
+
+
+def build(name: str, device: str) -> tuple[torch.nn.Module, tuple]:
+    """An inference model and its example input, seeded: the same in every process."""
+    sys.path.insert(0, os.path.join(HERE, "gpu"))
+    from models import GPT  # bench/gpu/models.py
+
+    torch.manual_seed(0)
+    if name == "gpt":  # the GPU bench's GPT (6 layers, d=512), bf16 inference
+        model = GPT().to(device, torch.bfloat16).eval()
+        return model, (torch.randint(0, 8192, (16, 256), device=device),)
+    if name == "gpt-cpu":  # a small one for the CPU box
+        model = GPT(layers=2, d=128, heads=4, vocab=1024, context=128).to(device).eval()
+        return model, (torch.randint(0, 1024, (4, 64), device=device),)
+    if name == "resnet50":
+        import torchvision
+
+        model = torchvision.models.resnet50(weights=None).to(device, torch.bfloat16).eval()
+        return model, (torch.randn(32, 3, 224, 224, device=device, dtype=torch.bfloat16),)
+    raise ValueError(f"unknown model {name}")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_ms(fn, inputs: tuple, device: str, iters: int = 20) -> float:
+    for _ in range(3):
+        fn(*inputs)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn(*inputs)
+    _sync(device)
+    return (time.perf_counter() - started) / iters * 1e3
+
+
+def one_row(name: str, row: str, device: str) -> dict:
+    """One row in this (fresh) process."""
+    import torch._inductor.package  # noqa: F401  (the loader's imports: not the package's cost)
+
+    import torchfarm
+
+    model, inputs = build(name, device)
+    with torch.no_grad():
+        program = torch.export.export(model, inputs)
+        eager = model(*inputs).float()
+    path = os.path.join(tempfile.mkdtemp(), "model.pt2")
+    started = time.perf_counter()
+    if row == "local":
+        torch._inductor.aoti_compile_and_package(program, package_path=path)
+    else:
+        torchfarm.aoti_compile_and_package(program, path, weights=row == "farm sent")
+    package_s = time.perf_counter() - started
+    started = time.perf_counter()
+    if row in ("local", "farm sent"):
+        compiled = torch._inductor.aoti_load_package(path)
+    else:
+        compiled = torchfarm.aoti_load_package(path, program)
+    with torch.no_grad():
+        out = compiled(*inputs)
+        _sync(device)
+        first_s = time.perf_counter() - started
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        diff = ((out.float() - eager).abs().max() / eager.abs().max()).item()
+        ms = step_ms(compiled, inputs, device)
+        eager_ms = step_ms(model, inputs, device)
+    return {
+        "model": name,
+        "row": row,
+        "package_s": round(package_s, 2),
+        "load_and_first_call_s": round(first_s, 2),
+        "step_ms": round(ms, 3),
+        "eager_ms": round(eager_ms, 3),
+        "package_bytes": os.path.getsize(path),
+        "rel_diff": diff,
+    }
+
+
+def run_row(farm, name: str, row: str, device: str) -> dict:
+    with tempfile.TemporaryDirectory() as caches:
+        env = dict(
+            os.environ,
+            TORCHFARM_ADDR=farm.addr,
+            TORCHFARM_TOKEN=farm.bench_token,
+            TORCHFARM_PROGRESS="0",
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+            TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+        )
+        proc = subprocess.run(
+            [sys.executable, __file__, "--row", row, "--models", name, "--device", device],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        return {"model": name, "row": row, "error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--models", default="gpt-cpu")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--row", help="run one row in this process (the driver's child)")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    if args.row:
+        print(json.dumps(one_row(args.models, args.row, args.device)), flush=True)
+        return
+
+    from torchfarm.gateway.auth import hash_token, make_token
+    from torchfarm.local_farm import LocalFarm
+
+    token = make_token()
+    results = []
+    with LocalFarm(
+        device=args.device,
+        sandbox=os.environ.get("TORCHFARM_SANDBOX", "bwrap"),
+        tenants=f"bench:{hash_token(token)}",
+    ) as farm:
+        farm.bench_token = token
+        for name in args.models.split(","):
+            rows = {}
+            for row in args.rows.split(","):
+                rows[row] = run_row(farm, name, row, args.device)
+                print(json.dumps(rows[row]), flush=True)
+                results.append(rows[row])
+            ratios = {"model": name, "row": "ratios"}
+            local = rows.get("local", {})
+            for row in ("farm miss", "farm hit", "farm sent"):
+                if "package_s" in rows.get(row, {}) and "package_s" in local:
+                    ratios[f"{row} / local"] = round(rows[row]["package_s"] / local["package_s"], 3)
+                    ratios[f"{row} step / local step"] = round(
+                        rows[row]["step_ms"] / local["step_ms"], 3
+                    )
+            print(json.dumps(ratios), flush=True)
+            results.append(ratios)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

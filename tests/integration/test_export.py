@@ -1,0 +1,127 @@
+"""torch.export programs through AOTInductor on a real farm (issue 30): the package comes
+back signed, loads with torch's loader, equals eager at the exported dynamic sizes, and a
+second request for the program (another tenant, other weights, the CLI) is a hit on the same
+package; weights sent give a self-contained package; a compiler the pool does not run and a
+malformed program are refused clearly, and the farm goes on serving; a program whose JSON
+runs code when read (its symbolic expressions go through sympify) runs it in the sandbox,
+where it reaches nothing."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from tests.integration.helpers import TOKENS
+from tests.models import exported_block, relative_diff
+from torchfarm.client import exported, remote
+from torchfarm.compiler.exported import dumps
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+
+pytestmark = pytest.mark.integration
+
+
+def _settings(farm, tenant: str) -> ClientSettings:
+    return ClientSettings(
+        addr=farm.addr, token=TOKENS[tenant], verify_keys=farm.verify_keys, progress=False
+    )
+
+
+def test_a_program_compiles_once_and_every_later_request_hits_the_same_package(farm, tmp_path):
+    model, program = exported_block(seed=0)
+    package, source = exported.package_bytes(program, settings=_settings(farm, "alice"))
+    assert source == "miss"
+    path = tmp_path / "alice.pt2"
+    path.write_bytes(package)
+    assert relative_diff(exported.aoti_load_package(path, program), model) < 1e-5
+
+    # Another tenant's model of the same program, other weights, from the CLI: a hit
+    other_model, other_program = exported_block(seed=1)
+    saved, output = tmp_path / "program.pt2", tmp_path / "bob.pt2"
+    torch.export.save(other_program, saved)
+    cli = subprocess.run(
+        [sys.executable, "-m", "torchfarm", "export", str(saved), "-o", str(output)],
+        env=dict(
+            os.environ,
+            TORCHFARM_ADDR=farm.addr,
+            TORCHFARM_TOKEN=TOKENS["bob"],
+            TORCHFARM_VERIFY_KEYS=farm.verify_keys,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert ", hit, " in cli.stdout, cli.stdout
+    assert output.read_bytes() == package
+    assert relative_diff(exported.aoti_load_package(output, other_program), other_model) < 1e-5
+
+
+def test_weights_sent_give_a_package_torch_runs_as_it_is(farm, tmp_path):
+    model, program = exported_block(seed=2)
+    path = exported.aoti_compile_and_package(
+        program, tmp_path / "model.pt2", weights=True, settings=_settings(farm, "alice")
+    )
+    assert relative_diff(torch._inductor.aoti_load_package(path), model) < 1e-5
+
+
+def test_a_compiler_the_pool_does_not_run_is_refused_and_the_farm_serves_on(farm):
+    _, program = exported_block(seed=3)
+    with pytest.raises(remote.FarmError, match="does not run the compiler 'tensorrt'"):
+        exported.package_bytes(program, "tensorrt", settings=_settings(farm, "alice"))
+
+    # A payload that is no ExportedProgram: the child's error, then the next request served
+    settings = _settings(farm, "alice")
+    options = pb.Options(compiler="aoti")
+    from torchfarm.compiler.target import local_target
+    from torchfarm.contract.cache_key import public_key
+
+    target = local_target()
+    garbage = b"\x0a\x05{not json"
+    request = pb.CompileRequest(graph=garbage, target=target, options=options)
+    ask = pb.Ask(key=public_key(garbage, target, options))
+    with pytest.raises(remote.FarmError, match="compile child failed"):
+        remote.get(ask, request, settings)
+    with tempfile.TemporaryDirectory() as directory:
+        _, program = exported_block(seed=4)
+        path = exported.aoti_compile_and_package(
+            program, os.path.join(directory, "m.pt2"), settings=settings
+        )
+        assert os.path.getsize(path) > 0
+
+
+def test_code_in_a_programs_expressions_runs_only_in_the_sandbox(farm, tmp_path):
+    marker = tmp_path / "pwned"
+    code = f"open({str(marker)!r}, 'w').write('pwned') or 1/0"
+    _, program = exported_block(seed=5)
+    message = pb.ExportedProgram.FromString(dumps(program))
+    document = json.loads(message.program_json)
+
+    def plant(value):  # the first symbolic size's expression runs the code, then is itself
+        if isinstance(value, dict):
+            if "expr_str" in value:
+                value["expr_str"] = f"__import__('builtins').exec({code!r}) or {value['expr_str']}"
+                return True
+            return any(plant(v) for v in value.values())
+        return isinstance(value, list) and any(plant(v) for v in value)
+
+    assert plant(document)
+    hostile = json.dumps(document)
+    message.program_json = hostile.encode()
+    payload = message.SerializeToString()
+    settings = _settings(farm, "alice")
+    options = pb.Options(compiler="aoti")
+    from torchfarm.compiler.target import local_target
+    from torchfarm.contract.cache_key import public_key
+
+    target = local_target()
+    request = pb.CompileRequest(graph=payload, target=target, options=options)
+    with pytest.raises(remote.FarmError, match="compile child failed") as failed:
+        remote.get(pb.Ask(key=public_key(payload, target, options)), request, settings)
+    # the code ran (the sandbox, not luck, stopped it): its /tmp is private
+    assert f"No such file or directory: {str(marker)!r}" in str(failed.value)
+    assert not marker.exists()

@@ -1,0 +1,168 @@
+"""torch.export programs compiled on the farm: `torchfarm.aoti_compile_and_package`.
+
+The program goes to the pool of its target as an ExportedProgram payload
+(compiler/exported.py), weights left home unless asked, and comes back as the package the
+pool's compiler built (AOTInductor's .pt2), signed by a worker and verified here before it is
+written. It is keyed, cached and single-flighted as a Dynamo graph is: the key hashes the
+payload, target and options (the compiler's name among them), so a second request for the
+same program, from anyone whose weights differ or not, is a hit on the same package.
+
+A farm that cannot answer (none configured, unreachable, failing) leaves the package to a
+local AOTInductor compile, with one warning, where the target is this machine's; a package
+for another machine's target has no local way and raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from google.protobuf import json_format
+
+from torchfarm.client import remote
+from torchfarm.client.progress import ProgressLine
+from torchfarm.compiler import aoti, exported
+from torchfarm.compiler.target import local_target
+from torchfarm.contract.cache_key import public_key
+from torchfarm.contract.options import AOTI, canonical_options
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
+
+log = logging.getLogger("torchfarm.client")
+
+
+def _device_of(program: torch.export.ExportedProgram) -> str:
+    """cuda where any of the program's tensors is on a CUDA device, else cpu."""
+    tensors = [*program.state_dict.values(), *program.constants.values()]
+    tensors += [t for t in torch.utils._pytree.tree_leaves(program.example_inputs or ())]
+    cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
+    return "cuda" if cuda else "cpu"
+
+
+def _target(target: pb.Target | str | None, program: torch.export.ExportedProgram) -> pb.Target:
+    """The target given, read from a `torchfarm target` file, or this machine's."""
+    if isinstance(target, pb.Target):
+        return target
+    if target:
+        with open(target) as f:
+            return json_format.Parse(f.read(), pb.Target())
+    return local_target(_device_of(program))
+
+
+def package_bytes(
+    program: torch.export.ExportedProgram,
+    compiler: str = AOTI,
+    *,
+    target: pb.Target | str | None = None,
+    mode: str = "default",
+    inductor_configs: Mapping[str, Any] | None = None,
+    weights: bool = False,
+    settings: ClientSettings | None = None,
+) -> tuple[bytes, str]:
+    """The package `compiler` built on the farm for `program` (verified), and how it came
+    ("hit", "miss", "merged"). FarmError where the farm could not give one."""
+    settings = settings or ClientSettings.from_env()
+    if not settings.addr:
+        raise remote.FarmError("no farm configured (TORCHFARM_ADDR)")
+    job_target = _target(target, program)
+    options = canonical_options(
+        pb.Options(
+            mode=mode,
+            config_patches_json=json.dumps(dict(inductor_configs)) if inductor_configs else "",
+            compiler=compiler,
+        )
+    )
+    payload = exported.dumps(program, weights)
+    key = public_key(payload, job_target, options)
+    label = "exported program"
+    request = pb.CompileRequest(
+        graph=payload, target=job_target, options=options, label=label, private=settings.private
+    )
+    ask = pb.Ask(key=key, private=settings.private, label=label)
+    request_id = uuid.uuid4().hex[:16]
+    trusted = remote.verifier(settings, request_id)
+    progress = ProgressLine(label, settings.progress)
+    try:
+        received = remote.get(ask, request, settings, on_progress=progress, request_id=request_id)
+    finally:
+        progress.close()
+    artifact = remote.verified_artifact(received, key, trusted)
+    if not artifact.package:
+        raise remote.FarmError(f"the farm's {compiler} entry of key {key[:16]} holds no package")
+    return artifact.package, received.header.source
+
+
+def _package_path(package_path: str | os.PathLike | None) -> str:
+    if package_path is None:
+        handle, path = tempfile.mkstemp(prefix="torchfarm-", suffix=".pt2")
+        os.close(handle)
+        return path
+    path = os.fspath(package_path)
+    if not path.endswith(".pt2"):
+        raise ValueError(f"a package path ends in .pt2: {path!r}")
+    return path
+
+
+def aoti_compile_and_package(
+    exported_program: torch.export.ExportedProgram,
+    package_path: str | os.PathLike | None = None,
+    *,
+    inductor_configs: Mapping[str, Any] | None = None,
+    mode: str = "default",
+    target: pb.Target | str | None = None,
+    weights: bool = False,
+    settings: ClientSettings | None = None,
+) -> str:
+    """torch._inductor.aoti_compile_and_package on the farm: the path of the .pt2 package
+    built for `target`'s pool (a pb.Target, a `torchfarm target` file, or this machine's).
+
+    `weights=False` (the default) sends no weights: the package holds none, and
+    `aoti_load_package(path, exported_program)` feeds it the program's own. `weights=True`
+    sends them and gets a self-contained package, which `torch._inductor.aoti_load_package`
+    runs as it is. Dynamic dims the program was exported with (torch.export.Dim) hold."""
+    path = _package_path(package_path)
+    started = time.monotonic()
+    try:
+        package, source = package_bytes(
+            exported_program,
+            target=target,
+            mode=mode,
+            inductor_configs=inductor_configs,
+            weights=weights,
+            settings=settings,
+        )
+    except remote.FarmError as e:
+        if target is not None and _target(target, exported_program) != local_target(
+            _device_of(exported_program)
+        ):
+            raise
+        log.warning("torchfarm: %s; compiling the package locally", e)
+        configs = dict(inductor_configs or {})
+        if mode != "default":
+            configs = {**torch._inductor.list_mode_options(mode), **configs}
+        return torch._inductor.aoti_compile_and_package(
+            exported_program, package_path=path, inductor_configs=configs
+        )
+    with open(path, "wb") as f:
+        f.write(package)
+    log.info(
+        "torchfarm: package %s from the farm (%s, %.1f s)", path, source, time.monotonic() - started
+    )
+    return path
+
+
+def aoti_load_package(
+    path: str | os.PathLike,
+    weights: torch.export.ExportedProgram | Mapping[str, torch.Tensor] | None = None,
+):
+    """The package at `path`, loaded by torch._inductor.aoti_load_package; with `weights`
+    (the exported program it was built from, or its tensors by name) fed to it, as a package
+    built without them needs."""
+    return aoti.load(os.fspath(path), weights)
