@@ -151,7 +151,9 @@ def main() -> None:
         device=args.device,
         sandbox=os.environ.get("TORCHFARM_SANDBOX", "bwrap"),
         tenants=f"bench:{hash_token(token)}",
+        log_dir=os.path.dirname(os.path.abspath(args.json)) if args.json else None,
     ) as farm:
+        print(f"farm ready at {farm.addr}", flush=True)
         farm.bench_token = token
         for name in args.models.split(","):
             rows = {}
@@ -159,6 +161,7 @@ def main() -> None:
                 rows[row] = run_row(farm, name, row, args.device)
                 print(json.dumps(rows[row]), flush=True)
                 results.append(rows[row])
+                _write(args.json, results)  # a call cut short keeps what it measured
             ratios = {"model": name, "row": "ratios"}
             local = rows.get("local", {})
             for row in ("farm miss", "farm hit", "farm sent"):
@@ -169,8 +172,12 @@ def main() -> None:
                     )
             print(json.dumps(ratios), flush=True)
             results.append(ratios)
-    if args.json:
-        with open(args.json, "w") as f:
+            _write(args.json, results)
+
+
+def _write(path: str, results: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -57,7 +57,8 @@ for PART in "$@"; do  # each part starts a farm of its own
             ${FARM_GPU:+--farm-gpu "$FARM_GPU" --client-gpu "${CLIENT_GPU:-0}"} || echo "never_wait failed ($?)"
     elif [ "$PART" = aoti ]; then  # issue 30: AOTInductor packages, local vs farm (MODELS)
         PYTHONUNBUFFERED=1 python3 bench/aoti.py --device cuda --models "${MODELS:-gpt,resnet50}" \
-            --json "$OUT/aoti.json" || echo "aoti failed ($?)"
+            --rows "${ROWS:-local,farm miss,farm hit,farm sent}" --json "$OUT/aoti.json" \
+            || echo "aoti failed ($?)"
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else
