@@ -119,14 +119,16 @@ def run_row(farm, name: str, row: str, device: str) -> dict:
             TRITON_CACHE_DIR=os.path.join(caches, "triton"),
         )
         proc = subprocess.run(
-            [sys.executable, __file__, "--row", row, "--models", name, "--device", device],
+            [sys.executable, "-X", "faulthandler", __file__, "--row", row, "--models", name]
+            + ["--device", device],
             env=env,
             capture_output=True,
             text=True,
             timeout=900,
         )
     if proc.returncode != 0:
-        return {"model": name, "row": row, "error": proc.stderr[-2000:]}
+        lines = [x for x in proc.stderr.splitlines() if not x.startswith(("DEBUG", "W1", "I1"))]
+        return {"model": name, "row": row, "exit": proc.returncode, "error": lines[-40:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -50,7 +50,10 @@ _MAX_STAGE_FRAME = 64
 # /etc is not bound, except the dynamic linker's cache: a CPU compile here ran without it (the
 # default library paths sufficed), but libraries registered through /etc/ld.so.conf.d (CUDA's,
 # /usr/local/lib) are found only through it.
-_ETC = ("/etc/ld.so.cache",)
+# The loader's cache, and Debian's alternatives: symlinks only, through which /usr names tools
+# (the GPU image's /usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-13.0, whose
+# headers AOTInductor compiles against).
+_ETC = ("/etc/ld.so.cache", "/etc/alternatives")
 # Top-level links or directories of a merged-/usr layout that point into /usr.
 _TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Environment the child may inherit: the compiler choice and the CUDA runtime's.
