@@ -6,9 +6,10 @@ with an empty Inductor cache:
   farm miss   torchfarm.aoti_compile_and_package (weights not sent), load with the weights;
   farm hit    the same, another process: the same package, signed;
   farm sent   weights=True: a self-contained package torch's loader runs as it is.
-Each row: the package call's seconds (export excluded), load and first call, the step time of
+Each row: the package call's seconds (export excluded), its load and first call, the step time of
 the package, the package's bytes and its largest difference from eager (relative to eager's
-largest value). The ratios farm / local are printed and written to --json.
+largest value); a row's package is built in one fresh process and loaded in another, as a
+serving process loads it. The ratios farm / local are printed and written to --json.
 
     python bench/aoti.py --device cuda --models gpt,resnet50 --json results.json
     python bench/aoti.py --device cpu --models gpt-cpu --json results.json
@@ -66,8 +67,8 @@ def step_ms(fn, inputs: tuple, device: str, iters: int = 20) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
-def one_row(name: str, row: str, device: str) -> dict:
-    """One row in this (fresh) process."""
+def package_row(name: str, row: str, device: str, path: str) -> dict:
+    """Build one row's package at `path` in this (fresh) process: the package call's time."""
     import torch._inductor.package  # noqa: F401  (the loader's imports: not the package's cost)
 
     import torchfarm
@@ -75,20 +76,34 @@ def one_row(name: str, row: str, device: str) -> dict:
     model, inputs = build(name, device)
     with torch.no_grad():
         program = torch.export.export(model, inputs)
-        eager = model(*inputs).float()
-    path = os.path.join(tempfile.mkdtemp(), "model.pt2")
     started = time.perf_counter()
     if row == "local":
         torch._inductor.aoti_compile_and_package(program, package_path=path)
     else:
         torchfarm.aoti_compile_and_package(program, path, weights=row == "farm sent")
-    package_s = time.perf_counter() - started
+    return {"model": name, "row": row, "package_s": round(time.perf_counter() - started, 2)}
+
+
+def load_row(name: str, row: str, device: str, path: str) -> dict:
+    """Load one row's package in this (fresh) process, as a serving process would: the load
+    (torch's loader probes the CPU's vector ISA on first use of a cache dir, whoever built
+    the package), the first call, the step time and the difference from eager."""
+    import torch._inductor.package  # noqa: F401
+
+    import torchfarm
+
+    model, inputs = build(name, device)
+    with torch.no_grad():
+        program = torch.export.export(model, inputs)
+        eager = model(*inputs).float()
     started = time.perf_counter()
     if row in ("local", "farm sent"):
         compiled = torch._inductor.aoti_load_package(path)
     else:
         compiled = torchfarm.aoti_load_package(path, program)
+    load_s = time.perf_counter() - started
     with torch.no_grad():
+        started = time.perf_counter()
         out = compiled(*inputs)
         _sync(device)
         first_s = time.perf_counter() - started
@@ -97,10 +112,8 @@ def one_row(name: str, row: str, device: str) -> dict:
         ms = step_ms(compiled, inputs, device)
         eager_ms = step_ms(model, inputs, device)
     return {
-        "model": name,
-        "row": row,
-        "package_s": round(package_s, 2),
-        "load_and_first_call_s": round(first_s, 2),
+        "load_s": round(load_s, 2),
+        "first_call_s": round(first_s, 2),
         "step_ms": round(ms, 3),
         "eager_ms": round(eager_ms, 3),
         "package_bytes": os.path.getsize(path),
@@ -108,28 +121,38 @@ def one_row(name: str, row: str, device: str) -> dict:
     }
 
 
-def run_row(farm, name: str, row: str, device: str) -> dict:
-    with tempfile.TemporaryDirectory() as caches:
-        env = dict(
-            os.environ,
-            TORCHFARM_ADDR=farm.addr,
-            TORCHFARM_TOKEN=farm.bench_token,
-            TORCHFARM_PROGRESS="0",
-            TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
-            TRITON_CACHE_DIR=os.path.join(caches, "triton"),
-        )
-        proc = subprocess.run(
-            [sys.executable, "-X", "faulthandler", __file__, "--row", row, "--models", name]
-            + ["--device", device],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+def _child(farm, caches: str, *args: str) -> dict:
+    env = dict(
+        os.environ,
+        TORCHFARM_ADDR=farm.addr,
+        TORCHFARM_TOKEN=farm.bench_token,
+        TORCHFARM_PROGRESS="0",
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=caches),
+        TRITON_CACHE_DIR=tempfile.mkdtemp(dir=caches),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", __file__, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         lines = [x for x in proc.stderr.splitlines() if not x.startswith(("DEBUG", "W1", "I1"))]
-        return {"model": name, "row": row, "exit": proc.returncode, "error": lines[-40:]}
+        return {"exit": proc.returncode, "error": lines[-40:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_row(farm, name: str, row: str, device: str) -> dict:
+    """A row's package built in one fresh process and loaded in another, each with empty
+    caches."""
+    with tempfile.TemporaryDirectory() as caches:
+        path = os.path.join(caches, "model.pt2")
+        common = ["--models", name, "--device", device, "--path", path]
+        result = _child(farm, caches, "--row", row, *common)
+        if "package_s" in result:
+            result.update(_child(farm, caches, "--load", row, *common))
+    return {"model": name, "row": row, **result}
 
 
 def main() -> None:
@@ -137,11 +160,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", default="gpt-cpu")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--row", help="run one row in this process (the driver's child)")
+    parser.add_argument("--row", help="build one row's package here (the driver's child)")
+    parser.add_argument("--load", help="load one row's package here (the driver's child)")
+    parser.add_argument("--path", help="the row's package")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    if args.row:
-        print(json.dumps(one_row(args.models, args.row, args.device)), flush=True)
+    if args.row or args.load:
+        if args.row:
+            result = package_row(args.models, args.row, args.device, args.path)
+        else:
+            result = load_row(args.models, args.load, args.device, args.path)
+        print(json.dumps(result), flush=True)
         return
 
     from torchfarm.gateway.auth import hash_token, make_token
