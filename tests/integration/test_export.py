@@ -2,9 +2,9 @@
 back signed, loads with torch's loader, equals eager at the exported dynamic sizes, and a
 second request for the program (another tenant, other weights, the CLI) is a hit on the same
 package; weights sent give a self-contained package; a compiler the pool does not run and a
-malformed program are refused clearly, and the farm goes on serving; a program whose JSON
-runs code when read (its symbolic expressions go through sympify) runs it in the sandbox,
-where it reaches nothing."""
+malformed program are refused clearly, and the farm goes on serving; without a farm the
+package is built locally; a program whose JSON runs code when read (its symbolic expressions
+go through sympify) runs it in the sandbox, where it reaches nothing."""
 
 import json
 import os
@@ -125,3 +125,14 @@ def test_code_in_a_programs_expressions_runs_only_in_the_sandbox(farm, tmp_path)
     # the code ran (the sandbox, not luck, stopped it): its /tmp is private
     assert f"No such file or directory: {str(marker)!r}" in str(failed.value)
     assert not marker.exists()
+
+
+def test_without_a_farm_the_package_is_built_here_with_one_warning(tmp_path, caplog):
+    model, program = exported_block(seed=6)
+    with pytest.raises(ValueError, match="reduce-overhead"):  # refused before any call
+        exported.aoti_compile_and_package(program, mode="reduce-overhead")
+    path = exported.aoti_compile_and_package(
+        program, tmp_path / "here.pt2", settings=ClientSettings(addr="", progress=False)
+    )
+    assert "no farm configured" in caplog.text and "compiling the package locally" in caplog.text
+    assert relative_diff(exported.aoti_load_package(path, program), model) < 1e-5

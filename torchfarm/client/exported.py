@@ -34,6 +34,7 @@ from torchfarm.contract.cache_key import public_key
 from torchfarm.contract.options import AOTI, canonical_options
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
+from torchfarm.torch_adapter import export_serde, standalone
 
 log = logging.getLogger("torchfarm.client")
 
@@ -41,7 +42,8 @@ log = logging.getLogger("torchfarm.client")
 def _device_of(program: torch.export.ExportedProgram) -> str:
     """cuda where any of the program's tensors is on a CUDA device, else cpu."""
     tensors = [*program.state_dict.values(), *program.constants.values()]
-    tensors += [t for t in torch.utils._pytree.tree_leaves(program.example_inputs or ())]
+    if program.example_inputs is not None:
+        tensors += export_serde.flatten_inputs(program.example_inputs)[0]
     cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
     return "cuda" if cuda else "cpu"
 
@@ -67,11 +69,8 @@ def package_bytes(
     settings: ClientSettings | None = None,
 ) -> tuple[bytes, str]:
     """The package `compiler` built on the farm for `program` (verified), and how it came
-    ("hit", "miss", "merged"). FarmError where the farm could not give one."""
-    settings = settings or ClientSettings.from_env()
-    if not settings.addr:
-        raise remote.FarmError("no farm configured (TORCHFARM_ADDR)")
-    job_target = _target(target, program)
+    ("hit", "miss", "merged"). ValueError for options the compiler refuses; FarmError where
+    the farm could not give one."""
     options = canonical_options(
         pb.Options(
             mode=mode,
@@ -79,6 +78,12 @@ def package_bytes(
             compiler=compiler,
         )
     )
+    if compiler == AOTI:  # what the worker would refuse, refused here
+        aoti.inductor_configs(options, weights)
+    settings = settings or ClientSettings.from_env()
+    if not settings.addr:
+        raise remote.FarmError("no farm configured (TORCHFARM_ADDR)")
+    job_target = _target(target, program)
     payload = exported.dumps(program, weights)
     key = public_key(payload, job_target, options)
     label = "exported program"
@@ -146,7 +151,7 @@ def aoti_compile_and_package(
         log.warning("torchfarm: %s; compiling the package locally", e)
         configs = dict(inductor_configs or {})
         if mode != "default":
-            configs = {**torch._inductor.list_mode_options(mode), **configs}
+            configs = {**standalone.mode_options(mode), **configs}
         return torch._inductor.aoti_compile_and_package(
             exported_program, package_path=path, inductor_configs=configs
         )
