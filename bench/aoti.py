@@ -85,9 +85,10 @@ def package_row(name: str, row: str, device: str, path: str) -> dict:
 
 
 def load_row(name: str, row: str, device: str, path: str) -> dict:
-    """Load one row's package in this (fresh) process, as a serving process would: the load
-    (torch's loader probes the CPU's vector ISA on first use of a cache dir, whoever built
-    the package), the first call, the step time and the difference from eager."""
+    """Load one row's package in this (fresh) process, as a serving process would, with
+    torchfarm's loader (torch's, without Inductor's CPU probe: torch_adapter/aoti_load.py),
+    whoever built it: the load, the first call, the step time and the difference from
+    eager."""
     import torch._inductor.package  # noqa: F401
 
     import torchfarm
@@ -97,10 +98,8 @@ def load_row(name: str, row: str, device: str, path: str) -> dict:
         program = torch.export.export(model, inputs)
         eager = model(*inputs).float()
     started = time.perf_counter()
-    if row in ("local", "farm sent"):
-        compiled = torch._inductor.aoti_load_package(path)
-    else:
-        compiled = torchfarm.aoti_load_package(path, program)
+    weights = None if row in ("local", "farm sent") else program  # packages built without them
+    compiled = torchfarm.aoti_load_package(path, weights)
     load_s = time.perf_counter() - started
     with torch.no_grad():
         started = time.perf_counter()

@@ -24,7 +24,7 @@ from torchfarm.compiler import exported, serialize, structure
 from torchfarm.compiler.compilers import CompileContext
 from torchfarm.compiler.inductor import ARTIFACT_FORMAT, config_patches
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import autotune_progress
+from torchfarm.torch_adapter import aoti_load, autotune_progress
 
 # What a package built without the user's weights needs (see above).
 _WITHOUT_WEIGHTS = {
@@ -97,10 +97,12 @@ def load(
     path: str,
     weights: torch.export.ExportedProgram | Mapping[str, torch.Tensor] | None = None,
 ):
-    """The package at `path`, loaded by torch's own loader; with `weights` (the exported
-    program it was built from, or its tensors by name), fed those: what a package built
-    without the weights needs before it runs."""
-    compiled = torch._inductor.aoti_load_package(path)
+    """The package at `path`, loaded by torch's own loader (without Inductor's CPU probe:
+    torch_adapter/aoti_load.py); with `weights` (the exported program it was built from, or
+    its tensors by name), fed those: what a package built without the weights needs before
+    it runs."""
+    with aoti_load.without_isa_probe():
+        compiled = torch._inductor.aoti_load_package(path)
     if weights is None:
         return compiled
     tensors = weights_of(weights)
