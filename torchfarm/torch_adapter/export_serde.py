@@ -15,7 +15,8 @@ Uses torch._export.serde.serialize: `serialize`, with `serialize_torch_artifact`
 torch.saves the tensors) patched to write nothing (2.11 has no `serialize_state_dict=False`),
 `_bytes_to_dataclass` (JSON into its schema) and `ExportedProgramDeserializer.deserialize`
 given dicts of tensors (which it takes as they are, never loading any); and
-torch.utils._pytree's JSON form of a structure (`treespec_dumps` / `treespec_loads`).
+torch.utils._pytree's JSON form of a structure (`treespec_dumps` / `treespec_loads`, whose
+enum contexts import the module they name).
 Verified: torch 2.11.0, 2.13.0 and 2.15.0 (CPU).
 """
 
@@ -83,8 +84,9 @@ def flatten_inputs(example_inputs: tuple[tuple, dict]) -> tuple[list[torch.Tenso
 
 
 def unflatten_inputs(leaves: list[torch.Tensor], spec: str) -> tuple[tuple, dict]:
-    """(args, kwargs) from flatten_inputs' leaves and JSON (which names only pytree's
-    registered node types: nothing is imported or run)."""
+    """(args, kwargs) from flatten_inputs' leaves and JSON. Node types are pytree's
+    registered ones, but a node's context may name an enum by module path, which pytree
+    imports (`enum_object_hook`): compile child only, like the program's JSON."""
     inputs = pytree.tree_unflatten(leaves, pytree.treespec_loads(spec))
     if not (isinstance(inputs, tuple) and len(inputs) == 2):
         raise ValueError("example inputs are not (args, kwargs)")
