@@ -289,8 +289,19 @@ class WorkerSettings:
     # Off by default: on the bench GPT it made a 2-GPU worker's miss no faster
     # (docs/benchmarks.md, "Two GPUs"); each compile benchmarks on its own GPU
     spread_tuning: bool = False
+    # TORCHFARM_CONCURRENT_BACKWARD: a training graph's backward compiled in a second process
+    # of the compile's sandbox while the child compiles the forward
+    # (torch_adapter/concurrent_backward.py): 1, 0, or auto = on where the host has at least
+    # CONCURRENT_BACKWARD_MIN_CORES cores (the helper traces the graph again and holds a
+    # second process's memory)
+    concurrent_backward: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.concurrent_backward not in ("auto", "1", "0"):
+            raise ValueError(
+                "TORCHFARM_CONCURRENT_BACKWARD must be auto, 1 or 0, not "
+                f"{self.concurrent_backward!r}"
+            )
         if self.concurrency < 0:
             raise ValueError(
                 f"TORCHFARM_WORKER_CONCURRENCY must be at least 1 (0 = default), not "
@@ -311,6 +322,10 @@ class WorkerSettings:
                 f"{self.kernel_cache_mb}"
             )
         # Frozen: the defaults that depend on other fields are resolved once, here.
+        if self.concurrent_backward == "auto":
+            cores = os.cpu_count() or 1
+            on = cores >= CONCURRENT_BACKWARD_MIN_CORES
+            object.__setattr__(self, "concurrent_backward", "1" if on else "0")
         if not self.concurrency:
             object.__setattr__(self, "concurrency", default_concurrency(self.device))
         if self.warm_children == -1:
@@ -321,8 +336,11 @@ class WorkerSettings:
         if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
             object.__setattr__(self, "memory_limit_mb", 0)
         elif self.memory_limit_mb == -1:
+            processes = 2 if self.concurrent_backward == "1" else 1  # the child and its helper
             object.__setattr__(
-                self, "memory_limit_mb", compile_memory_mb(share_mb, self.compile_disk_mb)
+                self,
+                "memory_limit_mb",
+                compile_memory_mb(share_mb, self.compile_disk_mb, processes),
             )
         if self.redelivery_s < 0:
             raise ValueError(
@@ -369,6 +387,7 @@ class WorkerSettings:
             kernel_cache_mb=_whole("TORCHFARM_KERNEL_CACHE_MB", str(cls.kernel_cache_mb)),
             kernel_cache_dir=_env("TORCHFARM_KERNEL_CACHE", ""),
             spread_tuning=_env("TORCHFARM_SPREAD_TUNING", "0") in ("1", "true", "yes"),
+            concurrent_backward=_env("TORCHFARM_CONCURRENT_BACKWARD", "auto").strip() or "auto",
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -405,6 +424,7 @@ def default_concurrency(device: str) -> int:
     return max(2, min(8, (os.cpu_count() or 1) // 4))
 
 
+CONCURRENT_BACKWARD_MIN_CORES = 8  # TORCHFARM_CONCURRENT_BACKWARD=auto turns it on from here
 COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
 WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
 
@@ -433,10 +453,11 @@ def compile_share_mb(concurrency: int, warm_children: int) -> int:
     return max(0, free // concurrency)
 
 
-def compile_memory_mb(share_mb: int, disk_mb: int) -> int:
+def compile_memory_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
     """A compile child's default address-space cap: its share less its work dir and /dev/shm,
-    at most 32 GiB; a host too small for its concurrency gets a clear error."""
-    cap = min(32 << 10, share_mb - disk_mb - COMPILE_SHM_MB)
+    split among the compile's `processes` (the child, and its backward helper where on), at
+    most 32 GiB; a host too small for its concurrency gets a clear error."""
+    cap = min(32 << 10, (share_mb - disk_mb - COMPILE_SHM_MB) // processes)
     if cap < MIN_COMPILE_MEMORY_MB:
         raise ValueError(
             f"this host's memory ({host_memory_mb()} MiB) leaves a compile {share_mb} MiB: "

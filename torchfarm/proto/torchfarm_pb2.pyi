@@ -1557,6 +1557,7 @@ class Artifact(_message.Message):
     GUARDS_FIELD_NUMBER: _builtins.int
     STRUCTURE_FIELD_NUMBER: _builtins.int
     PACKAGE_FIELD_NUMBER: _builtins.int
+    BACKWARD_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1570,6 +1571,11 @@ class Artifact(_message.Message):
     package: _builtins.bytes
     """A compiler that builds a package (Options.compiler "aoti": AOTInductor's .pt2 archive,
     which torch._inductor.aoti_load_package loads), instead of `inductor`.
+    """
+    backward: _builtins.str
+    """Who compiled a training graph's backward: "helper" (the child's backward helper, beside
+    the forward: TORCHFARM_CONCURRENT_BACKWARD), "child" (after the forward), "" (none, or
+    no helper ran).
     """
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
@@ -1605,10 +1611,11 @@ class Artifact(_message.Message):
         guards: Global___ShapeGuards | None = ...,
         structure: _builtins.str = ...,
         package: _builtins.bytes = ...,
+        backward: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -224,11 +224,12 @@ def _compile_and_store(
         store.counters.count(pool, kernels_reused=len(child.kernels.reused))
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
-        "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child",
+        "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s",
         job.key[:16],
         len(data),
         artifact.compile_seconds,
         child.handoff_s,
+        f", backward compiled by the {artifact.backward}" if artifact.backward else "",
         extra=dict(extra, pool=pool),
     )
     store.jobs.finish(

@@ -14,26 +14,38 @@ A child is started ahead of need (workers/child_pool.py): it first warms up with
 tenant's (torch, Inductor, Triton and the operator's TORCHFARM_OP_LIBRARIES imported, on CUDA
 the context made and Triton's driver stubs built), reports `ready`, and only then reads its
 one request. It compiles that one and exits, so no two tenants ever share a process.
+
+With `--concurrent-backward` it starts, first thing, a helper: the same module with
+`--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
+and compiles the graph's backward while this process compiles the forward
+(torch_adapter/concurrent_backward.py). The helper reports nothing: what it compiled reaches
+the artifact only through the Inductor cache dir the two share, as a cache entry that this
+process looks up (and compiles itself where that misses).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib
 import os
+import signal
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 from typing import BinaryIO
 
 from torchfarm.compiler import compilers
-from torchfarm.contract.options import compiler_of
+from torchfarm.contract.options import INDUCTOR, compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.workers import kernel_cache
 
 # Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 _reports: BinaryIO | None = None  # the real stdout; fd 1 itself then points at stderr
 
@@ -98,12 +110,62 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--compilers", default=compilers.DEFAULT, help="the pool's TORCHFARM_COMPILERS"
     )
+    parser.add_argument(
+        "--concurrent-backward", action="store_true", help="start a backward helper"
+    )
+    parser.add_argument("--backward-helper", action="store_true", help="be that helper")
     return parser.parse_args(argv)
 
 
+def _start_helper(argv: list[str]) -> subprocess.Popen:
+    """The backward helper: this child's arguments, in helper mode; its output goes to this
+    child's stderr (fd 2), never into the reports."""
+    args = [a for a in argv if a != "--concurrent-backward"] + ["--backward-helper"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchfarm.workers.compile_child", *args],
+        stdin=subprocess.PIPE,
+        stdout=2,
+    )
+
+
+def _hand_over(helper: subprocess.Popen | None, request: bytes, compiles: bool) -> None:
+    """Give the helper the request (from a thread: a helper still warming up reads it only
+    then, and a large request fills the pipe), or end it where it has nothing to do."""
+    if helper is None or helper.stdin is None:
+        return
+    pipe = helper.stdin
+
+    def write() -> None:
+        try:
+            if compiles:
+                pipe.write(request)
+            pipe.close()
+        except BrokenPipeError:  # the helper died: the child compiles its backward itself
+            pass
+
+    threading.Thread(target=write, name="backward-helper-request", daemon=True).start()
+
+
+def _end(helper: subprocess.Popen | None) -> None:
+    if helper is not None and helper.poll() is None:
+        helper.kill()
+        helper.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _arguments(argv)
+    if args.backward_helper:
+        return _helper_main(args)
+    helper = _start_helper(argv) if args.concurrent_backward else None
+    try:
+        return _child_main(args, helper)
+    finally:
+        _end(helper)
+
+
+def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> int:
     global _reports
-    args = _arguments(sys.argv[1:] if argv is None else argv)
     # Whatever the compile prints goes to stderr (the error text), never into the reports.
     _reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
@@ -113,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if not data:  # the worker closed the pipe without a request: it is going away
         return 0
     request = pb.CompileChildRequest.FromString(data)
+    helped = helper is not None and compiler_of(request.options) == INDUCTOR
+    _hand_over(helper, data, helped)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     sources: list[pb.KernelSource] = []
     with contextlib.ExitStack() as kernels:
@@ -127,12 +191,48 @@ def main(argv: list[str] | None = None) -> int:
         context = compilers.CompileContext(
             on_stage=_on_stage, tuning_gpus=tuple(g for g in args.tuning_gpus.split(",") if g)
         )
+        backward = None
+        if helped:
+            from torchfarm.torch_adapter import concurrent_backward
+
+            assert helper is not None
+            backward = kernels.enter_context(concurrent_backward.backward_from(helper.wait))
         artifact = compiler.compile(request, context)
+        if backward is not None:
+            artifact.backward = backward.compiled_by
     if args.kernels:
         files = kernel_cache.report(cache_dir, args.kernels, built=request.kernel_cache)
         files.sources.extend(sources)
         report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
+    return 0
+
+
+def _helper_main(args: argparse.Namespace) -> int:
+    """The backward helper: warm up, read the child's request, compile its backward into the
+    shared cache dir, stop. Exit status 0 whether or not there was a backward."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # ends with its child, sandbox or not
+    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+    data = sys.stdin.buffer.read()
+    if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
+        return 0
+    request = pb.CompileChildRequest.FromString(data)
+    from torchfarm.torch_adapter import concurrent_backward
+
+    with contextlib.ExitStack() as kernels:
+        if args.kernels:
+            kernels.enter_context(
+                kernel_cache.looking_up(args.kernels, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            )
+        for module in request.op_libraries:
+            importlib.import_module(module)
+        compiler = compilers.load(INDUCTOR, compilers.parse(args.compilers))
+        context = compilers.CompileContext(on_stage=lambda stage: None, tuning_gpus=())
+        try:
+            with concurrent_backward.backward_only():
+                compiler.compile(request, context)
+        except concurrent_backward.Stopped:
+            return 0
     return 0
 
 

@@ -269,6 +269,8 @@ def child_command(
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
         python += ["--tuning-gpus", ",".join(tuning_gpus(settings))]
         python += ["--compilers", settings.compilers]
+        if settings.concurrent_backward == "1":
+            python += ["--concurrent-backward"]
         if settings.kernel_cache_mb:
             staging = staging_dir(private_dir)
             os.makedirs(staging)
