@@ -8,6 +8,9 @@ default:  correctness and warm start (local cold, local warm, farm miss, farm hi
           default for a GPT-style training step and ResNet-50 inference; an SDPA block with
           a dynamic sequence length; runtime parity.
 miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode default.
+novel:    issue 28: local cold vs farm miss on an empty farm for MODELS (default GPT and four
+          coverage architectures, training steps), MODE (default "default"), and their
+          geomean; the farm's worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on here).
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
           MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
@@ -160,6 +163,20 @@ class Runner:
         self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp(prefix="miss-"))
         self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp(prefix="hit-"))
         self.compare(model, mode, "farm miss", "local cold")
+
+    def novel_miss(self, model: str, mode: str) -> float:
+        """Issue 28's novel-miss row: local cold, then the farm's miss of a model it has never
+        seen, side by side; the miss over local cold (first steps; NaN if one failed)."""
+        cold = self.run(model, mode, "local", "local cold", tempfile.mkdtemp(prefix="local-"))
+        miss = self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp(prefix="miss-"))
+        self.compare(model, mode, "farm miss", "local cold")
+        ratio = miss.get("first_step_s", float("nan")) / cold.get("first_step_s", float("nan"))
+        row = {"model": model, "mode": mode, "case": "miss_over_cold", "value": ratio}
+        if miss.get("compiled_ms") and cold.get("compiled_ms"):
+            row["step_farm_over_local"] = miss["compiled_ms"] / cold["compiled_ms"]
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        return ratio
 
     def hit_vs_pytorch(self, model: str, mode: str, redis_port: int) -> dict:
         """Issue 26's rows, each a fresh process: the farm hit with Dynamo's tracing skipped
@@ -430,6 +447,9 @@ def spread_check(gpus: int) -> dict:
     }
 
 
+NOVEL_MODELS = "gpt,coverage:llama-gqa,coverage:vit,coverage:convnext,coverage:gpt2"
+
+
 def redis_value_bytes(port: int) -> int:
     """The bytes of every value in a redis-server: what PyTorch's remote caches stored."""
     import redis
@@ -447,6 +467,7 @@ def main() -> None:
             "autotune",
             "smoke",
             "miss",
+            "novel",
             "hit",
             "profile",
             "skipcheck",
@@ -525,6 +546,15 @@ def main() -> None:
         elif args.part == "profile":
             with plain_redis() as redis_port:
                 runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)
+        elif args.part == "novel":  # issue 28: MODELS, MODE
+            mode = os.environ.get("MODE", "default")
+            models = os.environ.get("MODELS", NOVEL_MODELS).split(",")
+            ratios = [runner.novel_miss(model, mode) for model in models]
+            ratios = [x for x in ratios if x == x]
+            if ratios:
+                geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                runner.rows.append({"case": "geomean miss_over_cold", "value": geomean})
+                print(f"geomean miss_over_cold over {len(ratios)}: {geomean:.3f}", flush=True)
         elif args.part == "miss":
             runner.miss_vs_cold("gpt", "default")
             runner.miss_vs_cold("resnet50", "default")
