@@ -17,17 +17,22 @@ helper cannot know), the lookup misses and the child compiles its backward itsel
 
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
-processes, and AOTAutograd bundles the looked-up backward like a compiled one.
+processes, and AOTAutograd bundles the looked-up backward like a compiled one. On a GPU a
+looked-up graph keeps its Triton bundle, whose statically launchable autotuners Inductor's
+lookup (`TritonBundler.read_and_emit`) hands on to the kernels it loads: loaded, they can
+no longer be pickled, and the bundled entry pickles that bundle. The lookup here is given a
+copy, so that the bundle the graph keeps stays as it was stored.
 
 Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forward_or_inference`
-(its `is_inference` keyword) and `_aot_stage2b_bw_compile`, looked up there at call time, and
-functorch's `bundled_autograd_cache` config.
+(its `is_inference` keyword) and `_aot_stage2b_bw_compile`, looked up there at call time,
+functorch's `bundled_autograd_cache` config, and the static `TritonBundler.read_and_emit`.
 Verified: torch 2.11.0, 2.13.0, 2.15.0 (CPU: the same functions and call sites).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -35,6 +40,7 @@ from unittest import mock
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd import graph_compile
+from torch._inductor.triton_bundler import TritonBundler
 
 
 class Stopped(BaseException):
@@ -86,12 +92,18 @@ def backward_from(wait_for_helper: Callable[[], object]) -> Iterator[Backward]:
     """The child's compile: before the backward, `wait_for_helper()`; then the backward with
     the FX graph cache on, which finds the helper's entry when the keys agree."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
+    emit = TritonBundler.read_and_emit
     outcome = Backward()
 
     def backward(*args, **kwargs):
         wait_for_helper()
         hits = counters["inductor"]["fxgraph_cache_hit"]
-        with functorch_config.patch(bundled_autograd_cache=False):
+        with (
+            functorch_config.patch(bundled_autograd_cache=False),
+            mock.patch.object(
+                TritonBundler, "read_and_emit", staticmethod(lambda b: emit(copy.deepcopy(b)))
+            ),
+        ):
             lazy_info, compiled = compile_backward(*args, **kwargs)
         helped = counters["inductor"]["fxgraph_cache_hit"] > hits
         outcome.compiled_by = "helper" if helped else "child"
