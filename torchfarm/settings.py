@@ -292,8 +292,8 @@ class WorkerSettings:
     # TORCHFARM_CONCURRENT_BACKWARD: a training graph's backward compiled in a second process
     # of the compile's sandbox while the child compiles the forward
     # (torch_adapter/concurrent_backward.py): 1, 0, or auto = on where the host has at least
-    # CONCURRENT_BACKWARD_MIN_CORES cores (the helper traces the graph again and holds a
-    # second process's memory)
+    # CONCURRENT_BACKWARD_MIN_CORES cores and, on CPU, the memory for a second process per
+    # compile (the helper traces the graph again; a CPU compile's memory cap is split in two)
     concurrent_backward: str = "auto"
 
     def __post_init__(self) -> None:
@@ -322,21 +322,22 @@ class WorkerSettings:
                 f"{self.kernel_cache_mb}"
             )
         # Frozen: the defaults that depend on other fields are resolved once, here.
-        if self.concurrent_backward == "auto":
-            cores = os.cpu_count() or 1
-            on = cores >= CONCURRENT_BACKWARD_MIN_CORES
-            object.__setattr__(self, "concurrent_backward", "1" if on else "0")
         if not self.concurrency:
             object.__setattr__(self, "concurrency", default_concurrency(self.device))
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
-        share_mb = compile_share_mb(self.concurrency, self.warm_children)
+        if self.concurrent_backward == "auto":
+            on = (os.cpu_count() or 1) >= CONCURRENT_BACKWARD_MIN_CORES and (
+                self.device == "cuda" or self._helper_fits()
+            )
+            object.__setattr__(self, "concurrent_backward", "1" if on else "0")
+        processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
+        share_mb = compile_share_mb(self.concurrency, self.warm_children * processes)
         if not self.compile_disk_mb:
             object.__setattr__(self, "compile_disk_mb", max(256, min(4096, share_mb // 4)))
         if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
             object.__setattr__(self, "memory_limit_mb", 0)
         elif self.memory_limit_mb == -1:
-            processes = 2 if self.concurrent_backward == "1" else 1  # the child and its helper
             object.__setattr__(
                 self,
                 "memory_limit_mb",
@@ -347,6 +348,15 @@ class WorkerSettings:
                 f"TORCHFARM_REDELIVERY_TIMEOUT must be positive (0 = the default), not "
                 f"{self.redelivery_s:g}"
             )
+
+    def _helper_fits(self) -> bool:
+        """Whether a CPU compile's default memory cap, split with a helper, still holds a
+        compile (an operator's own cap is taken as given)."""
+        if self.memory_limit_mb != -1:
+            return True
+        share_mb = compile_share_mb(self.concurrency, 2 * self.warm_children)
+        disk_mb = self.compile_disk_mb or max(256, min(4096, share_mb // 4))
+        return (share_mb - disk_mb - COMPILE_SHM_MB) // 2 >= MIN_COMPILE_MEMORY_MB
 
     @property
     def visibility_timeout_s(self) -> float:

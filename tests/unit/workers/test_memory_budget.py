@@ -13,17 +13,25 @@ from torchfarm.settings import (
 )
 
 
+@pytest.mark.parametrize("helper", ["0", "1"])
 @pytest.mark.parametrize("concurrency,warm", [(None, None), (1, 0), (2, 2), (3, 1)])
-def test_the_default_caps_of_every_child_that_can_run_at_once_fit_the_host(concurrency, warm):
-    if concurrency and host_memory_mb() < 2048 * concurrency + 8192:
+def test_the_default_caps_of_every_child_that_can_run_at_once_fit_the_host(
+    concurrency, warm, helper
+):
+    """With a backward helper (TORCHFARM_CONCURRENT_BACKWARD=1) a compile and a warm child
+    are two processes each, both under the cap."""
+    processes = int(helper) + 1
+    if concurrency and host_memory_mb() < 2048 * processes * concurrency + 8192:
         pytest.skip("a host too small for this many compiles (the settings refuse it)")
     settings = WorkerSettings(
-        concurrency=concurrency or 0, warm_children=-1 if warm is None else warm
+        concurrency=concurrency or 0,
+        warm_children=-1 if warm is None else warm,
+        concurrent_backward=helper,
     )
     running = settings.concurrency * (
-        settings.memory_limit_mb + settings.compile_disk_mb + COMPILE_SHM_MB
+        processes * settings.memory_limit_mb + settings.compile_disk_mb + COMPILE_SHM_MB
     )
-    waiting = settings.warm_children * WARM_CHILD_MB
+    waiting = processes * settings.warm_children * WARM_CHILD_MB
     assert 0 < running + waiting <= host_memory_mb() - 1024
     assert settings.memory_limit_mb >= MIN_COMPILE_MEMORY_MB
 

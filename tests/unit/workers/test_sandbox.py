@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from torchfarm import settings as settings_module
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings, compile_memory_mb, compile_share_mb
 from torchfarm.workers import child_pool, sandbox
@@ -217,3 +218,43 @@ def test_a_compiler_named_outside_usr_reaches_the_child_with_its_prefix(tmp_path
     binds = _binds(sandbox.bwrap_args(WorkerSettings(), layout))
     assert binds[str(prefix)] == str(prefix) and str(tools) not in binds
     assert "--bind" not in sandbox.bwrap_args(WorkerSettings(), layout)
+
+
+def test_a_backward_helper_halves_a_cpu_compiles_memory_cap_and_is_asked_of_the_child(
+    monkeypatch, tmp_path
+):
+    for name in ("TORCHFARM_COMPILE_MEMORY_MB", "TORCHFARM_COMPILE_DISK_MB"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "1")
+    helped = WorkerSettings.from_env()
+    share = compile_share_mb(helped.concurrency, 2 * helped.warm_children)
+    assert helped.memory_limit_mb == compile_memory_mb(share, helped.compile_disk_mb, 2)
+    assert helped.memory_limit_mb < compile_memory_mb(share, helped.compile_disk_mb)
+    monkeypatch.setattr(sandbox.HostLayout, "probe", classmethod(lambda cls: LAYOUT))
+    assert "--concurrent-backward" in sandbox.child_command(helped, str(tmp_path))[0]
+    monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "0")
+    alone = WorkerSettings.from_env()
+    assert alone.concurrent_backward == "0"
+    (tmp_path / "alone").mkdir()
+    assert "--concurrent-backward" not in sandbox.child_command(alone, str(tmp_path / "alone"))[0]
+    monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "yes")
+    with pytest.raises(ValueError, match="TORCHFARM_CONCURRENT_BACKWARD must be auto, 1 or 0"):
+        WorkerSettings.from_env()
+
+
+@pytest.mark.parametrize(
+    "cores, memory_mb, on",
+    [(2, 24 << 10, "0"), (8, 24 << 10, "1"), (16, 24 << 10, "0"), (16, 128 << 10, "1")],
+)
+def test_the_backward_helper_is_on_by_default_from_eight_cores_where_memory_allows(
+    monkeypatch, cores, memory_mb, on
+):
+    """16 cores make four compiles at once: in 24 GiB a helper each would leave a compile
+    too little, so it stays off (the worker starts); with 128 GiB it is on."""
+    for name in ("TORCHFARM_CONCURRENT_BACKWARD", "TORCHFARM_COMPILE_MEMORY_MB"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(settings_module, "host_memory_mb", lambda: memory_mb)
+    assert WorkerSettings.from_env().concurrent_backward == on
+    cuda = WorkerSettings.from_env(device="cuda").concurrent_backward
+    assert cuda == ("1" if cores >= 8 else "0")
