@@ -26,7 +26,9 @@ copy, so that the bundle the graph keeps stays as it was stored.
 Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forward_or_inference`
 (its `is_inference` keyword) and `_aot_stage2b_bw_compile`, looked up there at call time,
 functorch's `bundled_autograd_cache` config, and the static `TritonBundler.read_and_emit`.
-Verified: torch 2.11.0, 2.13.0, 2.15.0 (CPU: the same functions and call sites).
+Verified: torch 2.11.0, 2.13.0, 2.15.0 on the CPU (a helper process and the child on one
+payload: the child's backward a lookup, `fxgraph_cache_hit` 1) and 2.11.0+cu130 on the H200
+(bench/gpu/run.sh novel: every helped compile's backward the helper's).
 """
 
 from __future__ import annotations
