@@ -45,7 +45,7 @@ unit: deps $(COMPOSE_SCHEMA)
 
 integration: deps
 	$(PY) -m pytest -q -p no:cacheprovider -n $(INTEGRATION_WORKERS) --dist loadfile \
-		--durations=25 tests/integration
+		--no-loadscope-reorder --durations=25 tests/integration
 
 # The other releases: each one's venv (.venv-2.11/.installed), then its tests (test-version-2.11).
 # Installs run one after another, and so do the releases' tests, but the next release's venv

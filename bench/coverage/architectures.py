@@ -1,7 +1,9 @@
 """The coverage suite's architectures: real model families, random weights, no downloads.
 
 `build(name, device, scale)` gives (model, example inputs) from a fixed seed, so that every
-process builds the same weights and inputs. scale "small" fits CPU CI; "large" is for GPUs.
+process builds the same weights and inputs. scale "small" fits a CPU; "large" is for GPUs;
+"tiny" (the integration tier's) is "small" with one transformer layer and fewer RNN steps: the
+same mechanisms, fewer kernels to compile.
 Dropout is zero everywhere: compiled code draws random numbers differently from eager, and
 the suite compares numbers.
 """
@@ -16,11 +18,11 @@ from torch import nn
 
 
 def _hf(scale: str) -> dict:
-    return (
-        dict(hidden=64, layers=2, heads=4, seq=16, batch=2)
-        if scale == "small"
-        else dict(hidden=512, layers=4, heads=8, seq=128, batch=8)
-    )
+    return {
+        "tiny": dict(hidden=32, layers=1, heads=4, seq=8, batch=2),
+        "small": dict(hidden=64, layers=2, heads=4, seq=16, batch=2),
+        "large": dict(hidden=512, layers=4, heads=8, seq=128, batch=8),
+    }[scale]
 
 
 def bert(scale):
@@ -157,11 +159,11 @@ def vit(scale):
     from transformers import ViTConfig, ViTForImageClassification
 
     s = _hf(scale)
-    size = 32 if scale == "small" else 224
+    size = 32 if scale != "large" else 224
     model = ViTForImageClassification(
         ViTConfig(
             image_size=size,
-            patch_size=8 if scale == "small" else 16,
+            patch_size=8 if scale != "large" else 16,
             num_channels=3,
             hidden_size=s["hidden"],
             num_hidden_layers=s["layers"],
@@ -183,7 +185,7 @@ def whisper_encoder(scale):
     from transformers import WhisperConfig, WhisperForAudioClassification
 
     s = _hf(scale)
-    frames = 64 if scale == "small" else 1500
+    frames = 64 if scale != "large" else 1500
     model = WhisperForAudioClassification(
         WhisperConfig(
             num_mel_bins=16,
@@ -468,12 +470,12 @@ class CustomFunction(nn.Module):
 
 
 def _images(scale, size_small=32, size_large=224, channels=3):
-    batch, size = (4, size_small) if scale == "small" else (32, size_large)
+    batch, size = (4, size_small) if scale != "large" else (32, size_large)
     return torch.randn(batch, channels, size, size)
 
 
 def _dlrm_inputs(scale):
-    batch = 8 if scale == "small" else 2048
+    batch = 8 if scale != "large" else 2048
     return (
         torch.randn(batch, 13),
         torch.randint(0, 1000, (4, batch * 3)),
@@ -519,21 +521,22 @@ ARCHITECTURES = {
     # Dynamo unrolls an RNN's time steps into the graph, so the large scale grows the batch
     "lstm-lm": (
         "2-layer LSTM language model",
-        # small: 8 steps (Dynamo unrolls the recurrence into the graph; 16 took CI 4 minutes)
+        # small: 8 steps, tiny 4 (Dynamo unrolls the recurrence into the graph: 16 took CI 4
+        # minutes, 8 about 2.5)
         lambda s: (
             LSTMLanguageModel(),
-            (torch.randint(0, 500, (4, 8) if s == "small" else (256, 16)),),
+            (torch.randint(0, 500, {"tiny": (4, 4), "small": (4, 8)}.get(s, (256, 16))),),
         ),
     ),
     "bigru": (
         "bidirectional GRU classifier",
-        lambda s: (BiGRUClassifier(), (torch.randn(4 if s == "small" else 256, 20, 48),)),
+        lambda s: (BiGRUClassifier(), (torch.randn(4 if s != "large" else 256, 20, 48),)),
     ),
     "nn-transformer": (
         "torch.nn.TransformerEncoder, causal mask",
         lambda s: (
             TorchTransformer(),
-            (torch.randn(*((2, 16) if s == "small" else (16, 256)), 64),),
+            (torch.randn(*((2, 16) if s != "large" else (16, 256)), 64),),
         ),
     ),
     "dlrm": (

@@ -51,43 +51,26 @@ def compiler_log(tmp_path):
     return str(bindir), log
 
 
-@pytest.fixture(scope="session")
-def gateways_farm():
-    """Two gateways on one Redis, two workers of one compile each, a broker visibility timeout
-    of 3 s (every compile outlives it: the broker hands each out again while it runs) and a
-    tenant limit of one compile: for test_gateways.py and test_long_compiles.py."""
-    tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
-    with LocalFarm(
-        tenants=tenants,
-        gateways=2,
-        workers=2,
-        extra_env={
-            "TORCHFARM_WORKER_CONCURRENCY": "1",
-            "TORCHFARM_WARM_CHILDREN": "1",
-            "TORCHFARM_REDELIVERY_TIMEOUT": "3",
-            "TORCHFARM_TENANT_MAX_COMPILES": "1",
-        },
-    ) as f:
-        yield f
-
-
-# The slowest files first (per-file sums of the tier's --durations on two workers, alone on the
-# 2-core machine, 2026-11-25; coverage before it stopped compiling locally): `--dist loadfile`
-# hands files to the two workers in collection order, so a long file collected late ran on one
-# worker at the end while the other had nothing left.
+# The slowest files first: `--dist loadfile` hands files to the two workers in collection order
+# (with --no-loadscope-reorder, which the Makefile passes: else xdist orders them by their
+# number of tests), so a long file collected late runs on one worker at the end while the other
+# has nothing left. Ordered by their tests' durations in CI (2026-11-27, the 25 slowest) and
+# the earlier per-file sums (2026-11-25).
 SLOWEST_FIRST = (
-    "test_coverage.py",  # 1088 s (now about half)
-    "test_skip_tracing.py",  # 630 s
-    "test_skip_differential.py",  # 598 s
-    "test_farm.py",  # 549 s
-    "test_long_compiles.py",  # with test_gateways.py 411 s (gateways_farm)
+    "test_skip_differential.py",
+    "test_coverage.py",
+    "test_farm.py",
+    "test_skip_tracing.py",
     "test_gateways.py",
-    "test_kernel_cache.py",  # 278 s
-    "test_faults.py",  # 263 s
-    "test_ready.py",  # 210 s
-    "test_precompiled_headers.py",  # 184 s
-    "test_parallel_graphs.py",
+    "test_kernel_cache.py",
+    "test_faults.py",
+    "test_ready.py",
+    "test_precompiled_headers.py",
+    "test_prepare.py",
     "test_stalls.py",
+    "test_export.py",
+    "test_parallel_graphs.py",
+    "test_cluster.py",
 )
 
 

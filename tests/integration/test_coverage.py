@@ -2,7 +2,8 @@
 then a hit in a fresh process, each equal to eager. The farm may add no failure of its own.
 
 CI runs one architecture for each mechanism the farm must carry (a custom operator, in-place
-buffer updates, graph breaks, an RNN) and compares the farm with eager only: local
+buffer updates, graph breaks, an RNN), at the suite's "tiny" scale (one transformer layer,
+4 RNN steps: the same mechanisms, fewer kernels), and compares the farm with eager only: local
 torch.compile would double each one's compiles. `TORCHFARM_COVERAGE=all` runs all 20 here
 against local torch.compile too, and `make coverage` runs all 20 into docs/coverage.md.
 torch.cond and a custom autograd.Function, whose graphs PyTorch cannot save (the suite's
@@ -36,7 +37,7 @@ ALL = os.environ.get("TORCHFARM_COVERAGE") == "all"
     ],
 )
 def test_the_farm_compiles_it_like_torch_compile(farm, name):
-    row = run_architecture(name, farm.addr, TOKENS["alice"], local=ALL)
+    row = run_architecture(name, farm.addr, TOKENS["alice"], scale="tiny", local=ALL)
     for phase in PHASES:  # even a fallback must give eager's results
         assert all(run["phases"][phase]["farm"]["ok"] for run in (row["first"], row["second"]))
     assert not farm_failures(row), farm_failures(row)

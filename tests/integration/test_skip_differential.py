@@ -4,10 +4,10 @@ guarded state after the restore is traced again, never served stale.
 
 Fresh processes through a real farm (clients/differential_client.py): the first compiles and
 saves the packages, the second restores them. Models: bench's blocks and a representative
-set of the coverage suite (a transformers LM, a CNN with BatchNorm, a graph break); the rest
-of the suite is left to bench/coverage (minutes each here). custom-function is not among them:
-the farm's compile child fails on its graph (TypeError), the graph compiles locally and a
-program with a local graph saves no package.
+set of the coverage suite at its tiny scale (a transformers LM, a CNN with BatchNorm, a graph
+break); the rest of the suite is left to bench/coverage (minutes each here). custom-function
+is not among them: the farm's compile child fails on its graph (TypeError), the graph compiles
+locally and a program with a local graph saves no package.
 """
 
 import pytest

@@ -39,56 +39,63 @@ def _wait_for(what: str, condition, timeout_s: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def farm():
+    """An open farm of this file's own (its gateway is stopped and measured here), shared by the
+    tests that need nothing else: a farm's start costs more than most of them."""
+    with LocalFarm() as farm:
+        yield farm
+
+
 def _claimed(store: Store) -> bool:
     return any(store.jobs.redis.scan_iter(match=keys.claim("*")))
 
 
-def test_a_hung_gateway_costs_the_step_the_inactivity_limit_and_a_local_compile():
-    with LocalFarm() as farm:
-        client = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "clients", "model_client.py"), "mlp", "infer"],
-            env=dict(
-                os.environ,
-                TORCHFARM_ADDR=farm.addr,
-                TORCHFARM_PROGRESS="0",
-                TORCHFARM_INACTIVITY_TIMEOUT=str(INACTIVITY_S),
-                TORCHFARM_COMPILE_TIMEOUT="600",
-                TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-                TRITON_CACHE_DIR=tempfile.mkdtemp(),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        gave_up = threading.Event()
-        errors: list[str] = []
+def test_a_hung_gateway_costs_the_step_the_inactivity_limit_and_a_local_compile(farm):
+    client = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "clients", "model_client.py"), "mlp", "infer"],
+        env=dict(
+            os.environ,
+            TORCHFARM_ADDR=farm.addr,
+            TORCHFARM_PROGRESS="0",
+            TORCHFARM_INACTIVITY_TIMEOUT=str(INACTIVITY_S),
+            TORCHFARM_COMPILE_TIMEOUT="600",
+            TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+            TRITON_CACHE_DIR=tempfile.mkdtemp(),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    gave_up = threading.Event()
+    errors: list[str] = []
 
-        def read_stderr() -> None:
-            for line in client.stderr:
-                errors.append(line)
-                if "farm unavailable" in line:
-                    gave_up.set()
+    def read_stderr() -> None:
+        for line in client.stderr:
+            errors.append(line)
+            if "farm unavailable" in line:
+                gave_up.set()
 
-        threading.Thread(target=read_stderr, daemon=True).start()
-        store = farm.store()
-        _wait_for("the client's compile request", lambda: _claimed(store))
-        gateway = farm.procs["gateway"].pid
-        os.kill(gateway, signal.SIGSTOP)  # hangs: its connections stay open, nothing comes
-        try:
-            stopped = time.monotonic()
-            assert gave_up.wait(INACTIVITY_S + 60), "".join(errors)[-3000:]
-            waited = time.monotonic() - stopped
-            out = client.stdout.read()
-            assert client.wait(timeout=600) == 0, "".join(errors)[-3000:]
-        finally:
-            os.kill(gateway, signal.SIGCONT)
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["sources"] == ["local"]  # compiled locally, once
-        assert "farm silent for 5 s" in result["whys"][0]
-        assert result["out_err"] < 1e-4  # equal to eager
-        # Not the 600 s compile timeout: the inactivity limit, plus a loaded machine's margin.
-        assert waited < INACTIVITY_S + 30
-        assert sum("farm unavailable" in line for line in errors) == 1  # one warning
+    threading.Thread(target=read_stderr, daemon=True).start()
+    store = farm.store()
+    _wait_for("the client's compile request", lambda: _claimed(store))
+    gateway = farm.procs["gateway"].pid
+    os.kill(gateway, signal.SIGSTOP)  # hangs: its connections stay open, nothing comes
+    try:
+        stopped = time.monotonic()
+        assert gave_up.wait(INACTIVITY_S + 60), "".join(errors)[-3000:]
+        waited = time.monotonic() - stopped
+        out = client.stdout.read()
+        assert client.wait(timeout=600) == 0, "".join(errors)[-3000:]
+    finally:
+        os.kill(gateway, signal.SIGCONT)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["sources"] == ["local"]  # compiled locally, once
+    assert "farm silent for 5 s" in result["whys"][0]
+    assert result["out_err"] < 1e-4  # equal to eager
+    # Not the 600 s compile timeout: the inactivity limit, plus a loaded machine's margin.
+    assert waited < INACTIVITY_S + 30
+    assert sum("farm unavailable" in line for line in errors) == 1  # one warning
 
 
 def _request(width: int) -> pb.CompileRequest:
@@ -158,15 +165,14 @@ def _drain(addr: str, request: pb.CompileRequest) -> tuple[int, int]:
     return size, received
 
 
-def test_an_artifact_that_inflates_enormously_costs_the_gateway_a_chunk_per_stream():
+def test_an_artifact_that_inflates_enormously_costs_the_gateway_a_chunk_per_stream(farm):
     artifact = bytes(300 << 20)  # 300 MB of zeros: about 30 KB stored
-    with LocalFarm() as farm:
-        request = _request(26)
-        _plant(farm.store(), public_key(request.graph, request.target, request.options), artifact)
-        gateway = farm.procs["gateway"].pid
-        before = _memory_kib(gateway, "VmRSS")
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda _: _drain(farm.addr, request), range(4)))
-        assert results == [(len(artifact), len(artifact))] * 4
-        grown_mib = (_memory_kib(gateway, "VmHWM") - before) / 1024
-        assert grown_mib < 150, f"the gateway grew by {grown_mib:.0f} MiB"
+    request = _request(26)
+    _plant(farm.store(), public_key(request.graph, request.target, request.options), artifact)
+    gateway = farm.procs["gateway"].pid
+    before = _memory_kib(gateway, "VmRSS")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _drain(farm.addr, request), range(4)))
+    assert results == [(len(artifact), len(artifact))] * 4
+    grown_mib = (_memory_kib(gateway, "VmHWM") - before) / 1024
+    assert grown_mib < 150, f"the gateway grew by {grown_mib:.0f} MiB"

@@ -255,7 +255,7 @@ def _build(name: str):
         return model, (torch.randn(4, 16, 128),)
     from coverage.architectures import build
 
-    return build(name)
+    return build(name, scale="tiny")
 
 
 def model(name: str) -> dict:
