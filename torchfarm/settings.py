@@ -334,7 +334,7 @@ class WorkerSettings:
         processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
         share_mb = compile_share_mb(self.concurrency, self.warm_children * processes)
         if not self.compile_disk_mb:
-            object.__setattr__(self, "compile_disk_mb", max(256, min(4096, share_mb // 4)))
+            object.__setattr__(self, "compile_disk_mb", default_disk_mb(share_mb))
         if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
             object.__setattr__(self, "memory_limit_mb", 0)
         elif self.memory_limit_mb == -1:
@@ -355,8 +355,8 @@ class WorkerSettings:
         if self.memory_limit_mb != -1:
             return True
         share_mb = compile_share_mb(self.concurrency, 2 * self.warm_children)
-        disk_mb = self.compile_disk_mb or max(256, min(4096, share_mb // 4))
-        return (share_mb - disk_mb - COMPILE_SHM_MB) // 2 >= MIN_COMPILE_MEMORY_MB
+        disk_mb = self.compile_disk_mb or default_disk_mb(share_mb)
+        return memory_cap_mb(share_mb, disk_mb, 2) >= MIN_COMPILE_MEMORY_MB
 
     @property
     def visibility_timeout_s(self) -> float:
@@ -463,11 +463,21 @@ def compile_share_mb(concurrency: int, warm_children: int) -> int:
     return max(0, free // concurrency)
 
 
+def default_disk_mb(share_mb: int) -> int:
+    """A compile's RAM-backed work dir by default: a quarter of its share, 256 MiB to 4 GiB."""
+    return max(256, min(4096, share_mb // 4))
+
+
+def memory_cap_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
+    """A compile's share less its work dir and /dev/shm, split among the compile's
+    `processes` (the child, and its backward helper where on), at most 32 GiB."""
+    return min(32 << 10, (share_mb - disk_mb - COMPILE_SHM_MB) // processes)
+
+
 def compile_memory_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
-    """A compile child's default address-space cap: its share less its work dir and /dev/shm,
-    split among the compile's `processes` (the child, and its backward helper where on), at
-    most 32 GiB; a host too small for its concurrency gets a clear error."""
-    cap = min(32 << 10, (share_mb - disk_mb - COMPILE_SHM_MB) // processes)
+    """A compile child's default address-space cap (memory_cap_mb); a host too small for
+    its concurrency gets a clear error."""
+    cap = memory_cap_mb(share_mb, disk_mb, processes)
     if cap < MIN_COMPILE_MEMORY_MB:
         raise ValueError(
             f"this host's memory ({host_memory_mb()} MiB) leaves a compile {share_mb} MiB: "

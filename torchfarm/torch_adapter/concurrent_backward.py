@@ -47,11 +47,7 @@ from torch._inductor.triton_bundler import TritonBundler
 
 class Stopped(BaseException):
     """The helper's work is over: a BaseException, so that no `except Exception` of torch's
-    on the way up turns it into a compile error. `backward` says whether it compiled one."""
-
-    def __init__(self, backward: bool) -> None:
-        super().__init__("backward compiled" if backward else "no backward to compile")
-        self.backward = backward
+    on the way up turns it into a compile error."""
 
 
 def _forward_stub(*args, **kwargs):
@@ -66,13 +62,13 @@ def backward_only() -> Iterator[None]:
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
-            raise Stopped(backward=False)
+            raise Stopped("no backward to compile")
         return None, _forward_stub  # no output strides: the backward's inputs as traced
 
     def backward(*args, **kwargs):
         with functorch_config.patch(bundled_autograd_cache=False):
             compile_backward(*args, **kwargs)
-        raise Stopped(backward=True)
+        raise Stopped("backward compiled")
 
     with (
         mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),

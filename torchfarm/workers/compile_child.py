@@ -117,6 +117,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _warm_up(args: argparse.Namespace) -> None:
+    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+
+
 def _start_helper(argv: list[str]) -> subprocess.Popen:
     """The backward helper: this child's arguments, in helper mode; its output goes to this
     child's stderr (fd 2), never into the reports."""
@@ -169,7 +173,7 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
     # Whatever the compile prints goes to stderr (the error text), never into the reports.
     _reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+    _warm_up(args)
     report(pb.CompileChildReport(ready=True))
     data = sys.stdin.buffer.read()
     if not data:  # the worker closed the pipe without a request: it is going away
@@ -212,7 +216,7 @@ def _helper_main(args: argparse.Namespace) -> int:
     """The backward helper: warm up, read the child's request, compile its backward into the
     shared cache dir, stop. Exit status 0 whether or not there was a backward."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # ends with its child, sandbox or not
-    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+    _warm_up(args)
     data = sys.stdin.buffer.read()
     if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0
