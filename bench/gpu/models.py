@@ -48,13 +48,18 @@ def build(name: str) -> tuple[nn.Module, list[torch.Tensor], dict]:
     """(model on cuda, example inputs, spec). spec: train, bf16, dynamic_dim, other_sizes."""
     torch.manual_seed(0)
     dev = "cuda"
-    if name in ("gpt", "gpt-storm"):
-        d = 512 if name == "gpt" else 384
-        model = GPT(d=d).to(dev)
+    if name in ("gpt", "gpt-storm") or name.startswith("gpt-l"):  # (before gpt-small-l<N>)
+        d = 384 if name == "gpt-storm" else 512
+        # gpt-l<N>: GPT's sibling with N layers instead of 6 (issue 28's sibling misses)
+        layers = int(name.removeprefix("gpt-l")) if name.startswith("gpt-l") else 6
+        model = GPT(layers=layers, d=d).to(dev)
         x = torch.randint(0, 8192, (16, 256), device=dev)
         return model, [x], {"train": True, "bf16": True}
-    if name == "gpt-small":  # inference, few GEMM shapes: max-autotune fits in a device call
-        model = GPT(layers=1, d=256, heads=4).to(dev).eval()
+    if name == "gpt-small" or name.startswith("gpt-small-l"):
+        # inference, few GEMM shapes: max-autotune fits in a device call; gpt-small-l<N>: its
+        # sibling with N layers (issue 28's max-autotune sibling misses)
+        layers = int(name.removeprefix("gpt-small-l")) if name != "gpt-small" else 1
+        model = GPT(layers=layers, d=256, heads=4).to(dev).eval()
         x = torch.randint(0, 8192, (8, 128), device=dev)
         return model, [x], {"train": False, "bf16": True}
     if name == "resnet50":

@@ -12,6 +12,12 @@ novel:    issue 28: local cold vs farm miss on an empty farm for MODELS (default
           coverage architectures, training steps), MODE (default "default"), and their
           geomean; step time farm/local from a farm hit after the miss (the worker idle);
           the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on here).
+sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and its 8-layer
+          sibling), MODE (default "default"): local cold of B on empty caches; local A, then
+          local B with A's caches kept (what one user gets today); the farm's miss of A, then
+          of B, with TORCHFARM_PRIVATE=1 (a tenant's Triton entries and tuning results serve
+          its private compiles); a farm hit of B for the step time. Ratios B-after-A over
+          local cold of B and over local B after A, and the worker's kernel-cache lines.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
           MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
@@ -182,6 +188,36 @@ class Runner:
         print(json.dumps(row), flush=True)
         self.rows.append(row)
         return ratio
+
+    def sibling_miss(self, a: str, b: str, mode: str) -> dict:
+        """Issue 28's sibling rows (see the module's docstring); the ratios."""
+        cold = self.run(b, mode, "local", "local cold B", tempfile.mkdtemp(prefix="cold-"))
+        kept = tempfile.mkdtemp(prefix="kept-")
+        self.run(a, mode, "local", "local A", kept)
+        after = self.run(b, mode, "local", "local B after A", kept)
+        private = {"TORCHFARM_PRIVATE": "1"}
+        self.run(a, mode, "farm", "farm miss A", tempfile.mkdtemp(prefix="miss-"), private)
+        miss = self.run(b, mode, "farm", "farm miss B after A", tempfile.mkdtemp(), private)
+        hit = self.run(b, mode, "farm", "farm hit B", tempfile.mkdtemp(prefix="hit-"), private)
+        self.compare(b, mode, "farm miss B after A", "local cold B")
+        first = {
+            k: r.get("first_step_s", float("nan"))
+            for k, r in (("cold", cold), ("after", after), ("miss", miss))
+        }
+        row = {
+            "model": f"{a}:{b}",
+            "mode": mode,
+            "case": "sibling",
+            "miss_over_cold_b": first["miss"] / first["cold"],
+            "miss_over_local_b_after_a": first["miss"] / first["after"],
+            "local_b_after_a_over_cold_b": first["after"] / first["cold"],
+            "kernel_cache": kernel_cache_lines(self.outdir)[-2:],
+        }
+        if hit.get("compiled_ms") and cold.get("compiled_ms"):
+            row["step_farm_over_local"] = hit["compiled_ms"] / cold["compiled_ms"]
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        return row
 
     def hit_vs_pytorch(self, model: str, mode: str, redis_port: int) -> dict:
         """Issue 26's rows, each a fresh process: the farm hit with Dynamo's tracing skipped
@@ -455,6 +491,16 @@ def spread_check(gpus: int) -> dict:
 NOVEL_MODELS = "gpt,coverage:llama-gqa,coverage:vit,coverage:convnext,coverage:gpt2"
 
 
+def kernel_cache_lines(log_dir: str) -> list[str]:
+    """The worker's `kernel cache: ...` log lines so far (one per compile), oldest first."""
+    found = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                found += [line.strip()[-200:] for line in f if "kernel cache: " in line]
+    return found
+
+
 def redis_value_bytes(port: int) -> int:
     """The bytes of every value in a redis-server: what PyTorch's remote caches stored."""
     import redis
@@ -473,6 +519,7 @@ def main() -> None:
             "smoke",
             "miss",
             "novel",
+            "sibling",
             "hit",
             "profile",
             "skipcheck",
@@ -486,7 +533,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     sandbox = os.environ.get("TORCHFARM_SANDBOX", "bwrap")
     with LocalFarm(
-        device="cuda", sandbox=sandbox, log_dir=args.out, tenants=f"bench:{hash_token(TOKEN)}"
+        device="cuda",
+        sandbox=sandbox,
+        log_dir=args.out,
+        tenants=f"bench:{hash_token(TOKEN)}",
+        # each part's farm starts with an empty kernel cache, as a new farm does
+        extra_env={"TORCHFARM_KERNEL_CACHE": tempfile.mkdtemp(prefix="kernels-")},
     ) as farm:
         runner = Runner(farm, args.out)
         if args.part == "smoke":  # one quick miss + hit, to check the setup
@@ -560,6 +612,10 @@ def main() -> None:
                 geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 runner.rows.append({"case": "geomean miss_over_cold", "value": geomean})
                 print(f"geomean miss_over_cold over {len(ratios)}: {geomean:.3f}", flush=True)
+        elif args.part == "sibling":  # issue 28: SIBLINGS (a:b,...), MODE
+            mode = os.environ.get("MODE", "default")
+            for pair in os.environ.get("SIBLINGS", "gpt:gpt-l8").split(","):
+                runner.sibling_miss(*pair.split(":"), mode)
         elif args.part == "miss":
             runner.miss_vs_cold("gpt", "default")
             runner.miss_vs_cold("resnet50", "default")

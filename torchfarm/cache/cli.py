@@ -393,7 +393,8 @@ def stats(
     direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool."""
+    """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool,
+    with the kernels and tuning results the pool's compiles reused (issue 28)."""
     result = _run((addr, token, redis_url, direct), lambda s: s.stats())
     if as_json:
         typer.echo(json.dumps(result, indent=1))
@@ -406,16 +407,19 @@ def stats(
                 if isinstance(value, int)
                 else f"[bold]{name}[/bold]: {value}"
             )
-    table = Table("pool", "entries", "bytes", "hits", "misses", "compiles", "compile s")
+    table = Table(
+        "pool", "entries", "bytes", "hits", "misses", "compiles", "compile s",
+        "kernels reused", "tuning stored", "tuning reused", "tuning s saved",
+    )  # fmt: skip
     for name, p in sorted(result["pools"].items()):
         table.add_row(
             name or "(unknown)",
             str(p["entries"]),
             f"{int(p['bytes']):,}",
-            str(int(p.get("hits", 0))),
-            str(int(p.get("misses", 0))),
-            str(int(p.get("compiles", 0))),
+            *(str(int(p.get(n, 0))) for n in ("hits", "misses", "compiles")),
             f"{p.get('compile_seconds', 0):.1f}",
+            *(str(int(p.get(n, 0))) for n in ("kernels_reused", "tuning_stored", "tuning_reused")),
+            f"{p.get('tuning_seconds_saved', 0):.1f}",
         )
     console.print(table)
 

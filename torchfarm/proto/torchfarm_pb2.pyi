@@ -2282,13 +2282,20 @@ class KernelFiles(_message.Message):
     BUILT_FIELD_NUMBER: _builtins.int
     REUSED_FIELD_NUMBER: _builtins.int
     SOURCES_FIELD_NUMBER: _builtins.int
+    TUNING_REUSED_FIELD_NUMBER: _builtins.int
+    TUNING_SECONDS_SAVED_FIELD_NUMBER: _builtins.int
+    tuning_reused: _builtins.int
+    """Staged autotune results a private compile used unchanged (kernel_cache.py), and the
+    tuning seconds they record: statistics only (the tenant's child says so).
+    """
+    tuning_seconds_saved: _builtins.float
     @_builtins.property
     def built(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
-        """`<2 chars>/<Inductor's file name>.so|.o` -> its bytes"""
+        """`<2 chars>/<Inductor's file name>.so|.o`, `triton/<key>/<file>`, `tuning/...` -> bytes"""
 
     @_builtins.property
     def reused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """staged libraries the compile loaded (for LRU pruning)"""
+        """staged libraries / Triton entries used (for LRU pruning)"""
 
     @_builtins.property
     def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelSource]:
@@ -2300,10 +2307,12 @@ class KernelFiles(_message.Message):
         built: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
         reused: _abc.Iterable[_builtins.str] | None = ...,
         sources: _abc.Iterable[Global___KernelSource] | None = ...,
+        tuning_reused: _builtins.int = ...,
+        tuning_seconds_saved: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

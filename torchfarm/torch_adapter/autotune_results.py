@@ -15,10 +15,17 @@ path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is 
   descent (max-autotune) leaves, so there it is replaced by `_recheck_2_11` (the body of
   2.13's recheck, with the worker's result found).
 
-Uses AutotuneCacheArtifact.populate_cache, CachingAutotuner.recheck_autotune_cache (and the
-autotuner's compile_results, filename, inductor_meta, fn, _precompile_config),
-check_autotune_cache, hash_configs, triton_config_to_hashable, AutotuneCache.create / its
-local_cache, and autotune_cache._load_cached_autotuning.
+`results_found(place)` is the compile side: before Inductor compiles a Triton kernel (its
+module written to the cache dir, so every process sees the same file), `place(path)` may put
+an earlier result where Inductor's local autotune cache will look for it (`result_path`).
+
+Uses AsyncCompile.triton(kernel_name, source_code, ...), PyCodeCache.write,
+AutotuneCache._prepare_key / _make_local_cache_key (2.13+; 2.11 hashes the key with
+torch_key itself), AutotuneCacheArtifact.populate_cache,
+CachingAutotuner.recheck_autotune_cache (and the autotuner's compile_results, filename,
+inductor_meta, fn, _precompile_config), check_autotune_cache, hash_configs,
+triton_config_to_hashable, AutotuneCache.create / its local_cache, and
+autotune_cache._load_cached_autotuning.
 Verified: torch 2.11.0 (replacement, on the GPU), 2.13.0 and 2.15.0 (wrapper; CPU only, so
 the patching is tested and the effect read from the sources).
 """
@@ -26,9 +33,11 @@ the patching is tested and the effect read from the sources).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
+from torch._inductor import async_compile, codecache
 from torch._inductor.runtime import autotune_cache
 from torch._inductor.runtime import triton_heuristics as heuristics
 from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
@@ -37,6 +46,35 @@ from torchfarm.torch_adapter import gate
 
 # Before 2.13 the recheck considered only kernels with more than one config.
 _RECHECK_IGNORES_SINGLE_CONFIGS = gate.release_tuple() < (2, 13)
+
+
+def result_path(kernel_path: str) -> str:
+    """Where Inductor's local autotune cache keeps the result of the kernel module written
+    at `kernel_path` (`<dir>/<hash>.best_config`), as AutotuneCache.create names it."""
+    cache = autotune_cache.AutotuneCache
+    key = cache._prepare_key(kernel_path)
+    directory = os.path.dirname(kernel_path)
+    if hasattr(cache, "_make_local_cache_key"):  # 2.13+
+        return cache._make_local_cache_key(directory, key)
+    hashed = hashlib.sha256(key.encode("utf-8") + codecache.torch_key()).hexdigest()
+    return f"{directory}/{hashed}.best_config"  # 2.11's _setup_local_cache
+
+
+@contextlib.contextmanager
+def results_found(place: Callable[[str], None]) -> Iterator[None]:
+    """While entered, each Triton kernel Inductor compiles first has its module written and
+    `place(result_path(module))` called, before any process tunes or compiles it."""
+    original = async_compile.AsyncCompile.triton
+
+    def triton(self, kernel_name, source_code, *args, **kwargs):
+        place(result_path(codecache.PyCodeCache.write(source_code)[1]))
+        return original(self, kernel_name, source_code, *args, **kwargs)
+
+    async_compile.AsyncCompile.triton = triton  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        async_compile.AsyncCompile.triton = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -221,7 +221,14 @@ def _compile_and_store(
     timings.store_s = time.perf_counter() - read_back
     if kernels:  # before the job ends: its tenant's next compile finds them
         _keep_kernels(kernels, pool_kernels, tenant_kernels, child.kernels, extra)
-        store.counters.count(pool, kernels_reused=len(child.kernels.reused))
+        tuned = [n for n in child.kernels.built if n.startswith(kernel_cache.TUNING + "/")]
+        store.counters.count(
+            pool,
+            kernels_reused=len(child.kernels.reused),
+            tuning_stored=len(tuned) if tenant_kernels else 0,
+            tuning_reused=child.kernels.tuning_reused,
+            tuning_seconds_saved=child.kernels.tuning_seconds_saved,
+        )
     # Logged before the job ends: its waiters wake at once (a log read then finds the line).
     log.info(
         "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s",
@@ -290,7 +297,14 @@ def _keep_kernels(
     except OSError:
         log.exception("could not keep the compile's kernels", extra=extra)
         return
-    log.info("kernel cache: %d objects reused, %d kept", len(files.reused), stored, extra=extra)
+    log.info(
+        "kernel cache: %d objects reused, %d kept, %d tuning results reused (%.1f s of tuning)",
+        len(files.reused),
+        stored,
+        files.tuning_reused,
+        files.tuning_seconds_saved,
+        extra=extra,
+    )
 
 
 # ---- Signing: the worker vouches for what it stored (torchfarm/signing.py) ---------------

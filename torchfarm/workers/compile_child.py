@@ -3,8 +3,9 @@
 It speaks the contract's child protocol (CompileChildRequest / CompileChildReport in
 torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
 So nothing of a tenant's compile is a file the host can see, and a crashed worker leaves
-nothing behind; the one exception is the C++ objects a private job's child reports, which its
-parent checks and keeps for that tenant's later compiles (kernel_cache.py); a shared job's
+nothing behind; the one exception is the kernels a private job's child reports (C++ objects;
+on GPU pools Triton entries and tuning results), which its parent checks and keeps for that
+tenant's later compiles (kernel_cache.py); a shared job's
 child reports the C++ sources it built, which only ever reach a kernel build of the pool's
 (kernel_builder.py). Everything it
 reads is hostile; it runs with no network, no secrets, no capabilities and no access to the
@@ -118,6 +119,12 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 
 
 def _warm_up(args: argparse.Namespace) -> None:
+    if args.kernels and args.device == "cuda":  # before Triton or a compile worker starts
+        with contextlib.suppress(ImportError):  # a CUDA build without Triton
+            from torchfarm.torch_adapter import triton_cache
+
+            staged = os.path.join(args.kernels, kernel_cache.TRITON)
+            os.environ.update(triton_cache.environment(staged))
     warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
 
 
@@ -205,7 +212,12 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
         if backward is not None:
             artifact.backward = backward.compiled_by
     if args.kernels:
-        files = kernel_cache.report(cache_dir, args.kernels, built=request.kernel_cache)
+        files = kernel_cache.report(
+            cache_dir,
+            args.kernels,
+            built=request.kernel_cache,
+            triton_dir=os.environ.get("TRITON_CACHE_DIR", ""),
+        )
         files.sources.extend(sources)
         report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))

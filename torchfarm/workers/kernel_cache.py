@@ -12,6 +12,13 @@ compile takes, not what it produces.
 Per (toolchain, pool, tenant), for private jobs only: a child runs the tenant's code and can
 report any bytes under any name, so what a tenant's cache holds is the tenant's to choose, and
 may reach only entries that the tenant alone loads (docs/reliability.md, "Kernel reuse").
+
+On GPU pools a tenant's directory also keeps, for its private compiles, what Triton and
+Inductor's tuning made (issue 28): Triton's compiled entries (`triton/<key>/`, found through
+Triton's own cache manager, torch_adapter/triton_cache.py) and the autotune results
+(`tuning/<2 chars>/<hash>.best_config`, placed where Inductor looks for a kernel's result just
+before it compiles that kernel; `tuning/cache/<hash>`, Inductor's GEMM timings, copied in at the
+start). The same rule holds: they are the tenant's, read by the tenant's private compiles only.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import errno
 import hashlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -30,26 +38,43 @@ from collections.abc import Iterator
 from torchfarm.proto import torchfarm_pb2 as pb
 
 # `<2 chars>/c<hash>[.main|.optimized].so|.o`, the 2 chars being the hash's first two, as
-# Inductor's codecache.write names a C++ source's objects. Nothing else is kept or linked.
-_NAME = re.compile(r"([0-9a-z]{2})/c(\1[0-9a-z]{18,62})(?:\.main|\.optimized)?\.(?:so|o)")
+# Inductor's codecache.write names a C++ source's objects.
+_CPP = re.compile(r"([0-9a-z]{2})/c(\1[0-9a-z]{18,62})(?:\.main|\.optimized)?\.(?:so|o)")
+# A Triton entry's files (`triton/<base32 key>/<kernel>.<stage>`: metadata, IRs, binary; never
+# a group file, which holds paths, nor a launcher's C source or library), and Inductor's
+# tuning results (a kernel's `.best_config` beside its module; the GEMM timings file).
+TRITON, TUNING = "triton", "tuning"
+_TRITON = re.compile(
+    TRITON + r"/([A-Z2-7]{52})/(?!__grp__)[A-Za-z_]\w{0,200}"
+    r"\.(?:json|cubin|hsaco|ptx|amdgcn|ttir|ttgir|llir|source)"
+)
+_TRITON_ENTRY = re.compile(TRITON + r"/[A-Z2-7]{52}")
+_TUNING = re.compile(TUNING + r"/(?:[0-9a-z]{2}/[0-9a-f]{64}\.best_config|cache/[0-9a-f]{64})")
+_GEMM_TIMINGS = "cache"  # Inductor's cache_dir()/cache/<system hash>: PersistentCache
 
 
 def is_kernel_name(name: str) -> bool:
-    """A C++ object's path in Inductor's cache dir, and nothing that could leave it."""
-    return _NAME.fullmatch(name) is not None
+    """A file a kernel cache directory may hold, and nothing that could leave it."""
+    return any(p.fullmatch(name) for p in (_CPP, _TRITON, _TUNING))
 
 
-def _names(directory: str) -> list[str]:
-    """The kernel objects under `directory`, as `<2 chars>/<file>`: regular files or links."""
+def _unit(name: str) -> str:
+    """What is kept, used and pruned as one: a Triton entry's directory, else the file."""
+    match = _TRITON.fullmatch(name)
+    return f"{TRITON}/{match.group(1)}" if match else name
+
+
+def _names(directory: str, pattern: re.Pattern | None = None, prefix: str = "") -> list[str]:
+    """The kernel cache files under `directory` (regular files or links), named relative to
+    it after `prefix` (`triton/` for a Triton cache dir, `tuning/` for an Inductor one)."""
     found: list[str] = []
-    try:
-        subdirs = os.listdir(directory)
-    except FileNotFoundError:
-        return found
-    for sub in subdirs:
-        path = os.path.join(directory, sub)
-        if len(sub) == 2 and os.path.isdir(path) and not os.path.islink(path):
-            found += [f"{sub}/{f}" for f in os.listdir(path) if is_kernel_name(f"{sub}/{f}")]
+    for root, dirs, files in os.walk(directory):
+        rel = os.path.relpath(root, directory)
+        dirs[:] = [] if rel.count(os.sep) >= 2 else [d for d in dirs if d != "sources"]
+        for f in files:
+            name = prefix + os.path.normpath(os.path.join(rel, f))
+            if is_kernel_name(name) and (pattern is None or pattern.fullmatch(name)):
+                found.append(name)
     return found
 
 
@@ -71,8 +96,38 @@ def looking_up(staged: str, cache_dir: str) -> Iterator[None]:
             if is_kernel_name(name) and exists:
                 os.symlink(staged_path, stem + suffix)
 
-    with cpp_libraries.sources_written(link):
+    with cpp_libraries.sources_written(link), _tuning_found(staged, cache_dir):
         yield
+
+
+@contextlib.contextmanager
+def _tuning_found(staged: str, cache_dir: str) -> Iterator[None]:
+    """The staged GEMM timings copied into `cache_dir` now; a staged `.best_config` copied
+    beside each Triton kernel's module just before Inductor compiles and tunes it (Inductor
+    then takes that config and benchmarks none). Only on a host with Triton."""
+    timings = os.path.join(staged, TUNING, _GEMM_TIMINGS)
+    for name in os.listdir(timings) if os.path.isdir(timings) else ():
+        if _TUNING.fullmatch(f"{TUNING}/{_GEMM_TIMINGS}/{name}"):
+            _copy(os.path.join(timings, name), os.path.join(cache_dir, _GEMM_TIMINGS, name))
+    try:
+        from torchfarm.torch_adapter import autotune_results
+    except ImportError:  # a torch without Triton: no Triton kernels to tune
+        yield
+        return
+
+    def place(result: str) -> None:
+        name = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
+        if _TUNING.fullmatch(name) and not os.path.exists(result):
+            with contextlib.suppress(FileNotFoundError):
+                _copy(os.path.join(staged, name), result)
+
+    with autotune_results.results_found(place):
+        yield
+
+
+def _copy(source: str, dest: str) -> None:
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    shutil.copyfile(source, dest)
 
 
 @contextlib.contextmanager
@@ -106,21 +161,61 @@ CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache")  # what a kernel bu
 _TRISTATE = {None: 0, False: 1, True: 2}  # KernelSource.needs_vec_isa
 
 
-def report(cache_dir: str, staged: str, built: bool = True) -> pb.KernelFiles:
+def report(cache_dir: str, staged: str, built: bool = True, triton_dir: str = "") -> pb.KernelFiles:
     """The objects this compile built (regular files; with `built`), and the staged libraries
-    it loaded (mapped in this process)."""
+    it loaded (mapped in this process). With `built`, also the Triton entries in `triton_dir`
+    and the tuning results in `cache_dir` it made, and which staged ones it used."""
     files = pb.KernelFiles()
     with open("/proc/self/maps") as f:
         mapped = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
-    for name in _names(cache_dir):
+    for name in _names(cache_dir, _CPP):
         path = os.path.join(cache_dir, name)
         if not os.path.islink(path):
             if built:
-                with open(path, "rb") as f:
-                    files.built[name] = f.read()
+                files.built[name] = _read(path)
         elif os.path.join(staged, name) in mapped:
             files.reused.append(name)
+    if built:
+        _report_triton(triton_dir, staged, files)
+        _report_tuning(cache_dir, staged, files)
     return files
+
+
+def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles) -> None:
+    """An entry whose key is staged came from there (Triton's lookup copies it in, and
+    compiles nothing); any other was compiled here."""
+    prefix = TRITON + "/"
+    for name in _names(triton_dir, _TRITON, prefix) if triton_dir else ():
+        unit = _unit(name)
+        if os.path.isdir(os.path.join(staged, unit)):
+            if unit not in files.reused:
+                files.reused.append(unit)
+        else:
+            files.built[name] = _read(os.path.join(triton_dir, name[len(prefix) :]))
+
+
+def _report_tuning(cache_dir: str, staged: str, files: pb.KernelFiles) -> None:
+    """New or changed results are kept; a kernel's result found staged and unchanged is one
+    reused, worth the tuning time it records (the tenant's own claim: statistics only)."""
+    prefix = TUNING + "/"
+    for name in _names(cache_dir, _TUNING, prefix):
+        data = _read(os.path.join(cache_dir, name[len(prefix) :]))
+        try:
+            unchanged = _read(os.path.join(staged, name)) == data
+        except FileNotFoundError:
+            unchanged = False
+        if not unchanged:
+            files.built[name] = data
+        elif name.endswith(".best_config"):
+            files.tuning_reused += 1
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                seconds = float(json.loads(data).get("time_taken_ms", 0)) / 1e3
+                files.tuning_seconds_saved += seconds
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 # ---- the worker's side -------------------------------------------------------------------
@@ -163,50 +258,65 @@ class KernelCache:
         _write_atomically(_source_marker(pool_dir, source), "\n".join(names).encode())
 
     def keep(self, tenant_dir: str, files: pb.KernelFiles) -> tuple[int, int]:
-        """Store the objects a child of this tenant (or a kernel build of the pool's) built
-        (well-formed names only, none over the budget, none already there), mark the ones it
-        reused as used now, then prune the least recently used past the budget; (objects
-        stored, objects reused)."""
+        """Store the files a child of this tenant (or a kernel build of the pool's) built
+        (well-formed names only, none over the budget; none already there, except tuning
+        results, which a later compile refines), mark the ones it reused as used now, then
+        prune the least recently used past the budget; (files stored, units reused)."""
         self.touch(tenant_dir, files.reused)
         stored = 0
         if sum(len(data) for data in files.built.values()) <= self.max_bytes:
-            for name, data in files.built.items():
+            # A Triton entry's metadata last: the lookup takes an entry only once it is there.
+            for name in sorted(files.built, key=lambda n: (_unit(n), n.endswith(".json"))):
                 path = os.path.join(tenant_dir, name)
-                if is_kernel_name(name) and not os.path.exists(path):
-                    _write_atomically(path, data)
+                replaces = name.startswith(TUNING + "/")
+                if is_kernel_name(name) and (replaces or not os.path.exists(path)):
+                    _write_atomically(path, files.built[name])
                     stored += 1
         self.prune(tenant_dir)
         return stored, len(files.reused)
 
     @staticmethod
-    def touch(directory: str, names) -> None:
-        """Mark the objects `names` of `directory` as used now (least recently used go first)."""
+    def touch(directory: str, units) -> None:
+        """Mark `units` of `directory` (files, or Triton entries) as used now (least recently
+        used go first)."""
         now = time.time()
-        for name in names:
-            if is_kernel_name(name):
-                try:
-                    os.utime(os.path.join(directory, name), (now, now))
-                except FileNotFoundError:
-                    pass
+        for unit in units:
+            path = os.path.join(directory, unit)
+            if is_kernel_name(unit):
+                paths = [path]
+            elif _TRITON_ENTRY.fullmatch(unit):
+                paths = [os.path.join(path, n) for n in _listdir(path)]
+            else:
+                continue
+            for each in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(each, (now, now))
 
     def prune(self, tenant_dir: str) -> None:
-        """Remove the least recently used objects until the directory fits the budget."""
-        entries = []
+        """Remove the least recently used units until the directory fits the budget."""
+        units: dict[str, list] = {}
         for name in _names(tenant_dir):
             try:
                 st = os.stat(os.path.join(tenant_dir, name))
             except FileNotFoundError:  # pruned by a compile beside this one
                 continue
-            entries.append((st.st_mtime, st.st_size, name))
-        total = sum(size for _, size, _ in entries)
-        for _, size, name in sorted(entries):
+            used, size, names = units.setdefault(_unit(name), [0.0, 0, []])
+            units[_unit(name)] = [max(used, st.st_mtime), size + st.st_size, [*names, name]]
+        total = sum(size for _, size, _ in units.values())
+        for _, size, names in sorted(units.values(), key=lambda u: u[0]):
             if total <= self.max_bytes:
                 break
-            try:
-                os.remove(os.path.join(tenant_dir, name))
-            except FileNotFoundError:
-                pass
+            for name in sorted(names, key=lambda n: not n.endswith(".json")):  # metadata first
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(tenant_dir, name))
             total -= size
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 def stage(tenant_dir: str, staging: str) -> int:
