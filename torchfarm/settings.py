@@ -295,8 +295,19 @@ class WorkerSettings:
     # CONCURRENT_BACKWARD_MIN_CORES cores and, on CPU, the memory for a second process per
     # compile (the helper traces the graph again; a CPU compile's memory cap is split in two)
     concurrent_backward: str = "auto"
+    # TORCHFARM_KERNEL_NAMES: how compile children name Triton kernels. "unique" (Inductor's
+    # default): by what they fuse and their position in the graph (triton_poi_fused_add_3), so
+    # the same kernel elsewhere in a sibling model is another kernel to Triton's cache and to
+    # its tuning results. "content": every kernel `triton_` (Inductor's unique_kernel_names off),
+    # so those follow the kernel's text alone; GPU profiles then show `triton_` for each kernel
+    # (the descriptive name stays in Inductor's own profiler events).
+    kernel_names: str = "unique"
 
     def __post_init__(self) -> None:
+        if self.kernel_names not in ("unique", "content"):
+            raise ValueError(
+                f"TORCHFARM_KERNEL_NAMES must be unique or content, not {self.kernel_names!r}"
+            )
         if self.concurrent_backward not in ("auto", "1", "0"):
             raise ValueError(
                 "TORCHFARM_CONCURRENT_BACKWARD must be auto, 1 or 0, not "
@@ -398,6 +409,7 @@ class WorkerSettings:
             kernel_cache_dir=_env("TORCHFARM_KERNEL_CACHE", ""),
             spread_tuning=_env("TORCHFARM_SPREAD_TUNING", "0") in ("1", "true", "yes"),
             concurrent_backward=_env("TORCHFARM_CONCURRENT_BACKWARD", "auto").strip() or "auto",
+            kernel_names=_env("TORCHFARM_KERNEL_NAMES", "unique").strip() or "unique",
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

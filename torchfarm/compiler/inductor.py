@@ -107,6 +107,7 @@ def compile_payload(
         trace_state.applied(options.state),
         native.capture(objects),
         autotune_progress.reporting(on_stage),
+        autotune_results.coordesc_results_kept(),
         tuning_devices.spread_over(tuning_gpus),
         AutogradCacheLog() as cache_log,
     ):

@@ -19,7 +19,11 @@ path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is 
 module written to the cache dir, so every process sees the same file), `place(path)` may put
 an earlier result where Inductor's local autotune cache will look for it (`result_path`).
 
-Uses AsyncCompile.triton(kernel_name, source_code, ...), PyCodeCache.write,
+`coordesc_results_kept()` is the compile side too: Inductor's mark on a coordinate-descent
+result survives the trip from its compile workers.
+
+Uses AsyncCompile.triton(kernel_name, source_code, ...), PyCodeCache.write, triton.Config's
+__setstate__ (3.6, 3.9: it keeps only the attributes it knows),
 AutotuneCache._prepare_key / _make_local_cache_key (2.13+; 2.11 hashes the key with
 torch_key itself), AutotuneCacheArtifact.populate_cache,
 CachingAutotuner.recheck_autotune_cache (and the autotuner's compile_results, filename,
@@ -75,6 +79,33 @@ def results_found(place: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         async_compile.AsyncCompile.triton = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def coordesc_results_kept() -> Iterator[None]:
+    """While entered, a Triton config keeps Inductor's `found_by_coordesc` mark through a
+    pickle. Triton's `Config.__setstate__` drops attributes it does not know, so a kernel that
+    Inductor's compile worker built from a stored coordinate-descent result reaches the
+    compiling process unmarked, and coordinate descent runs again from that result (and
+    rewrites it). Measured on the H100 (torch 2.11, triton 3.6): 13 of 15 stored results of a
+    max-autotune sibling were tuned again. A host without Triton has nothing to keep."""
+    try:
+        from triton import Config
+    except ImportError:
+        yield
+        return
+    original = Config.__setstate__
+
+    def setstate(self, state):
+        original(self, state)
+        if state.get("found_by_coordesc"):
+            self.found_by_coordesc = True
+
+    Config.__setstate__ = setstate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Config.__setstate__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -115,6 +115,9 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         "--concurrent-backward", action="store_true", help="start a backward helper"
     )
     parser.add_argument("--backward-helper", action="store_true", help="be that helper")
+    parser.add_argument(
+        "--kernel-names", choices=("unique", "content"), default="unique", help="settings.py"
+    )
     return parser.parse_args(argv)
 
 
@@ -126,6 +129,10 @@ def _warm_up(args: argparse.Namespace) -> None:
             staged = os.path.join(args.kernels, kernel_cache.TRITON)
             os.environ.update(triton_cache.environment(staged))
     warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+    if args.kernel_names == "content":
+        from torchfarm.torch_adapter import standalone
+
+        standalone.inductor_config.triton.unique_kernel_names = False
 
 
 def _start_helper(argv: list[str]) -> subprocess.Popen:

@@ -271,6 +271,8 @@ def child_command(
         python += ["--compilers", settings.compilers]
         if settings.concurrent_backward == "1":
             python += ["--concurrent-backward"]
+        if settings.kernel_names != "unique":
+            python += ["--kernel-names", settings.kernel_names]
         if settings.kernel_cache_mb:
             staging = staging_dir(private_dir)
             os.makedirs(staging)

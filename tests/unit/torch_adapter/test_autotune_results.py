@@ -61,3 +61,19 @@ def test_torch_recheck_is_wrapped_only_while_loading(tmp_path):
     with autotune_results.worker_results_win(str(tmp_path), {"ab/k.best_config"}):
         assert heuristics.CachingAutotuner.recheck_autotune_cache is not original
     assert heuristics.CachingAutotuner.recheck_autotune_cache is original
+
+
+def test_a_coordinate_descent_result_keeps_its_mark_through_a_pickle():
+    import pickle
+
+    triton = pytest.importorskip("triton")
+    config = triton.Config({"XBLOCK": 64}, num_warps=4, num_stages=1)
+    config.found_by_coordesc = True  # as Inductor marks a stored coordinate-descent result
+    data = pickle.dumps(config)
+    assert not hasattr(pickle.loads(data), "found_by_coordesc")  # Triton drops it
+    with autotune_results.coordesc_results_kept():
+        kept = pickle.loads(data)
+        plain = pickle.loads(pickle.dumps(triton.Config({"XBLOCK": 64})))
+    assert kept.found_by_coordesc and kept.kwargs == {"XBLOCK": 64} and kept.num_stages == 1
+    assert not hasattr(plain, "found_by_coordesc")
+    assert not hasattr(pickle.loads(data), "found_by_coordesc")  # restored on exit

@@ -258,3 +258,19 @@ def test_the_backward_helper_is_on_by_default_from_eight_cores_where_memory_allo
     assert WorkerSettings.from_env().concurrent_backward == on
     cuda = WorkerSettings.from_env(device="cuda").concurrent_backward
     assert cuda == ("1" if cores >= 8 else "0")
+
+
+def test_content_kernel_names_are_asked_of_the_child_and_nothing_else_is_accepted(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(sandbox.HostLayout, "probe", classmethod(lambda cls: LAYOUT))
+    monkeypatch.delenv("TORCHFARM_KERNEL_NAMES", raising=False)
+    assert (
+        "--kernel-names" not in sandbox.child_command(WorkerSettings.from_env(), str(tmp_path))[0]
+    )
+    monkeypatch.setenv("TORCHFARM_KERNEL_NAMES", "content")
+    argv = sandbox.child_command(WorkerSettings.from_env(), str(tmp_path / "content"))[0]
+    assert argv[argv.index("--kernel-names") + 1] == "content"
+    monkeypatch.setenv("TORCHFARM_KERNEL_NAMES", "short")
+    with pytest.raises(ValueError, match="TORCHFARM_KERNEL_NAMES must be unique or content"):
+        WorkerSettings.from_env()
