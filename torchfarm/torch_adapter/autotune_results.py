@@ -16,7 +16,7 @@ path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is 
   2.13's recheck, with the worker's result found).
 
 `results_found(place)` is the compile side: before Inductor compiles a Triton kernel (its
-module written to the cache dir, so every process sees the same file), `place(path)` may put
+module written to the cache dir, so every process sees the same file), `place(...)` may put
 an earlier result where Inductor's local autotune cache will look for it (`result_path`).
 
 `coordesc_results_kept()` is the compile side too: Inductor's mark on a coordinate-descent
@@ -65,13 +65,14 @@ def result_path(kernel_path: str) -> str:
 
 
 @contextlib.contextmanager
-def results_found(place: Callable[[str], None]) -> Iterator[None]:
+def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
     """While entered, each Triton kernel Inductor compiles first has its module written and
-    `place(result_path(module))` called, before any process tunes or compiles it."""
+    `place(kernel_name, source_code, result_path(module))` called, before any process tunes or
+    compiles it."""
     original = async_compile.AsyncCompile.triton
 
     def triton(self, kernel_name, source_code, *args, **kwargs):
-        place(result_path(codecache.PyCodeCache.write(source_code)[1]))
+        place(kernel_name, source_code, result_path(codecache.PyCodeCache.write(source_code)[1]))
         return original(self, kernel_name, source_code, *args, **kwargs)
 
     async_compile.AsyncCompile.triton = triton  # type: ignore[method-assign]

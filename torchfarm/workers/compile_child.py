@@ -197,9 +197,10 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
     _hand_over(helper, data, helped)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     sources: list[pb.KernelSource] = []
+    lookups = None
     with contextlib.ExitStack() as kernels:
         if args.kernels:  # before anything of the tenant's runs
-            kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
+            lookups = kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
         if request.kernel_sources:
             kernels.enter_context(kernel_cache.recording(sources))
 
@@ -224,6 +225,7 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
             args.kernels,
             built=request.kernel_cache,
             triton_dir=os.environ.get("TRITON_CACHE_DIR", ""),
+            lookups=lookups,
         )
         files.sources.extend(sources)
         report(pb.CompileChildReport(kernels=files))

@@ -24,6 +24,7 @@ start). The same rule holds: they are the tenant's, read by the tenant's private
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import inspect
@@ -49,7 +50,9 @@ _TRITON = re.compile(
     r"\.(?:json|cubin|hsaco|ptx|amdgcn|ttir|ttgir|llir|source)"
 )
 _TRITON_ENTRY = re.compile(TRITON + r"/[A-Z2-7]{52}")
-_TUNING = re.compile(TUNING + r"/(?:[0-9a-z]{2}/[0-9a-f]{64}\.best_config|cache/[0-9a-f]{64})")
+_TUNING = re.compile(
+    TUNING + r"/(?:(?:[0-9a-z]{2}|text)/[0-9a-f]{64}\.best_config|cache/[0-9a-f]{64})"
+)
 _GEMM_TIMINGS = "cache"  # Inductor's cache_dir()/cache/<system hash>: PersistentCache
 
 
@@ -79,12 +82,21 @@ def _names(directory: str, pattern: re.Pattern | None = None, prefix: str = "") 
 
 
 # ---- the compile child's side ------------------------------------------------------------
+@dataclasses.dataclass
+class TuningLookups:
+    """What the child's compile did with tuning results, for its report: the kept name of each
+    kernel's result file (by its path in the cache dir), and the staged name it was found under."""
+
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+    found: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 @contextlib.contextmanager
-def looking_up(staged: str, cache_dir: str) -> Iterator[None]:
+def looking_up(staged: str, cache_dir: str) -> Iterator[TuningLookups]:
     """While entered, each C++ source Inductor writes into `cache_dir` finds the staged
     objects of its name linked beside it, so Inductor builds none of them. Lookup is by exact
     name: the staging dir cannot be listed (`hide`), so a child reaches only the objects of
-    sources it has itself (the names hash the sources)."""
+    sources it has itself (the names hash the sources). Tuning results: `_tuning_found`."""
     from torchfarm.torch_adapter import cpp_libraries
 
     def link(source_path: str) -> None:
@@ -96,15 +108,25 @@ def looking_up(staged: str, cache_dir: str) -> Iterator[None]:
             if is_kernel_name(name) and exists:
                 os.symlink(staged_path, stem + suffix)
 
-    with cpp_libraries.sources_written(link), _tuning_found(staged, cache_dir):
-        yield
+    lookups = TuningLookups()
+    with cpp_libraries.sources_written(link), _tuning_found(staged, cache_dir, lookups):
+        yield lookups
+
+
+def text_name(kernel_name: str, source: str) -> str:
+    """A Triton kernel's result, named by the kernel's text without its name: Inductor names a
+    kernel by its position in the graph, and its module (whose hash names Inductor's own
+    result file) holds that name, so the same kernel elsewhere in a sibling would be another."""
+    digest = hashlib.sha256(source.replace(kernel_name, "").encode()).hexdigest()
+    return f"{TUNING}/text/{digest}.best_config"
 
 
 @contextlib.contextmanager
-def _tuning_found(staged: str, cache_dir: str) -> Iterator[None]:
+def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterator[None]:
     """The staged GEMM timings copied into `cache_dir` now; a staged `.best_config` copied
-    beside each Triton kernel's module just before Inductor compiles and tunes it (Inductor
-    then takes that config and benchmarks none). Only on a host with Triton."""
+    beside each Triton kernel's module just before Inductor compiles and tunes it, found under
+    the kernel's text (`text_name`) or else Inductor's own name for it (Inductor then takes
+    that config and benchmarks none). Only on a host with Triton."""
     timings = os.path.join(staged, TUNING, _GEMM_TIMINGS)
     for name in os.listdir(timings) if os.path.isdir(timings) else ():
         if _TUNING.fullmatch(f"{TUNING}/{_GEMM_TIMINGS}/{name}"):
@@ -115,11 +137,15 @@ def _tuning_found(staged: str, cache_dir: str) -> Iterator[None]:
         yield
         return
 
-    def place(result: str) -> None:
-        name = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
-        if _TUNING.fullmatch(name) and not os.path.exists(result):
-            with contextlib.suppress(FileNotFoundError):
+    def place(kernel_name: str, source: str, result: str) -> None:
+        own = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
+        if not _TUNING.fullmatch(own) or result in lookups.names:
+            return
+        lookups.names[result] = by_text = text_name(kernel_name, source)
+        for name in (by_text, own):
+            if not os.path.exists(result) and os.path.exists(os.path.join(staged, name)):
                 _copy(os.path.join(staged, name), result)
+                lookups.found[result] = name
 
     with autotune_results.results_found(place):
         yield
@@ -161,7 +187,13 @@ CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache")  # what a kernel bu
 _TRISTATE = {None: 0, False: 1, True: 2}  # KernelSource.needs_vec_isa
 
 
-def report(cache_dir: str, staged: str, built: bool = True, triton_dir: str = "") -> pb.KernelFiles:
+def report(
+    cache_dir: str,
+    staged: str,
+    built: bool = True,
+    triton_dir: str = "",
+    lookups: TuningLookups | None = None,
+) -> pb.KernelFiles:
     """The objects this compile built (regular files; with `built`), and the staged libraries
     it loaded (mapped in this process). With `built`, also the Triton entries in `triton_dir`
     and the tuning results in `cache_dir` it made, and which staged ones it used."""
@@ -177,7 +209,7 @@ def report(cache_dir: str, staged: str, built: bool = True, triton_dir: str = ""
             files.reused.append(name)
     if built:
         _report_triton(triton_dir, staged, files)
-        _report_tuning(cache_dir, staged, files)
+        _report_tuning(cache_dir, staged, files, lookups or TuningLookups())
     return files
 
 
@@ -194,23 +226,29 @@ def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles) -> None:
             files.built[name] = _read(os.path.join(triton_dir, name[len(prefix) :]))
 
 
-def _report_tuning(cache_dir: str, staged: str, files: pb.KernelFiles) -> None:
-    """New or changed results are kept; a kernel's result found staged and unchanged is one
-    reused, worth the tuning time it records (the tenant's own claim: statistics only)."""
+def _report_tuning(
+    cache_dir: str, staged: str, files: pb.KernelFiles, lookups: TuningLookups
+) -> None:
+    """New or changed results are kept, a Triton kernel's under its text's name; a result found
+    staged and unchanged is one reused, worth the tuning time it records (the tenant's own
+    claim: statistics only)."""
     prefix = TUNING + "/"
-    for name in _names(cache_dir, _TUNING, prefix):
-        data = _read(os.path.join(cache_dir, name[len(prefix) :]))
-        try:
-            unchanged = _read(os.path.join(staged, name)) == data
-        except FileNotFoundError:
-            unchanged = False
-        if not unchanged:
-            files.built[name] = data
-        elif name.endswith(".best_config"):
+    for own in _names(cache_dir, _TUNING, prefix):
+        path = os.path.join(cache_dir, own[len(prefix) :])
+        data = _read(path)
+        found = lookups.found.get(path)
+        if found is not None and _read(os.path.join(staged, found)) == data:
             files.tuning_reused += 1
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 seconds = float(json.loads(data).get("time_taken_ms", 0)) / 1e3
                 files.tuning_seconds_saved += seconds
+            continue
+        try:  # the GEMM timings, copied in at the start, kept only if they grew
+            unchanged = found is None and _read(os.path.join(staged, own)) == data
+        except FileNotFoundError:
+            unchanged = False
+        if not unchanged:
+            files.built[lookups.names.get(path, own)] = data
 
 
 def _read(path: str) -> bytes:

@@ -29,7 +29,7 @@ def test_result_path_is_where_inductors_autotune_cache_looks(tmp_path, monkeypat
     assert autotune_results.result_path(path).endswith(".best_config")
 
 
-def test_a_child_finds_the_staged_timings_at_once_and_a_kernels_result_by_its_name(
+def test_a_child_finds_the_staged_timings_at_once_and_a_kernels_result_by_its_text(
     tmp_path, monkeypatch
 ):
     from torch._inductor import async_compile, codecache
@@ -38,23 +38,30 @@ def test_a_child_finds_the_staged_timings_at_once_and_a_kernels_result_by_its_na
 
     staged, cache_dir = tmp_path / "staged", tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-    source = "# a kernel module\n"
-    result = autotune_results.result_path(codecache.PyCodeCache.write(source)[1])
-    name = "tuning/" + os.path.relpath(result, cache_dir)
-    for staged_name, data in ((TIMINGS, b"t"), (name, _result(3))):
+    # One kernel at two positions of two graphs: its name, and so its module, differs.
+    first = "@triton.jit\ndef triton_poi_fused_add_3(x):\n    pass  # triton_poi_fused_add_3\n"
+    second = first.replace("_3", "_5")
+    by_text = kernel_cache.text_name("triton_poi_fused_add_3", first)
+    assert by_text == kernel_cache.text_name("triton_poi_fused_add_5", second)
+    for staged_name, data in ((TIMINGS, b"t"), (by_text, _result(3))):
         os.makedirs(os.path.dirname(staged / staged_name), exist_ok=True)
         (staged / staged_name).write_bytes(data)
+    result = autotune_results.result_path(codecache.PyCodeCache.write(second)[1])
     compiled = []
     monkeypatch.setattr(
         async_compile.AsyncCompile, "triton", lambda self, n, s, *a: compiled.append(n)
     )
-    with kernel_cache.looking_up(str(staged), str(cache_dir)):
+    with kernel_cache.looking_up(str(staged), str(cache_dir)) as lookups:
         assert (cache_dir / TIMINGS[7:]).read_bytes() == b"t"
         assert not os.path.exists(result)
-        async_compile.AsyncCompile().triton("triton_poi_0", source)
-        assert compiled == ["triton_poi_0"]
+        async_compile.AsyncCompile().triton("triton_poi_fused_add_5", second)
+        assert compiled == ["triton_poi_fused_add_5"]
         assert open(result, "rb").read() == _result(3)  # before Inductor compiled it
     assert async_compile.AsyncCompile.triton.__name__ == "<lambda>"  # restored
+    assert lookups.names == {result: by_text} and lookups.found == {result: by_text}
+    files = kernel_cache.report(str(cache_dir), str(staged), True, "", lookups)
+    assert (files.tuning_reused, files.tuning_seconds_saved) == (1, 0.003)
+    assert not files.built  # the timings as staged, the result as found
 
 
 @pytest.fixture

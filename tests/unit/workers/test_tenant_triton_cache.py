@@ -24,6 +24,7 @@ TIMINGS = "tuning/cache/" + "f" * 64
         f"triton/{KEY}/triton_.ptx",
         f"triton/{KEY}/triton_per_fused_1.hsaco",
         RESULT,
+        "tuning/text/" + "0" * 64 + ".best_config",
         TIMINGS,
     ],
 )
@@ -102,27 +103,34 @@ def _result(ms: int) -> bytes:
 
 def test_the_report_tells_built_from_reused(tmp_path):
     staged, cache_dir, triton_dir = tmp_path / "staged", tmp_path / "inductor", tmp_path / "triton"
+    text, other_text = (
+        "tuning/text/" + "1" * 64 + ".best_config",
+        "tuning/text/" + "2" * 64 + ".best_config",
+    )
+    retuned, new = "cd/" + "9" * 64 + ".best_config", "ef/" + "8" * 64 + ".best_config"
     for directory, files in (
-        (staged, {**_entry(KEY), RESULT: _result(1500), TIMINGS: b"t"}),
+        (staged, {**_entry(KEY), RESULT: _result(1500), text: _result(5), TIMINGS: b"t"}),
         # The child: KEY served from the staged entry (its copy and a group file), OTHER_KEY
-        # compiled here; the staged result used as it was, the timings grown, a new result.
+        # compiled here; a staged result used as it was, one found by its text and tuned
+        # again, a new one, the timings grown.
         (triton_dir, {f"{KEY}/k.json": b"{}", f"{KEY}/__grp__k.json": b"{}"}),
         (triton_dir, {f"{OTHER_KEY}/k.json": b"{}", f"{OTHER_KEY}/k.cubin": b"new"}),
         (cache_dir, {RESULT[7:]: _result(1500), TIMINGS[7:]: b"tt"}),
-        (cache_dir, {"cd/" + "9" * 64 + ".best_config": _result(7)}),
+        (cache_dir, {retuned: _result(6), new: _result(7)}),
     ):
         for name, data in files.items():
             os.makedirs(os.path.dirname(directory / name), exist_ok=True)
             (directory / name).write_bytes(data)
-    files = kernel_cache.report(str(cache_dir), str(staged), triton_dir=str(triton_dir))
-    assert sorted(files.built) == sorted(
-        [
-            f"triton/{OTHER_KEY}/k.cubin",
-            f"triton/{OTHER_KEY}/k.json",
-            TIMINGS,
-            "tuning/cd/" + "9" * 64 + ".best_config",
-        ]
+    path = lambda name: str(cache_dir / name)  # noqa: E731
+    lookups = kernel_cache.TuningLookups(
+        names={path(RESULT[7:]): text, path(retuned): text, path(new): other_text},
+        found={path(RESULT[7:]): RESULT, path(retuned): text},
     )
+    files = kernel_cache.report(str(cache_dir), str(staged), True, str(triton_dir), lookups)
+    assert sorted(files.built) == sorted(
+        [f"triton/{OTHER_KEY}/k.cubin", f"triton/{OTHER_KEY}/k.json", TIMINGS, text, other_text]
+    )
+    assert files.built[text] == _result(6) and files.built[other_text] == _result(7)
     assert list(files.reused) == [f"triton/{KEY}"]
     assert (files.tuning_reused, files.tuning_seconds_saved) == (1, 1.5)
     # A shared job's child reports none of it.
