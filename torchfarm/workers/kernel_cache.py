@@ -1,13 +1,13 @@
-"""A tenant's built C++ kernels, kept on the worker host for that tenant's later compiles.
+"""A tenant's kernels and tuning results, kept on the worker host for its later compiles.
 
 Inductor names each C++ object after a hash of its source and its compile command (flags,
 ISA), and skips the compiler when the file is already in its cache dir: that layout is the
 seam. A compile child starts with an empty Inductor cache; for a private job its parent
 stages the tenant's objects (hard links) in a directory bound read-only into the child's
 sandbox, the child links them into its own cache dir and, after compiling, reports the objects
-it built, which the parent keeps for the tenant. Nothing else of Inductor's cache is kept (FX
-graph, AOTAutograd, output code, autotune results), so a reused object changes how long a
-compile takes, not what it produces.
+it built, which the parent keeps for the tenant. Nothing of Inductor's cache that decides what
+an artifact holds is kept (FX graph, AOTAutograd, output code), so a reused object changes how
+long a compile takes, not what it produces.
 
 Per (toolchain, pool, tenant), for private jobs only: a child runs the tenant's code and can
 report any bytes under any name, so what a tenant's cache holds is the tenant's to choose, and
@@ -15,10 +15,12 @@ may reach only entries that the tenant alone loads (docs/reliability.md, "Kernel
 
 On GPU pools a tenant's directory also keeps, for its private compiles, what Triton and
 Inductor's tuning made (issue 28): Triton's compiled entries (`triton/<key>/`, found through
-Triton's own cache manager, torch_adapter/triton_cache.py) and the autotune results
-(`tuning/<2 chars>/<hash>.best_config`, placed where Inductor looks for a kernel's result just
-before it compiles that kernel; `tuning/cache/<hash>`, Inductor's GEMM timings, copied in at the
-start). The same rule holds: they are the tenant's, read by the tenant's private compiles only.
+Triton's own cache manager, torch_adapter/triton_cache.py) and the autotune results (a
+kernel's `.best_config`, kept under its text, `tuning/text/`, placed where Inductor looks for
+that kernel's result just before it compiles it; `tuning/cache/<hash>`, Inductor's GEMM
+timings, copied in at the start). Tuning results choose among configs Inductor generated for
+the kernel (a result tuned again replaces the kept one). The same rule holds: they are the
+tenant's, read by the tenant's private compiles only.
 """
 
 from __future__ import annotations
@@ -126,16 +128,12 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
     """The staged GEMM timings copied into `cache_dir` now; a staged `.best_config` copied
     beside each Triton kernel's module just before Inductor compiles and tunes it, found under
     the kernel's text (`text_name`) or else Inductor's own name for it (Inductor then takes
-    that config and benchmarks none). Only on a host with Triton."""
+    that config and benchmarks none)."""
     timings = os.path.join(staged, TUNING, _GEMM_TIMINGS)
     for name in os.listdir(timings) if os.path.isdir(timings) else ():
         if _TUNING.fullmatch(f"{TUNING}/{_GEMM_TIMINGS}/{name}"):
             _copy(os.path.join(timings, name), os.path.join(cache_dir, _GEMM_TIMINGS, name))
-    try:
-        from torchfarm.torch_adapter import autotune_results
-    except ImportError:  # a torch without Triton: no Triton kernels to tune
-        yield
-        return
+    from torchfarm.torch_adapter import autotune_results
 
     def place(kernel_name: str, source: str, result: str) -> None:
         own = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
