@@ -5,30 +5,29 @@ import subprocess
 
 import pytest
 
-from tests.integration.helpers import ADMIN_TOKEN, OP_LIBRARIES, RECHECK_ENV, TOKENS
+from tests.integration.helpers import TEST_FARM_DEFAULTS, session_farm
 from torchfarm.cache.store import Store
-from torchfarm.gateway.auth import hash_token
-from torchfarm.local_farm import LocalFarm
 
 # The tier tests the backend's own paths (a second compile in one process is a farm hit, not a
 # restored package); the skip's own tests turn it on (test_skip_*.py).
 os.environ.setdefault("TORCHFARM_SKIP_TRACING", "0")
 
+# What every farm of the tier (LocalFarm, `torchfarm up`: both take this process's
+# environment) runs with unless a test says otherwise, to spare the 2-core CI machine work no
+# test here looks at:
+# - no pool kernel cache: after each shared compile the pool builds the compile's C++ sources
+#   in the background (workers/kernel_builder.py), 8% of CI's CPU, which only
+#   test_kernel_cache.py asserts on (its farm turns it on: helpers.KERNEL_CACHE_ON);
+# - one warm compile child instead of one per compile slot (2 here): a farm's unused warm
+#   children cost ~4.5 CPU-s each (torch's import, Inductor's ISA checks) and every farm ends
+#   with them idle; test_warm_children.py keeps the default (-1), test_ready.py checks it.
+for _name, _value in TEST_FARM_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+
 
 @pytest.fixture(scope="session")
 def farm():
-    tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
-    # JSON log lines: test_operations checks that a request id follows a compile in them.
-    with LocalFarm(
-        tenants=tenants,
-        admins=f"ops:{hash_token(ADMIN_TOKEN)}",
-        extra_env={
-            "TORCHFARM_LOG_FORMAT": "json",
-            # the coverage suite's MoE model calls transformers' custom grouped-mm operator
-            "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
-            **RECHECK_ENV,
-        },
-    ) as f:
+    with session_farm() as f:
         yield f
 
 

@@ -11,6 +11,8 @@ import time
 import torch
 
 from torchfarm.cache import keys
+from torchfarm.gateway.auth import hash_token
+from torchfarm.local_farm import LocalFarm
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-9876543210"}
 ADMIN_TOKEN = "ops-admin-token-5555"  # in TORCHFARM_ADMINS, not a tenant
@@ -27,7 +29,28 @@ def past_gateway_memory() -> None:
 
 
 OP_LIBRARIES = "transformers.integrations.moe"  # custom operators of the coverage suite's MoE
+# What conftest sets in the tier's environment, for every farm a test starts (see there),
+# and the pool kernel cache at its default size, for the farm that tests it.
+TEST_FARM_DEFAULTS = {"TORCHFARM_KERNEL_CACHE_MB": "0", "TORCHFARM_WARM_CHILDREN": "1"}
+KERNEL_CACHE_ON = {"TORCHFARM_KERNEL_CACHE_MB": "2048"}
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def session_farm(**env: str) -> LocalFarm:
+    """The session farm's kind: every tenant of helpers.TOKENS, the admin, JSON logs."""
+    tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
+    # JSON log lines: test_operations checks that a request id follows a compile in them.
+    return LocalFarm(
+        tenants=tenants,
+        admins=f"ops:{hash_token(ADMIN_TOKEN)}",
+        extra_env={
+            "TORCHFARM_LOG_FORMAT": "json",
+            # the coverage suite's MoE model calls transformers' custom grouped-mm operator
+            "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
+            **RECHECK_ENV,
+            **env,
+        },
+    )
 
 
 def run_client(

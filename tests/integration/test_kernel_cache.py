@@ -1,9 +1,10 @@
-"""Kernel caches on the real session farm (workers/kernel_cache.py, kernel_builder.py): a private
-compile reuses the C++ objects the tenant's earlier private compiles built; a shared compile
-reuses the objects the pool built from another tenant's shared compile. A hostile payload can
-plant objects under the names of another graph's kernels in its own tenant's cache only; what
-it reports to the pool enters it only through the pool's own build of a source, so neither
-another tenant's compile nor a shared entry ever loads a planted object."""
+"""Kernel caches on a real farm, the file's own (the session farm's kind, the pool kernel cache
+on; workers/kernel_cache.py, kernel_builder.py): a private compile reuses the C++ objects the
+tenant's earlier private compiles built; a shared compile reuses the objects the pool built from
+another tenant's shared compile. A hostile payload can plant objects under the names of another
+graph's kernels in its own tenant's cache only; what it reports to the pool enters it only
+through the pool's own build of a source, so neither another tenant's compile nor a shared
+entry ever loads a planted object."""
 
 import glob
 import json
@@ -16,10 +17,12 @@ import torch
 
 import torchfarm
 from tests.integration.helpers import (
+    KERNEL_CACHE_ON,
     TOKENS,
     direct_request,
     kernel_log,
     pool_builds,
+    session_farm,
     wait_for_pool_builds,
 )
 from torchfarm.client import backend
@@ -30,6 +33,14 @@ from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 PLANTED = b"PLANTED by another tenant's compile"
+
+
+@pytest.fixture(scope="module")
+def farm():
+    """The file's own farm, with the pool kernel cache on: the tier's other farms run without
+    it (conftest), which spares them the pool's background builds after every compile."""
+    with session_farm(**KERNEL_CACHE_ON) as f:
+        yield f
 
 
 def _tenant_dir(farm, tenant: str) -> str:

@@ -47,7 +47,9 @@ def _doctor(addr: str, cwd: str | None = None) -> tuple[int, str]:
     return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
 
 
-def _up(cwd: str, how: str, env: dict | None = None) -> subprocess.Popen:
+def _up(
+    cwd: str, how: str, env: dict | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.Popen:
     command = (
         [sys.executable, "-m", "torchfarm"]
         if how == "python -m torchfarm"
@@ -56,7 +58,11 @@ def _up(cwd: str, how: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [*command, "up"],
         cwd=cwd,
-        env={**os.environ, "TORCHFARM_TENANTS": "", **(env or {})},
+        env={
+            **{k: v for k, v in os.environ.items() if k not in unset},
+            "TORCHFARM_TENANTS": "",
+            **(env or {}),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -73,7 +79,8 @@ def test_a_farm_started_from_the_checkouts_parent_directory_compiles(tmp_path, h
         text=True,
     )
     assert shadowed.stdout.strip() == "None"  # the trap is set: a namespace package there
-    proc = _up(str(tmp_path), how)
+    # the worker's own default of warm children, not the one conftest sets for test farms
+    proc = _up(str(tmp_path), how, unset=("TORCHFARM_WARM_CHILDREN",))
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("TORCHFARM_ADDR="), proc.stderr.read() if not line else line

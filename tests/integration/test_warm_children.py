@@ -19,7 +19,11 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def warm_farm():
     # One compile at once and one warm child: the box's two cores stay the other tests'.
-    with LocalFarm(extra_env={"TORCHFARM_WORKER_CONCURRENCY": "1"}) as farm:
+    # warm children as many as compiles at once: the default, not what conftest sets for the
+    # tier's other farms
+    with LocalFarm(
+        extra_env={"TORCHFARM_WORKER_CONCURRENCY": "1", "TORCHFARM_WARM_CHILDREN": "-1"}
+    ) as farm:
         yield farm
 
 
