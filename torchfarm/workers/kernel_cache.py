@@ -43,14 +43,18 @@ from torchfarm.proto import torchfarm_pb2 as pb
 # `<2 chars>/c<hash>[.main|.optimized].so|.o`, the 2 chars being the hash's first two, as
 # Inductor's codecache.write names a C++ source's objects.
 _CPP = re.compile(r"([0-9a-z]{2})/c(\1[0-9a-z]{18,62})(?:\.main|\.optimized)?\.(?:so|o)")
-# A Triton entry's files (`triton/<base32 key>/<kernel>.<stage>`: metadata, IRs, binary; never
+# A Triton entry's files (`triton/<base32 key>/<kernel>.json|.cubin|.hsaco`: its metadata and
+# binary, all that Triton needs to serve it, as with TRITON_STORE_BINARY_ONLY; never its IRs,
 # a group file, which holds paths, nor a launcher's C source or library), and Inductor's
 # tuning results (a kernel's `.best_config` beside its module; the GEMM timings file).
 TRITON, TUNING = "triton", "tuning"
 _TRITON = re.compile(
-    TRITON + r"/([A-Z2-7]{52})/(?!__grp__)[A-Za-z_]\w{0,200}"
-    r"\.(?:json|cubin|hsaco|ptx|amdgcn|ttir|ttgir|llir|source)"
+    TRITON + r"/([A-Z2-7]{52})/(?!__grp__)[A-Za-z_]\w{0,200}\.(?:json|cubin|hsaco)"
 )
+# What one compile reports of its Triton entries at most: the report travels on the child's
+# pipe beside the artifact, under the same cap (TORCHFARM_MAX_ARTIFACT_BYTES); entries past it
+# are not kept, which costs later compiles their reuse, never this one.
+MAX_TRITON_REPORT_BYTES = 256 << 20
 _TRITON_ENTRY = re.compile(TRITON + r"/[A-Z2-7]{52}")
 _TUNING = re.compile(
     TUNING + r"/(?:(?:[0-9a-z]{2}|text)/[0-9a-f]{64}\.best_config|cache/[0-9a-f]{64})"
@@ -215,13 +219,18 @@ def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles) -> None:
     """An entry whose key is staged came from there (Triton's lookup copies it in, and
     compiles nothing); any other was compiled here."""
     prefix = TRITON + "/"
+    entries: dict[str, list[str]] = {}
     for name in _names(triton_dir, _TRITON, prefix) if triton_dir else ():
-        unit = _unit(name)
+        entries.setdefault(_unit(name), []).append(name)
+    reported = 0
+    for unit, names in sorted(entries.items()):
         if os.path.isdir(os.path.join(staged, unit)):
-            if unit not in files.reused:
-                files.reused.append(unit)
-        else:
-            files.built[name] = _read(os.path.join(triton_dir, name[len(prefix) :]))
+            files.reused.append(unit)
+            continue
+        data = {name: _read(os.path.join(triton_dir, name[len(prefix) :])) for name in names}
+        reported += sum(len(d) for d in data.values())
+        if reported <= MAX_TRITON_REPORT_BYTES:
+            files.built.update(data)
 
 
 def _report_tuning(

@@ -21,7 +21,7 @@ TIMINGS = "tuning/cache/" + "f" * 64
     [
         f"triton/{KEY}/triton_poi_fused_add_0.json",
         f"triton/{KEY}/triton_poi_fused_add_0.cubin",
-        f"triton/{KEY}/triton_.ptx",
+        f"triton/{KEY}/triton_.cubin",
         f"triton/{KEY}/triton_per_fused_1.hsaco",
         RESULT,
         "tuning/text/" + "0" * 64 + ".best_config",
@@ -38,6 +38,8 @@ def test_triton_entries_and_tuning_results_are_kept(name):
         f"triton/{KEY}/__grp__triton_poi_fused_add_0.json",  # a group file holds paths
         f"triton/{KEY}/cuda_utils.so",  # a launcher library
         f"triton/{KEY}/cuda_utils.c",
+        f"triton/{KEY}/triton_.ptx",  # an IR: Triton serves an entry from its binary
+        f"triton/{KEY}/triton_.llir",
         f"triton/{KEY[:-1]}/k.json",  # not a key
         f"triton/{KEY.lower()}/k.json",
         f"triton/{KEY}/../{OTHER_KEY}/k.json",
@@ -136,3 +138,17 @@ def test_the_report_tells_built_from_reused(tmp_path):
     # A shared job's child reports none of it.
     shared = kernel_cache.report(str(cache_dir), str(staged), False, str(triton_dir))
     assert not shared.built and not shared.reused and not shared.tuning_reused
+
+
+def test_a_childs_triton_report_stops_at_its_cap_whole_entries_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_cache, "MAX_TRITON_REPORT_BYTES", 25)
+    triton_dir = tmp_path / "triton"
+    for key in (KEY, OTHER_KEY, "D" * 52):  # each entry 12 bytes: two fit, the third does not
+        (triton_dir / key).mkdir(parents=True)
+        (triton_dir / key / "k.json").write_bytes(b"{}")
+        (triton_dir / key / "k.cubin").write_bytes(b"c" * 10)
+        (triton_dir / key / "k.ptx").write_bytes(b"not kept")
+    files = kernel_cache.report(
+        str(tmp_path / "inductor"), str(tmp_path / "staged"), True, str(triton_dir)
+    )
+    assert sorted(files.built) == sorted([*_entry(KEY), *_entry(OTHER_KEY)])
