@@ -10,9 +10,9 @@ validation, status codes, chunking) stay in gateway/server.py; the queue is inje
 (`enqueue`), so the coordinator runs against a bare redis-server in unit tests.
 
 Waiting is event-driven: a waiter subscribes to the job's notifications before it reads the
-job's state, and wakes when the worker changes the stage or writes the outcome; a coarse
-re-check (PROGRESS_EVERY_S) only sends progress ticks and notices a deadline or a vanished
-claim.
+job's state, and wakes when the worker changes the stage or writes the outcome; a new stage
+is told to the client at once; a coarse re-check (PROGRESS_EVERY_S) only sends progress ticks
+and notices a deadline or a vanished claim.
 
 Nothing a fault leaves behind stalls anyone: a claim is released (and its waiters told) on
 any failure after it was taken; each waiting request keeps its id in the job's waiter set
@@ -419,6 +419,7 @@ class Coordinator:
     ) -> Iterator[Event]:
         deadline = started + self.compile_timeout_s
         next_progress = next_check = 0.0
+        told = None  # the stage the client last heard: a change is told at once
         attempt = ("", 0.0)  # the claim token waited on, and since when (the broker's clock)
         with self.store.jobs.watch(job.job_id) as watch:
             while is_active():
@@ -465,10 +466,10 @@ class Coordinator:
                     except _NotQueued as e:
                         yield Failed(Failure.UNAVAILABLE, str(e))
                         return
-                if now >= next_progress:
+                if now >= next_progress or state.stage != told:
                     self._refresh(job, waiter)
                     yield Progress(state.stage, now - started, job.job_id)
-                    next_progress = now + PROGRESS_EVERY_S
+                    next_progress, told = now + PROGRESS_EVERY_S, state.stage
                 watch.wait(max(0.0, min(next_progress, deadline) - time.monotonic()))
 
     def _refresh(self, job: pb.Job, waiter: str) -> None:
