@@ -345,8 +345,9 @@ class KernelCache:
                 st = os.stat(os.path.join(tenant_dir, name))
             except FileNotFoundError:  # pruned by a compile beside this one
                 continue
-            used, size, names = units.setdefault(_unit(name), [0.0, 0, []])
-            units[_unit(name)] = [max(used, st.st_mtime), size + st.st_size, [*names, name]]
+            unit = units.setdefault(_unit(name), [0.0, 0, []])  # last used, bytes, files
+            unit[0], unit[1] = max(unit[0], st.st_mtime), unit[1] + st.st_size
+            unit[2].append(name)
         total = sum(size for _, size, _ in units.values())
         for _, size, names in sorted(units.values(), key=lambda u: u[0]):
             if total <= self.max_bytes:
