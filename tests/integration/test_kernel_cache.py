@@ -158,14 +158,14 @@ from torchfarm.compiler.inductor import compile_payload
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.workers import compile_child, kernel_cache
 cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-sources = []
-with kernel_cache.recording(sources):
+recorded = pb.KernelFiles()
+with kernel_cache.recording(recorded):
     artifact = compile_payload({victim_graph!r}, pb.Options(), {local_target().threads}, {{}})
 files = kernel_cache.report(cache, "")
-assert files.built and sources, "no kernel to plant"
+assert files.built and recorded.sources, "no kernel to plant"
 for name in files.built:
     files.built[name] = {PLANTED!r}
-files.sources.extend(sources)
+files.sources.extend(recorded.sources)
 files.sources.append(pb.KernelSource(code_cache="CppCodeCache", main_code={MARKER_SOURCE!r}))
 files.sources.append(pb.KernelSource(code_cache="os.system", main_code="echo planted"))
 compile_child.report(pb.CompileChildReport(kernels=files))

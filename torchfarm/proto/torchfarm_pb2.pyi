@@ -2284,6 +2284,7 @@ class KernelFiles(_message.Message):
     SOURCES_FIELD_NUMBER: _builtins.int
     TUNING_REUSED_FIELD_NUMBER: _builtins.int
     TUNING_SECONDS_SAVED_FIELD_NUMBER: _builtins.int
+    TRITON_SOURCES_FIELD_NUMBER: _builtins.int
     tuning_reused: _builtins.int
     """Staged autotune results a private compile used unchanged (kernel_cache.py), and the
     tuning seconds they record: statistics only (the tenant's child says so).
@@ -2301,6 +2302,10 @@ class KernelFiles(_message.Message):
     def sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelSource]:
         """with CompileChildRequest.kernel_sources"""
 
+    @_builtins.property
+    def triton_sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___TritonSource]:
+        """with CompileChildRequest.kernel_sources, on a GPU"""
+
     def __init__(
         self,
         *,
@@ -2309,10 +2314,11 @@ class KernelFiles(_message.Message):
         sources: _abc.Iterable[Global___KernelSource] | None = ...,
         tuning_reused: _builtins.int = ...,
         tuning_seconds_saved: _builtins.float = ...,
+        triton_sources: _abc.Iterable[Global___TritonSource] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources", "triton_sources", b"triton_sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2358,6 +2364,62 @@ class KernelSource(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KernelSource: _TypeAlias = KernelSource  # noqa: Y015
+
+@_typing.final
+class TritonSource(_message.Message):
+    """One Triton kernel as Inductor's AsyncCompile.triton was asked to compile it: the only input
+    of a pool's Triton build, which checks the module (torch_adapter/triton_source_check.py) and
+    lets Triton name what it compiles.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KERNEL_NAME_FIELD_NUMBER: _builtins.int
+    MODULE_FIELD_NUMBER: _builtins.int
+    kernel_name: _builtins.str
+    module: _builtins.str
+    """the kernel's Python module, as Inductor wrote it"""
+    def __init__(
+        self,
+        *,
+        kernel_name: _builtins.str = ...,
+        module: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_name", b"kernel_name", "module", b"module"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TritonSource: _TypeAlias = TritonSource  # noqa: Y015
+
+@_typing.final
+class KernelBuild(_message.Message):
+    """What a pool's kernel builder (workers/kernel_builder.py) is asked to build."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPP_FIELD_NUMBER: _builtins.int
+    TRITON_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cpp(self) -> Global___KernelSource: ...
+    @_builtins.property
+    def triton(self) -> Global___TritonSource: ...
+    def __init__(
+        self,
+        *,
+        cpp: Global___KernelSource | None = ...,
+        triton: Global___TritonSource | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "source", b"source", "triton", b"triton"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "source", b"source", "triton", b"triton"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["cpp", "triton"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___KernelBuild: _TypeAlias = KernelBuild  # noqa: Y015
 
 @_typing.final
 class CompileChildReport(_message.Message):

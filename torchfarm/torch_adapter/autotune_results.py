@@ -22,7 +22,7 @@ an earlier result where Inductor's local autotune cache will look for it (`resul
 `coordesc_results_kept()` is the compile side too: Inductor's mark on a coordinate-descent
 result survives the trip from its compile workers.
 
-Uses AsyncCompile.triton(kernel_name, source_code, ...), PyCodeCache.write, triton.Config's
+Uses triton_kernels.seen (AsyncCompile.triton), PyCodeCache.write, triton.Config's
 __setstate__ (3.6, 3.9: it keeps only the attributes it knows),
 AutotuneCache._prepare_key / _make_local_cache_key (2.13+; 2.11 hashes the key with
 torch_key itself), AutotuneCacheArtifact.populate_cache,
@@ -41,12 +41,12 @@ import hashlib
 import os
 from collections.abc import Callable, Collection, Iterator
 
-from torch._inductor import async_compile, codecache
+from torch._inductor import codecache
 from torch._inductor.runtime import autotune_cache
 from torch._inductor.runtime import triton_heuristics as heuristics
 from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
 
-from torchfarm.torch_adapter import gate
+from torchfarm.torch_adapter import gate, triton_kernels
 
 # Before 2.13 the recheck considered only kernels with more than one config.
 _RECHECK_IGNORES_SINGLE_CONFIGS = gate.release_tuple() < (2, 13)
@@ -69,17 +69,12 @@ def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
     """While entered, each Triton kernel Inductor compiles first has its module written and
     `place(kernel_name, source_code, result_path(module))` called, before any process tunes or
     compiles it."""
-    original = async_compile.AsyncCompile.triton
 
-    def triton(self, kernel_name, source_code, *args, **kwargs):
+    def on_kernel(kernel_name: str, source_code: str) -> None:
         place(kernel_name, source_code, result_path(codecache.PyCodeCache.write(source_code)[1]))
-        return original(self, kernel_name, source_code, *args, **kwargs)
 
-    async_compile.AsyncCompile.triton = triton  # type: ignore[method-assign]
-    try:
+    with triton_kernels.seen(on_kernel):
         yield
-    finally:
-        async_compile.AsyncCompile.triton = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

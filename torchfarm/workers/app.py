@@ -243,8 +243,9 @@ def _compile_and_store(
         job.job_id,
         pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
     )
-    if kernels and child.kernels.sources:  # after the job ended: no waiter waits for builds
-        queued = _pool_builds(settings).offer(pool_kernels, list(child.kernels.sources))
+    builds = kernel_builder.builds_of(child.kernels)
+    if kernels and builds:  # after the job ended: no waiter waits for builds
+        queued = _pool_builds(settings).offer(pool_kernels, builds)
         log.info("kernel cache: %d sources queued for the pool's builds", queued, extra=extra)
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:

@@ -6,8 +6,8 @@ So nothing of a tenant's compile is a file the host can see, and a crashed worke
 nothing behind; the one exception is the kernels a private job's child reports (C++ objects;
 on GPU pools Triton entries and tuning results), which its parent checks and keeps for that
 tenant's later compiles (kernel_cache.py); a shared job's
-child reports the C++ sources it built, which only ever reach a kernel build of the pool's
-(kernel_builder.py). Everything it
+child reports the C++ sources it built and the Triton kernels it asked for, which only ever
+reach a kernel build of the pool's (kernel_builder.py). Everything it
 reads is hostile; it runs with no network, no secrets, no capabilities and no access to the
 cache.
 
@@ -196,13 +196,13 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
     helped = helper is not None and compiler_of(request.options) == INDUCTOR
     _hand_over(helper, data, helped)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    sources: list[pb.KernelSource] = []
+    recorded = pb.KernelFiles()  # for the pool's kernel builds
     lookups = None
     with contextlib.ExitStack() as kernels:
         if args.kernels:  # before anything of the tenant's runs
             lookups = kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
         if request.kernel_sources:
-            kernels.enter_context(kernel_cache.recording(sources))
+            kernels.enter_context(kernel_cache.recording(recorded, triton=args.device == "cuda"))
 
         for module in request.op_libraries:
             importlib.import_module(module)
@@ -227,7 +227,7 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
             triton_dir=os.environ.get("TRITON_CACHE_DIR", ""),
             lookups=lookups,
         )
-        files.sources.extend(sources)
+        files.MergeFrom(recorded)
         report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0

@@ -1,25 +1,32 @@
-"""The pool's kernel builds: how a C++ object enters the cache that every tenant's compiles on
-a pool read (workers/kernel_cache.py; docs/reliability.md, "Kernel reuse").
+"""The pool's kernel builds: how a C++ object or a Triton kernel enters the cache that every
+tenant's compiles on a pool read (workers/kernel_cache.py; docs/reliability.md, "Kernel reuse").
 
 A compile child runs a tenant's code, so the objects it reports could be anything under any
 name. What a shared job's child reports for the pool is therefore only sources: one
-`KernelSource` per C++ library (Inductor's load_async arguments). After the job has ended,
+`KernelSource` per C++ library (Inductor's load_async arguments) and, on a GPU pool, one
+`TritonSource` per Triton kernel (its module as Inductor wrote it). After the job has ended,
 the worker builds each source it has not built before, one at a time and at niceness 10
 (compiles go first), in a builder child of its own: the compile sandbox (no network, no
-secrets, a private tmpfs, nothing staged), given sources and nothing else. For each source
-the builder calls Inductor's own load_async, which names the objects after the source and
-the pool's compile command and runs g++ on them; it never loads them, and reports what it
-built. So the object under a name is what the pool's compiler makes of the one source that
-name hashes; a hostile payload can at most make the pool build, correctly, kernels whose
-sources it names.
+secrets, a private tmpfs, nothing staged), given sources and nothing else.
+- A C++ library: the builder calls Inductor's own load_async, which names the objects after
+  the source and the pool's compile command and runs g++ on them; it never loads them.
+- A Triton kernel: the builder first checks that the module is one Inductor writes
+  (torch_adapter/triton_source_check.py; running a module, or compiling a jit body, can run
+  any Python), then compiles it as Inductor's compile workers do, and Triton names each entry
+  after what determines it (its version, the function's text, signature, options, target).
+  Refused modules are not built (exit status REFUSED).
+It reports what it built. So what lies under a name is what the pool's compilers make of the
+one source that name hashes; a hostile payload can at most make the pool build, correctly,
+kernels whose sources it names.
 
 The builder child (`python -m torchfarm.workers.kernel_builder`) imports torch and Inductor
 and runs Inductor's ISA checks once, then builds the sources it is sent one after another,
 each as a fresh builder would: in a process forked for it from that untouched state, with the
-writable directories emptied and every process an earlier build left ended. That saves ~3
-CPU-seconds of imports per source: a pool's builds cost as much CPU as its compiles before.
-It exits when no source has come for IDLE_S. On stdin: length-prefixed `KernelSource`s; on
-stdout, one reply each: the build's exit status, then its `KernelFiles`.
+writable directories emptied (Inductor's and Triton's cache dirs among them) and every
+process an earlier build left ended. That saves ~3 CPU-seconds of imports per source: a
+pool's builds cost as much CPU as its compiles before. It exits when no source has come for
+IDLE_S. On stdin: length-prefixed `KernelBuild`s; on stdout, one reply each: the build's exit
+status, then its `KernelFiles`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import IO, BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
+from torchfarm.torch_adapter.triton_source_check import Refused
 from torchfarm.workers import compile_child, kernel_cache, sandbox
 from torchfarm.workers.compile_child import FRAME
 
@@ -54,33 +62,53 @@ MAX_QUEUED = 1024  # sources waiting for a build; more are dropped (a later comp
 IDLE_S = 5.0  # a builder child with nothing to build for this long exits
 PR_SET_DUMPABLE = 4  # prctl(2)
 REPLY = struct.Struct(">iQ")  # a build's exit status, then the length of its KernelFiles
+REFUSED = 3  # a build's exit status: a Triton module that is not one Inductor writes
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
 
 
-def build(source: pb.KernelSource, cache_dir: str) -> pb.KernelFiles:
-    """Builder child: build `source`'s objects into the empty `cache_dir` as a compile would
-    (same class, command and precompiled header), without loading them; report them."""
-    from torch._inductor import codecache
-
+def build(request: pb.KernelBuild, cache_dir: str) -> pb.KernelFiles:
+    """Builder child: build what `request` names into the empty `cache_dir` (and, for a Triton
+    kernel, Triton's empty TRITON_CACHE_DIR) as a compile would, without loading or launching
+    anything built; report it."""
     from torchfarm.compiler.inductor import WORKER_CONFIG
     from torchfarm.torch_adapter import standalone
+
+    with standalone.inductor_config.patch(WORKER_CONFIG), standalone.cache_dir_at(cache_dir):
+        if request.HasField("triton"):
+            from torchfarm.torch_adapter import triton_kernels
+
+            triton_kernels.build(request.triton.module, request.triton.kernel_name)
+            return kernel_cache.report(cache_dir, "", triton_dir=os.environ["TRITON_CACHE_DIR"])
+        _build_cpp(request.cpp)
+    return kernel_cache.report(cache_dir, "")
+
+
+def _build_cpp(source: pb.KernelSource) -> None:
+    """The objects of one library, as the compile's class, command and precompiled header
+    make them."""
+    from torch._inductor import codecache
 
     if source.code_cache not in kernel_cache.CODE_CACHES:
         raise ValueError(f"not a C++ code cache: {source.code_cache!r}")
     code_cache = getattr(codecache, source.code_cache)
     builds: list = []  # run after load_async, which holds the lock that a build takes
-    with standalone.inductor_config.patch(WORKER_CONFIG), standalone.cache_dir_at(cache_dir):
-        code_cache.load_async(  # returns the loader, never called: nothing built is run
-            source.main_code,
-            "cpu",
-            submit_fn=builds.append,
-            optimized_code=source.optimized_code if source.has_optimized else None,
-            needs_vec_isa=_TRISTATE[source.needs_vec_isa],
-            kernel_needs_vec_isa=_TRISTATE[source.kernel_needs_vec_isa],
-        )
-        for build_now in builds:
-            build_now()
-    return kernel_cache.report(cache_dir, "")
+    code_cache.load_async(  # returns the loader, never called: nothing built is run
+        source.main_code,
+        "cpu",
+        submit_fn=builds.append,
+        optimized_code=source.optimized_code if source.has_optimized else None,
+        needs_vec_isa=_TRISTATE[source.needs_vec_isa],
+        kernel_needs_vec_isa=_TRISTATE[source.kernel_needs_vec_isa],
+    )
+    for build_now in builds:
+        build_now()
+
+
+def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:
+    """What a shared job's child recorded, as the builds that would make it for the pool."""
+    return [pb.KernelBuild(cpp=s) for s in files.sources] + [
+        pb.KernelBuild(triton=t) for t in files.triton_sources
+    ]
 
 
 class PoolBuilds:
@@ -88,10 +116,10 @@ class PoolBuilds:
 
     def __init__(self, kernels: kernel_cache.KernelCache, settings: WorkerSettings) -> None:
         self.kernels, self.settings = kernels, settings
-        self.waiting: queue.Queue[tuple[str, pb.KernelSource]] = queue.Queue(MAX_QUEUED)
+        self.waiting: queue.Queue[tuple[str, pb.KernelBuild]] = queue.Queue(MAX_QUEUED)
         threading.Thread(target=self._drain, name="kernel-builds", daemon=True).start()
 
-    def offer(self, pool_dir: str, sources: list[pb.KernelSource]) -> int:
+    def offer(self, pool_dir: str, sources: list[pb.KernelBuild]) -> int:
         """Queue the sources not built for `pool_dir` yet; how many were queued."""
         queued = 0
         for source in sources:
@@ -106,7 +134,7 @@ class PoolBuilds:
 
     def _drain(self) -> None:
         while True:
-            item: tuple[str, pb.KernelSource] | None = self.waiting.get()
+            item: tuple[str, pb.KernelBuild] | None = self.waiting.get()
             with _Builder(self.settings) as builder:
                 while item is not None:
                     self._build(builder, *item)
@@ -115,7 +143,7 @@ class PoolBuilds:
                     except queue.Empty:
                         item = None
 
-    def _build(self, builder: _Builder, pool_dir: str, source: pb.KernelSource) -> None:
+    def _build(self, builder: _Builder, pool_dir: str, source: pb.KernelBuild) -> None:
         if self.kernels.built_before(pool_dir, source):  # queued twice
             log.info("pool kernel build skipped: built already")
             return
@@ -128,7 +156,7 @@ class PoolBuilds:
             log.warning("pool kernel build failed: %s", str(e)[-500:])
             return
         log.info(
-            "pool kernel build: %d objects in %.1f s (%d waiting)",
+            "pool kernel build: %d files in %.1f s (%d waiting)",
             len(files.built),
             time.perf_counter() - started,
             self.waiting.qsize(),
@@ -169,7 +197,7 @@ class _Builder:
             start_new_session=True,
         )
 
-    def build(self, source: pb.KernelSource) -> pb.KernelFiles:
+    def build(self, source: pb.KernelBuild) -> pb.KernelFiles:
         """Build one source; RuntimeError with the child's error where it failed."""
         self.proc = self.proc or self._start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -184,6 +212,8 @@ class _Builder:
             error = f"builder: {type(e).__name__} {e} {self._error_tail()!r}"
             self.stop()
             raise RuntimeError(error) from None
+        if status == REFUSED:  # checked and not built: the builder itself is as it was
+            raise ValueError(f"refused: {self._error_tail().decode(errors='replace')}")
         if status:
             error = f"build exit {status}: {self._error_tail()!r}"
             self.stop()  # its stderr has served; the next source starts a clean builder
@@ -258,7 +288,7 @@ def _as_if_new(in_sandbox: bool) -> None:
                     os.unlink(path)
 
 
-def _build_in_fork(source: pb.KernelSource, cache_dir: str) -> tuple[int, bytes]:
+def _build_in_fork(source: pb.KernelBuild, cache_dir: str) -> tuple[int, bytes]:
     """Build `source` in a child forked from this process, whose state no build has touched:
     each build sees only its own source."""
     read_end, write_end = os.pipe()
@@ -272,6 +302,9 @@ def _build_in_fork(source: pb.KernelSource, cache_dir: str) -> tuple[int, bytes]
             with os.fdopen(write_end, "wb") as out:
                 out.write(data)
             status = 0
+        except Refused as e:
+            print(str(e)[:400], file=sys.stderr)
+            status = REFUSED
         except BaseException:
             traceback.print_exc()
         finally:
@@ -302,7 +335,7 @@ def main() -> int:
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     requests = sys.stdin.buffer
     while head := requests.read(FRAME.size):
-        source = pb.KernelSource.FromString(requests.read(FRAME.unpack(head)[0]))
+        source = pb.KernelBuild.FromString(requests.read(FRAME.unpack(head)[0]))
         _as_if_new(in_sandbox)
         status, data = _build_in_fork(source, cache_dir)
         replies.write(REPLY.pack(status, len(data)) + data)

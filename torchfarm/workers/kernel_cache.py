@@ -159,10 +159,14 @@ def _copy(source: str, dest: str) -> None:
 
 
 @contextlib.contextmanager
-def recording(sources: list[pb.KernelSource]) -> Iterator[None]:
-    """Record each CPU library Inductor's CppCodeCache classes are asked to build, as the
-    pool's kernel builder takes it (extra flags, another device or class: left out)."""
-    from torchfarm.torch_adapter import cpp_libraries
+def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
+    """Record, as the pool's kernel builder takes them, each CPU library Inductor's
+    CppCodeCache classes are asked to build (`recorded.sources`; extra flags, another device
+    or class: left out) and, with `triton`, each Triton kernel a compile asks for, once
+    (`recorded.triton_sources`)."""
+    from torchfarm.torch_adapter import cpp_libraries, triton_kernels
+
+    sources, kernels = recorded.sources, set()
 
     def load_async(cls, original, main_code, device_type="cpu", *args, **kwargs):
         call = inspect.signature(original).bind(cls, main_code, device_type, *args, **kwargs)
@@ -181,7 +185,15 @@ def recording(sources: list[pb.KernelSource]) -> Iterator[None]:
             )
         return original(cls, main_code, device_type, *args, **kwargs)
 
-    with cpp_libraries.wrapped_load_async(load_async):
+    def on_kernel(kernel_name: str, module: str) -> None:
+        if (kernel_name, module) not in kernels:
+            kernels.add((kernel_name, module))
+            recorded.triton_sources.add(kernel_name=kernel_name, module=module)
+
+    with contextlib.ExitStack() as hooks:
+        hooks.enter_context(cpp_libraries.wrapped_load_async(load_async))
+        if triton:
+            hooks.enter_context(triton_kernels.seen(on_kernel))
         yield
 
 
@@ -224,7 +236,7 @@ def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles) -> None:
         entries.setdefault(_unit(name), []).append(name)
     reported = 0
     for unit, names in sorted(entries.items()):
-        if os.path.isdir(os.path.join(staged, unit)):
+        if staged and os.path.isdir(os.path.join(staged, unit)):
             files.reused.append(unit)
             continue
         data = {name: _read(os.path.join(triton_dir, name[len(prefix) :])) for name in names}
@@ -286,8 +298,8 @@ class KernelCache:
         return path
 
     @staticmethod
-    def built_before(pool_dir: str, source: pb.KernelSource) -> bool:
-        """Whether a build of `source` stored objects that are all still there."""
+    def built_before(pool_dir: str, source: pb.KernelBuild) -> bool:
+        """Whether a build of `source` stored files that are all still there."""
         try:
             with open(_source_marker(pool_dir, source)) as f:
                 names = f.read().split()
@@ -298,8 +310,8 @@ class KernelCache:
         )
 
     @staticmethod
-    def mark_built(pool_dir: str, source: pb.KernelSource, names: list[str]) -> None:
-        """Remember the objects a build of `source` made, so that it is not built again."""
+    def mark_built(pool_dir: str, source: pb.KernelBuild, names: list[str]) -> None:
+        """Remember the files a build of `source` made, so that it is not built again."""
         _write_atomically(_source_marker(pool_dir, source), "\n".join(names).encode())
 
     def keep(self, tenant_dir: str, files: pb.KernelFiles) -> tuple[int, int]:
@@ -401,7 +413,7 @@ def unhide(staging: str) -> None:
         pass
 
 
-def _source_marker(pool_dir: str, source: pb.KernelSource) -> str:
+def _source_marker(pool_dir: str, source: pb.KernelBuild) -> str:
     digest = hashlib.sha256(source.SerializeToString(deterministic=True)).hexdigest()
     return os.path.join(pool_dir, "sources", digest)
 

@@ -117,12 +117,15 @@ def test_the_pools_directory_is_apart_from_every_tenants(tmp_path):
 def test_a_source_counts_as_built_while_all_its_objects_are_there(tmp_path):
     cache = _cache(tmp_path)
     pool = cache.pool_dir("cpu")
-    source = pb.KernelSource(code_cache="CppCodeCache", main_code="int x;")
+    source = pb.KernelBuild(cpp=pb.KernelSource(code_cache="CppCodeCache", main_code="int x;"))
     assert not cache.built_before(pool, source)
     cache.keep(pool, pb.KernelFiles(built={f"{OBJ}.so": b"lib", f"{OBJ}.o": b"obj"}))
     cache.mark_built(pool, source, [f"{OBJ}.so", f"{OBJ}.o"])
     assert cache.built_before(pool, source)
-    assert not cache.built_before(pool, pb.KernelSource(code_cache="CppCodeCache", main_code="y"))
+    other = pb.KernelSource(code_cache="CppCodeCache", main_code="y")
+    assert not cache.built_before(pool, pb.KernelBuild(cpp=other))
+    same_text = pb.TritonSource(kernel_name="CppCodeCache", module="int x;")
+    assert not cache.built_before(pool, pb.KernelBuild(triton=same_text))
     os.remove(os.path.join(pool, f"{OBJ}.o"))  # pruned: build it again
     assert not cache.built_before(pool, source)
 
@@ -174,13 +177,15 @@ def test_a_kernel_build_names_its_objects_as_the_compile_that_recorded_its_sourc
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))
     code = 'extern "C" int torchfarm_probe(int x) { return 2 * x + 1; }'
-    sources: list[pb.KernelSource] = []
-    with inductor_config.patch(WORKER_CONFIG), kernel_cache.recording(sources):  # as a child
+    recorded = pb.KernelFiles()
+    with inductor_config.patch(WORKER_CONFIG), kernel_cache.recording(recorded):  # as a child
         assert codecache.CppCodeCache.load(code).torchfarm_probe(20) == 41
+    sources = recorded.sources
     assert [s.main_code for s in sources] == [code] and not sources[0].has_optimized
     compiled = kernel_cache.report(str(tmp_path / "compile"), "")
     codecache.CppCodeCache.cache_clear()  # as in the builder's fresh process
-    built = kernel_builder.build(sources[0], str(tmp_path / "build"))
+    (request,) = kernel_builder.builds_of(recorded)
+    built = kernel_builder.build(request, str(tmp_path / "build"))
     assert built.built and set(built.built) <= set(compiled.built)  # + the ISA probe's
     (name,) = built.built
     library = tmp_path / "built.so"  # bytes differ in paths only (debug info): it works
@@ -211,8 +216,8 @@ def test_one_builder_child_builds_a_burst_each_source_alone_and_survives_a_broke
     from torchfarm.settings import WorkerSettings
     from torchfarm.workers import kernel_builder
 
-    def source(code: str) -> pb.KernelSource:
-        return pb.KernelSource(code_cache="CppCodeCache", main_code=code)
+    def source(code: str) -> pb.KernelBuild:
+        return pb.KernelBuild(cpp=pb.KernelSource(code_cache="CppCodeCache", main_code=code))
 
     first = source('extern "C" int torchfarm_first(int x) { return x + 1; }')
     second = source('extern "C" int torchfarm_second(int x) { return x + 2; }')
