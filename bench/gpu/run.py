@@ -16,7 +16,8 @@ sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and i
           sibling), MODE (default "default"): local cold of B on empty caches; local A, then
           local B with A's caches kept (what one user gets today); the farm's miss of A, then
           of B, with TORCHFARM_PRIVATE=1 (a tenant's Triton entries and tuning results serve
-          its private compiles); a farm hit of B for the step time. Ratios B-after-A over
+          its private compiles; SIBLING_JOBS=shared: shared jobs, B after the pool's builds
+          of A's kernels ended); a farm hit of B for the step time. Ratios B-after-A over
           local cold of B and over local B after A, and the worker's kernel-cache lines.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
@@ -195,10 +196,12 @@ class Runner:
         kept = tempfile.mkdtemp(prefix="kept-")
         self.run(a, mode, "local", "local A", kept)
         after = self.run(b, mode, "local", "local B after A", kept)
-        private = {"TORCHFARM_PRIVATE": "1"}
-        self.run(a, mode, "farm", "farm miss A", tempfile.mkdtemp(prefix="miss-"), private)
-        miss = self.run(b, mode, "farm", "farm miss B after A", tempfile.mkdtemp(), private)
-        hit = self.run(b, mode, "farm", "farm hit B", tempfile.mkdtemp(prefix="hit-"), private)
+        shared = os.environ.get("SIBLING_JOBS", "private") == "shared"
+        jobs = {} if shared else {"TORCHFARM_PRIVATE": "1"}
+        self.run(a, mode, "farm", "farm miss A", tempfile.mkdtemp(prefix="miss-"), jobs)
+        builds = wait_for_pool_builds(self.outdir) if shared else {}
+        miss = self.run(b, mode, "farm", "farm miss B after A", tempfile.mkdtemp(), jobs)
+        hit = self.run(b, mode, "farm", "farm hit B", tempfile.mkdtemp(prefix="hit-"), jobs)
         self.compare(b, mode, "farm miss B after A", "local cold B")
         first = {
             k: r.get("first_step_s", float("nan"))
@@ -208,6 +211,8 @@ class Runner:
             "model": f"{a}:{b}",
             "mode": mode,
             "case": "sibling",
+            "jobs": "shared" if shared else "private",
+            "pool_builds": builds,
             "miss_over_cold_b": first["miss"] / first["cold"],
             "miss_over_local_b_after_a": first["miss"] / first["after"],
             "local_b_after_a_over_cold_b": first["after"] / first["cold"],
@@ -499,6 +504,34 @@ def kernel_cache_lines(log_dir: str) -> list[str]:
             with open(os.path.join(log_dir, name), errors="replace") as f:
                 found += [line.strip()[-200:] for line in f if "kernel cache: " in line]
     return found
+
+
+def wait_for_pool_builds(log_dir: str, timeout_s: float = 420.0) -> dict:
+    """Wait until the worker's pool builds of the sources its compiles queued have ended (as
+    a farm would have long before a sibling came); how many were built, refused, failed."""
+    deadline, ended = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        queued, ended = 0, {"built": 0, "refused": 0, "failed": 0, "skipped": 0}
+        for name in sorted(os.listdir(log_dir)):
+            if not name.endswith(".log"):
+                continue
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                for line in f:
+                    if "sources queued for the pool's builds" in line:
+                        queued += int(line.split("kernel cache: ")[1].split()[0])
+                    elif "pool kernel build: " in line:
+                        ended["built"] += 1
+                    elif "pool kernel build failed: refused" in line:
+                        ended["refused"] += 1
+                    elif "pool kernel build failed" in line:
+                        ended["failed"] += 1
+                    elif "pool kernel build skipped" in line:
+                        ended["skipped"] += 1
+        if queued and sum(ended.values()) >= queued:
+            break
+        time.sleep(2)
+    print(json.dumps({"pool_builds": ended}), flush=True)
+    return ended
 
 
 def redis_value_bytes(port: int) -> int:
