@@ -521,7 +521,7 @@ def wait_for_pool_builds(log_dir: str, timeout_s: float = 420.0) -> dict:
                         queued += int(line.split("kernel cache: ")[1].split()[0])
                     elif "pool kernel build: " in line:
                         ended["built"] += 1
-                    elif "pool kernel build failed: refused" in line:
+                    elif "pool kernel build refused" in line:
                         ended["refused"] += 1
                     elif "pool kernel build failed" in line:
                         ended["failed"] += 1

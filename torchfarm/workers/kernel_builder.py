@@ -26,7 +26,7 @@ writable directories emptied (Inductor's and Triton's cache dirs among them) and
 process an earlier build left ended. That saves ~3 CPU-seconds of imports per source: a
 pool's builds cost as much CPU as its compiles before. It exits when no source has come for
 IDLE_S. On stdin: length-prefixed `KernelBuild`s; on stdout, one reply each: the build's exit
-status, then its `KernelFiles`.
+status, then its `KernelFiles` (refused: why).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from typing import IO, BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -152,7 +153,10 @@ class PoolBuilds:
             files = builder.build(source)
             self.kernels.keep(pool_dir, files)
             self.kernels.mark_built(pool_dir, source, sorted(files.built))
-        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        except ValueError as e:  # a Triton module that is not Inductor's: not shared
+            log.info("pool kernel build %s", str(e)[:600])
+            return
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             log.warning("pool kernel build failed: %s", str(e)[-500:])
             return
         log.info(
@@ -213,7 +217,7 @@ class _Builder:
             self.stop()
             raise RuntimeError(error) from None
         if status == REFUSED:  # checked and not built: the builder itself is as it was
-            raise ValueError(f"refused: {self._error_tail().decode(errors='replace')}")
+            raise ValueError(f"refused: {reply.decode(errors='replace')}")
         if status:
             error = f"build exit {status}: {self._error_tail()!r}"
             self.stop()  # its stderr has served; the next source starts a clean builder
@@ -298,14 +302,14 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str) -> tuple[int, bytes]:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
         status = 1
         try:
-            data = build(source, cache_dir).SerializeToString()
+            try:
+                data, status = build(source, cache_dir).SerializeToString(), 0
+            except Refused as e:  # the reply is why
+                data, status = str(e)[:500].encode(), REFUSED
             with os.fdopen(write_end, "wb") as out:
                 out.write(data)
-            status = 0
-        except Refused as e:
-            print(str(e)[:400], file=sys.stderr)
-            status = REFUSED
         except BaseException:
+            status = 1
             traceback.print_exc()
         finally:
             sys.stderr.flush()
@@ -318,6 +322,9 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str) -> tuple[int, bytes]:
 
 def main() -> int:
     os.nice(10)  # builds yield to the compiles that wait on the same cores
+    # Each build forks this process while torch's idle threads exist: Python's warning of
+    # that would fill every build's error text.
+    warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks

@@ -209,8 +209,9 @@ def report(
     lookups: TuningLookups | None = None,
 ) -> pb.KernelFiles:
     """The objects this compile built (regular files; with `built`), and the staged libraries
-    it loaded (mapped in this process). With `built`, also the Triton entries in `triton_dir`
-    and the tuning results in `cache_dir` it made, and which staged ones it used."""
+    it loaded (mapped in this process) and Triton entries it took (from `triton_dir`). With
+    `built`, also the Triton entries and the tuning results in `cache_dir` it made, and which
+    staged results it used."""
     files = pb.KernelFiles()
     with open("/proc/self/maps") as f:
         mapped = {line.split(None, 5)[-1].strip() for line in f if "/" in line}
@@ -221,23 +222,26 @@ def report(
                 files.built[name] = _read(path)
         elif os.path.join(staged, name) in mapped:
             files.reused.append(name)
+    if triton_dir:
+        _report_triton(triton_dir, staged, files, built)
     if built:
-        _report_triton(triton_dir, staged, files)
         _report_tuning(cache_dir, staged, files, lookups or TuningLookups())
     return files
 
 
-def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles) -> None:
+def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles, built: bool) -> None:
     """An entry whose key is staged came from there (Triton's lookup copies it in, and
-    compiles nothing); any other was compiled here."""
+    compiles nothing): reused; any other was compiled here (reported with `built`)."""
     prefix = TRITON + "/"
     entries: dict[str, list[str]] = {}
-    for name in _names(triton_dir, _TRITON, prefix) if triton_dir else ():
+    for name in _names(triton_dir, _TRITON, prefix):
         entries.setdefault(_unit(name), []).append(name)
     reported = 0
     for unit, names in sorted(entries.items()):
         if staged and os.path.isdir(os.path.join(staged, unit)):
             files.reused.append(unit)
+            continue
+        if not built:
             continue
         data = {name: _read(os.path.join(triton_dir, name[len(prefix) :])) for name in names}
         reported += sum(len(d) for d in data.values())

@@ -135,9 +135,11 @@ def test_the_report_tells_built_from_reused(tmp_path):
     assert files.built[text] == _result(6) and files.built[other_text] == _result(7)
     assert list(files.reused) == [f"triton/{KEY}"]
     assert (files.tuning_reused, files.tuning_seconds_saved) == (1, 1.5)
-    # A shared job's child reports none of it.
+    # A shared job's child reports only the pool's entries it took (for the counters and the
+    # pool's least-recently-used order), nothing it made.
     shared = kernel_cache.report(str(cache_dir), str(staged), False, str(triton_dir))
-    assert not shared.built and not shared.reused and not shared.tuning_reused
+    assert not shared.built and not shared.tuning_reused
+    assert list(shared.reused) == [f"triton/{KEY}"]
 
 
 def test_a_childs_triton_report_stops_at_its_cap_whole_entries_only(tmp_path, monkeypatch):
