@@ -243,10 +243,13 @@ class _Body:
             for inner in s.body + s.orelse:
                 self._statement(inner)
         elif isinstance(s, ast.For):
-            ranged = isinstance(s.iter, ast.Call) and ast.unparse(s.iter.func) in _RANGES
-            if not ranged or s.orelse:
+            loop = s.iter
+            if not isinstance(loop, ast.Call) or ast.unparse(loop.func) not in _RANGES:
                 raise Refused("a for loop over something other than a range")
-            self._expression(s.iter)
+            if s.orelse or any(k.arg is None for k in loop.keywords):
+                raise Refused("a for loop with else, or **kwargs")
+            for argument in (*loop.args, *(k.value for k in loop.keywords)):
+                self._expression(argument)  # tl.range is a class: only its arguments are
             self._target(s.target)
             for inner in s.body:
                 self._statement(inner)

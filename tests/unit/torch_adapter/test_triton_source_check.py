@@ -19,6 +19,17 @@ def test_every_kernel_inductor_wrote_passes():
         triton_source_check.check(source, name)
 
 
+def test_loops_over_tritons_ranges_pass():
+    """Inductor's looped reductions iterate over `tl.range` (a class, not a builtin)."""
+    for loop in ("range(0, 8, 2)", "tl.range(0, xnumel, XBLOCK)", "tl.static_range(4)"):
+        body = f"    for r0_offset in {loop}:\n        r0_index = r0_offset + 1\n"
+        triton_source_check.check(SOURCE.rstrip("\n") + "\n" + body, NAME)
+    for loop in ("tl.range(0, 8, **{})", "tl.zeros(8)", "tl.range(0, getattr(tl, 'x'))"):
+        with pytest.raises(Refused):
+            body = f"    for r0_offset in {loop}:\n        pass\n"
+            triton_source_check.check(SOURCE.rstrip("\n") + "\n" + body, NAME)
+
+
 @pytest.mark.parametrize(
     "line",
     [
