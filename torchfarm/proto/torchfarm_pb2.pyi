@@ -2376,18 +2376,25 @@ class TritonSource(_message.Message):
 
     KERNEL_NAME_FIELD_NUMBER: _builtins.int
     MODULE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
     kernel_name: _builtins.str
     module: _builtins.str
     """the kernel's Python module, as Inductor wrote it"""
+    result: _builtins.bytes
+    """The autotune result (`.best_config` JSON) the compile ended with, if any: the build
+    compiles the kernel with it, and keeps it for the pool only where it is one of the
+    configs Inductor's tuner could choose for this kernel (torch_adapter/triton_kernels.py).
+    """
     def __init__(
         self,
         *,
         kernel_name: _builtins.str = ...,
         module: _builtins.str = ...,
+        result: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_name", b"kernel_name", "module", b"module"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_name", b"kernel_name", "module", b"module", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

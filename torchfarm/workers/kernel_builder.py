@@ -76,12 +76,23 @@ def build(request: pb.KernelBuild, cache_dir: str) -> pb.KernelFiles:
 
     with standalone.inductor_config.patch(WORKER_CONFIG), standalone.cache_dir_at(cache_dir):
         if request.HasField("triton"):
-            from torchfarm.torch_adapter import triton_kernels
-
-            triton_kernels.build(request.triton.module, request.triton.kernel_name)
-            return kernel_cache.report(cache_dir, "", triton_dir=os.environ["TRITON_CACHE_DIR"])
+            return _build_triton(request.triton, cache_dir)
         _build_cpp(request.cpp)
     return kernel_cache.report(cache_dir, "")
+
+
+def _build_triton(source: pb.TritonSource, cache_dir: str) -> pb.KernelFiles:
+    """The kernel's Triton entries, and the autotune result it was built with (if one was
+    taken), kept under the kernel's text as the tenant's are (kernel_cache.text_name)."""
+    from torchfarm.torch_adapter import triton_kernels
+
+    result = triton_kernels.build(source.module, source.kernel_name, source.result)
+    files = kernel_cache.report(cache_dir, "", triton_dir=os.environ["TRITON_CACHE_DIR"])
+    for name in [n for n in files.built if n.startswith(kernel_cache.TUNING + "/")]:
+        del files.built[name]  # the build's own copy of the result
+    if result:
+        files.built[kernel_cache.text_name(source.kernel_name, source.module)] = result
+    return files
 
 
 def _build_cpp(source: pb.KernelSource) -> None:

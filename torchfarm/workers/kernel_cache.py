@@ -153,6 +153,14 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
         yield
 
 
+def _result_path(module: str) -> str:
+    from torch._inductor import codecache
+
+    from torchfarm.torch_adapter import autotune_results
+
+    return autotune_results.result_path(codecache.PyCodeCache.write(module)[1])
+
+
 def _copy(source: str, dest: str) -> None:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     shutil.copyfile(source, dest)
@@ -162,8 +170,8 @@ def _copy(source: str, dest: str) -> None:
 def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
     """Record, as the pool's kernel builder takes them, each CPU library Inductor's
     CppCodeCache classes are asked to build (`recorded.sources`; extra flags, another device
-    or class: left out) and, with `triton`, each Triton kernel a compile asks for, once
-    (`recorded.triton_sources`)."""
+    or class: left out) and, with `triton`, each Triton kernel a compile asks for, once, with
+    the autotune result it has when the compile ends (`recorded.triton_sources`)."""
     from torchfarm.torch_adapter import cpp_libraries, triton_kernels
 
     sources, kernels = recorded.sources, set()
@@ -195,6 +203,9 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
         if triton:
             hooks.enter_context(triton_kernels.seen(on_kernel))
         yield
+    for source in recorded.triton_sources:  # the result each kernel's compile ended with
+        with contextlib.suppress(FileNotFoundError):
+            source.result = _read(_result_path(source.module))
 
 
 CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache")  # what a kernel build builds
@@ -224,8 +235,7 @@ def report(
             files.reused.append(name)
     if triton_dir:
         _report_triton(triton_dir, staged, files, built)
-    if built:
-        _report_tuning(cache_dir, staged, files, lookups or TuningLookups())
+    _report_tuning(cache_dir, staged, files, lookups or TuningLookups(), built)
     return files
 
 
@@ -250,11 +260,11 @@ def _report_triton(triton_dir: str, staged: str, files: pb.KernelFiles, built: b
 
 
 def _report_tuning(
-    cache_dir: str, staged: str, files: pb.KernelFiles, lookups: TuningLookups
+    cache_dir: str, staged: str, files: pb.KernelFiles, lookups: TuningLookups, built: bool
 ) -> None:
-    """New or changed results are kept, a Triton kernel's under its text's name; a result found
-    staged and unchanged is one reused, worth the tuning time it records (the tenant's own
-    claim: statistics only)."""
+    """A result found staged and unchanged is one reused, worth the tuning time it records (a
+    claim: statistics only); with `built`, new or changed results are kept, a Triton kernel's
+    under its text's name."""
     prefix = TUNING + "/"
     for own in _names(cache_dir, _TUNING, prefix):
         path = os.path.join(cache_dir, own[len(prefix) :])
@@ -265,6 +275,8 @@ def _report_tuning(
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 seconds = float(json.loads(data).get("time_taken_ms", 0)) / 1e3
                 files.tuning_seconds_saved += seconds
+            continue
+        if not built:
             continue
         try:  # the GEMM timings, copied in at the start, kept only if they grew
             unchanged = found is None and _read(os.path.join(staged, own)) == data

@@ -4,6 +4,7 @@ needed), the worker keeps the entries for the pool, and a compile of the same ke
 another process gets them from Triton's own lookup, compiling nothing. A hostile module is
 refused before it runs, and the builder goes on."""
 
+import json
 import os
 
 import pytest
@@ -15,8 +16,8 @@ from torchfarm.proto import torchfarm_pb2 as pb  # noqa: E402
 from torchfarm.workers import kernel_cache  # noqa: E402
 
 
-def _build(name: str, module: str) -> pb.KernelBuild:
-    return pb.KernelBuild(triton=pb.TritonSource(kernel_name=name, module=module))
+def _build(name: str, module: str, result: bytes = b"") -> pb.KernelBuild:
+    return pb.KernelBuild(triton=pb.TritonSource(kernel_name=name, module=module, result=result))
 
 
 def test_recording_hears_each_kernel_once(monkeypatch):
@@ -33,7 +34,40 @@ def test_recording_hears_each_kernel_once(monkeypatch):
     assert len(recorded.triton_sources) == 1
 
 
-def test_a_pool_build_makes_the_entries_that_a_later_compile_finds(tmp_path, monkeypatch):
+def _result(**fields) -> bytes:
+    """A coordinate-descent result for NAME's kernel (its configs: XBLOCK 1, 4 warps, 1 stage)."""
+    from torch._inductor.runtime.triton_heuristics import hash_configs
+    from triton import Config
+
+    configs_hash = hash_configs([Config({"XBLOCK": 1}, num_warps=4, num_stages=1)])
+    base = {"XBLOCK": 2, "num_warps": 4, "num_stages": 1, "found_by_coordesc": True}
+    return json.dumps({**base, "configs_hash": configs_hash, **fields}).encode()
+
+
+def test_a_result_is_admissible_only_within_the_tuners_range():
+    from torchfarm.torch_adapter.triton_kernels import admissible
+
+    assert admissible(_result()) == json.loads(_result())
+    assert admissible(_result(R0_BLOCK=65536, time_taken_ms=12.5)) is not None
+    for forged in (
+        _result(XBLOCK=3),  # not a power of two
+        _result(XBLOCK=8192),  # past Inductor's limit for X
+        _result(XBLOCK=True),
+        _result(num_warps=64),
+        _result(num_stages=0),
+        _result(extra_options={"x": 1}),  # 2.15 would build any extra option verbatim
+        _result(EVIL=1),
+        _result(configs_hash=None),
+        b"[1, 2]",
+        b"not json",
+    ):
+        assert admissible(forged) is None, forged
+
+
+def test_a_pool_build_makes_the_entries_and_results_that_a_later_compile_finds(
+    tmp_path, monkeypatch
+):
+    from torch._inductor import async_compile
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.runtime import triton_helpers
 
@@ -51,32 +85,53 @@ def test_a_pool_build_makes_the_entries_that_a_later_compile_finds(tmp_path, mon
         with pytest.raises(ValueError, match="refused"):
             builder.build(_build(NAME, hostile))
         assert builder.proc is process  # a refusal costs the builder nothing
-        again = builder.build(_build(NAME, KERNELS[NAME]))
+        tuned = builder.build(_build(NAME, KERNELS[NAME], _result(time_taken_ms=900)))
+        forged = builder.build(_build(NAME, KERNELS[NAME], _result(XBLOCK=3)))
     assert not planted.exists()
-    keys = {name.split("/")[1] for name in built.built}
+    by_text = kernel_cache.text_name(NAME, KERNELS[NAME])
+
+    def entries(files: pb.KernelFiles) -> set[str]:
+        return {name.split("/")[1] for name in files.built if name.startswith("triton/")}
+
+    keys = entries(built)
     assert keys and sorted(built.built) == sorted(
         f"triton/{key}/{NAME}.{suffix}" for key in keys for suffix in ("cubin", "json")
     )
-    assert set(again.built) == set(built.built)  # each build from an emptied cache dir
+    # With the result, the build compiles the config it names (another key), and keeps it.
+    assert json.loads(tuned.built.pop(by_text)) == json.loads(_result(time_taken_ms=900))
+    assert entries(tuned) and entries(tuned) != keys
+    assert set(forged.built) == set(built.built)  # a forged result: not taken, not kept
 
     cache = kernel_cache.KernelCache(str(tmp_path / "kernels"), "toolchain", 1 << 30)
     pool = cache.pool_dir("gpu")
     cache.keep(pool, built)
-    staging = tmp_path / "staging"
+    tuned.built[by_text] = _result(time_taken_ms=900)
+    cache.keep(pool, tuned)
+    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
     staging.mkdir()
     kernel_cache.stage(pool, str(staging))
     own = tmp_path / "own"  # the compile's own Triton cache, as in a child
     monkeypatch.setenv("TRITON_CACHE_DIR", str(own))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     for variable, value in triton_cache.environment(str(staging / "triton")).items():
         monkeypatch.setenv(variable, value)
     monkeypatch.setattr(triton_helpers, "set_driver_to_gpu", lambda: None)  # no GPU here
-    module = PyCodeCache.load(KERNELS[NAME])
-    getattr(module, NAME).precompile(warm_cache_only=True)  # as Inductor's compile workers do
-    for key in keys:  # found: a compile would have written its IRs beside these
-        assert sorted(os.listdir(own / key)) == sorted(
-            [f"{NAME}.cubin", f"{NAME}.json", f"__grp__{NAME}.json"]
-        )
-        assert (own / key / f"{NAME}.cubin").read_bytes() == built.built[
-            f"triton/{key}/{NAME}.cubin"
-        ]
+
+    def compile_as_a_worker_does(self, kernel_name, source_code, *args):
+        kernel = getattr(PyCodeCache.load(source_code), kernel_name)
+        kernel.precompile(warm_cache_only=True)
+        return kernel
+
+    monkeypatch.setattr(async_compile.AsyncCompile, "triton", compile_as_a_worker_does)
+    with kernel_cache.looking_up(str(staging), str(inductor)) as lookups:
+        kernel = async_compile.AsyncCompile().triton(NAME, KERNELS[NAME])
+    assert [r.config.kwargs for r in kernel.compile_results] == [{"XBLOCK": 2}]  # the pool's
+    assert list(lookups.found.values()) == [by_text]
+    (key,) = entries(tuned)
+    assert sorted(os.listdir(own)) == [key]  # found: a compile would have written its IRs too
+    assert sorted(os.listdir(own / key)) == sorted(
+        [f"{NAME}.cubin", f"{NAME}.json", f"__grp__{NAME}.json"]
+    )
+    files = kernel_cache.report(str(inductor), str(staging), False, str(own), lookups)
+    assert (list(files.reused), files.tuning_reused) == ([f"triton/{key}"], 1)
+    assert files.tuning_seconds_saved == 0.9 and not files.built  # a shared job's report
