@@ -245,7 +245,8 @@ def _compile_and_store(
     )
     builds = kernel_builder.builds_of(child.kernels)
     if kernels and builds:  # after the job ended: no waiter waits for builds
-        queued = _pool_builds(settings).offer(pool_kernels, builds)
+        kept = functools.partial(_count_tuning_stored, store, pool)
+        queued = _pool_builds(settings).offer(pool_kernels, builds, kept)
         log.info("kernel cache: %d sources queued for the pool's builds", queued, extra=extra)
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
     if evicted:
@@ -281,6 +282,12 @@ def _pool_builds(settings: WorkerSettings) -> kernel_builder.PoolBuilds:
     kernels = _kernel_cache(settings)
     assert kernels is not None
     return kernel_builder.PoolBuilds(kernels, settings)
+
+
+def _count_tuning_stored(store: Store, pool: str, stored: int) -> None:
+    """A pool build's tuning results, counted as its compiles' are (`torchfarm cache stats`)."""
+    if stored:
+        store.counters.count(pool, tuning_stored=stored)
 
 
 def _keep_kernels(

@@ -48,6 +48,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import IO, BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -123,22 +124,28 @@ def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:
     ]
 
 
+_Queued = tuple[str, pb.KernelBuild, Callable[[int], None]]  # pool dir, source, `kept`
+
+
 class PoolBuilds:
     """The worker's queue of kernel builds for its pools, drained by one background thread."""
 
     def __init__(self, kernels: kernel_cache.KernelCache, settings: WorkerSettings) -> None:
         self.kernels, self.settings = kernels, settings
-        self.waiting: queue.Queue[tuple[str, pb.KernelBuild]] = queue.Queue(MAX_QUEUED)
+        self.waiting: queue.Queue[_Queued] = queue.Queue(MAX_QUEUED)
         threading.Thread(target=self._drain, name="kernel-builds", daemon=True).start()
 
-    def offer(self, pool_dir: str, sources: list[pb.KernelBuild]) -> int:
-        """Queue the sources not built for `pool_dir` yet; how many were queued."""
+    def offer(
+        self, pool_dir: str, sources: list[pb.KernelBuild], kept: Callable[[int], None]
+    ) -> int:
+        """Queue the sources not built for `pool_dir` yet; how many were queued. `kept` hears
+        how many tuning results each build stored (for the pool's counters)."""
         queued = 0
         for source in sources:
             if self.kernels.built_before(pool_dir, source):
                 continue
             try:
-                self.waiting.put_nowait((pool_dir, source))
+                self.waiting.put_nowait((pool_dir, source, kept))
             except queue.Full:
                 break
             queued += 1
@@ -146,7 +153,7 @@ class PoolBuilds:
 
     def _drain(self) -> None:
         while True:
-            item: tuple[str, pb.KernelBuild] | None = self.waiting.get()
+            item: _Queued | None = self.waiting.get()
             with _Builder(self.settings) as builder:
                 while item is not None:
                     self._build(builder, *item)
@@ -155,7 +162,13 @@ class PoolBuilds:
                     except queue.Empty:
                         item = None
 
-    def _build(self, builder: _Builder, pool_dir: str, source: pb.KernelBuild) -> None:
+    def _build(
+        self,
+        builder: _Builder,
+        pool_dir: str,
+        source: pb.KernelBuild,
+        kept: Callable[[int], None],
+    ) -> None:
         if self.kernels.built_before(pool_dir, source):  # queued twice
             log.info("pool kernel build skipped: built already")
             return
@@ -164,6 +177,7 @@ class PoolBuilds:
             files = builder.build(source)
             self.kernels.keep(pool_dir, files)
             self.kernels.mark_built(pool_dir, source, sorted(files.built))
+            kept(sum(1 for name in files.built if name.startswith(kernel_cache.TUNING + "/")))
         except ValueError as e:  # a Triton module that is not Inductor's: not shared
             log.info("pool kernel build %s", str(e)[:600])
             return
