@@ -1,5 +1,5 @@
-"""The cache's operations (list, show, stats, drop, purge, export, import) over a Store, with
-the Admin RPCs' messages as their inputs and outputs.
+"""The cache's operations (list, show, stats, drop, purge, export, import, drop-kernels) over a
+Store, with the Admin RPCs' messages as their inputs and outputs.
 
 One implementation for both ways of reaching the cache: the gateway's Admin service runs it
 for an admin token, and `torchfarm cache --redis URL` (direct recovery mode) runs it in the
@@ -119,6 +119,15 @@ class CacheAdmin:
         keys = sorted({r.key for r in self._matching(f)})
         removed = sum(self.store.artifacts.drop(k) for k in keys)
         return pb.PurgeReply(keys=len(keys), entries=removed)
+
+    def drop_kernels(self, request: pb.DropKernelsRequest) -> pb.DropKernelsReply:
+        """Raise the pool's kernel cache generation: each of its workers discards its kernel
+        cache for the pool before its next compile (workers/kernel_cache.py)."""
+        known = set(self.store.pools.live()) | set(self.store.counters.per_pool())
+        if request.pool not in known - {""}:
+            pools = ", ".join(sorted(known - {""})) or "none"
+            raise Refused(Problem.NOT_FOUND, f"no pool {request.pool!r} (pools: {pools})")
+        return pb.DropKernelsReply(generation=self.store.pools.drop_kernels(request.pool))
 
     def export(self, request: pb.ExportRequest) -> bytes:
         """A bundle file's bytes: the matching entries with their artifacts and signatures."""

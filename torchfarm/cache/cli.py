@@ -1,5 +1,5 @@
 """`torchfarm cache`: look at and manage the farm's cache (ls, show, stats, rm, purge,
-export, import). Each command is an Admin RPC of the gateway (`--addr`/`--token`, or
+export, import, drop-kernels). Each command is an Admin RPC of the gateway (`--addr`/`--token`, or
 TORCHFARM_ADDR / TORCHFARM_ADMIN_TOKEN: a token listed in its TORCHFARM_ADMINS), so an
 operator needs no store credentials. `--redis URL` (or `--direct`, TORCHFARM_REDIS_URL) talks
 to the cache's Redis itself instead: the recovery mode, for a farm whose gateway is down.
@@ -64,6 +64,7 @@ class Source(Protocol):
     def stats(self) -> dict: ...
     def drop(self, key: str) -> int: ...
     def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply: ...
+    def drop_kernels(self, pool: str) -> int: ...
     def export(self, request: pb.ExportRequest) -> Iterator[bytes]: ...
     def import_bundle(
         self, data: bytes, trust_keys: list[str], unsigned: bool
@@ -120,6 +121,9 @@ class GatewaySource:
     def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply:
         return self._call("Purge", request)
 
+    def drop_kernels(self, pool: str) -> int:
+        return self._call("DropKernels", pb.DropKernelsRequest(pool=pool)).generation
+
     def export(self, request: pb.ExportRequest) -> Iterator[bytes]:
         try:
             for chunk in self.stub.Export(
@@ -169,6 +173,10 @@ class StoreSource:
 
     def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply:
         return self._run(lambda: self.cache.purge(request))
+
+    def drop_kernels(self, pool: str) -> int:
+        request = pb.DropKernelsRequest(pool=pool)
+        return self._run(lambda: self.cache.drop_kernels(request)).generation
 
     def export(self, request: pb.ExportRequest) -> Iterator[bytes]:
         yield self._run(lambda: self.cache.export(request))
@@ -394,7 +402,8 @@ def stats(
     as_json: bool = JsonOption,
 ) -> None:
     """Totals (entries, bytes, hits, misses, hit rate, compile seconds saved) and per pool,
-    with the kernels and tuning results the pool's compiles reused (issue 28)."""
+    with the kernels and tuning results the pool's compiles reused and the GEMM candidates
+    they benchmarked (issue 28)."""
     result = _run((addr, token, redis_url, direct), lambda s: s.stats())
     if as_json:
         typer.echo(json.dumps(result, indent=1))
@@ -410,6 +419,7 @@ def stats(
     table = Table(
         "pool", "entries", "bytes", "hits", "misses", "compiles", "compile s",
         "kernels reused", "tuning stored", "tuning reused", "tuning s saved",
+        "GEMM candidates benchmarked",
     )  # fmt: skip
     for name, p in sorted(result["pools"].items()):
         table.add_row(
@@ -420,6 +430,7 @@ def stats(
             f"{p.get('compile_seconds', 0):.1f}",
             *(str(int(p.get(n, 0))) for n in ("kernels_reused", "tuning_stored", "tuning_reused")),
             f"{p.get('tuning_seconds_saved', 0):.1f}",
+            str(int(p.get("gemm_candidates_benchmarked", 0))),
         )
     console.print(table)
 
@@ -467,6 +478,26 @@ def purge(
         json.dumps({"keys_removed": reply.keys, "entries_removed": reply.entries})
         if as_json
         else f"removed {reply.keys} keys ({reply.entries} entries)"
+    )
+
+
+@app.command("drop-kernels")
+def drop_kernels(
+    pool: str = typer.Option(..., "--pool", help="the pool, as `stats` lists it"),
+    addr: str = AddrOption,
+    token: str = TokenOption,
+    redis_url: str = RedisOption,
+    direct: bool = DirectOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Make every worker of a pool discard its kernel cache for it (C++ objects, Triton
+    entries, tuning results: the pool's and every tenant's) before its next compile."""
+    generation = _run((addr, token, redis_url, direct), lambda s: s.drop_kernels(pool))
+    typer.echo(
+        json.dumps({"pool": pool, "generation": generation})
+        if as_json
+        else f"pool {pool}: kernel caches dropped (generation {generation}); each worker "
+        "discards its own before its next compile"
     )
 
 

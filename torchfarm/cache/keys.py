@@ -97,6 +97,10 @@ def pool_stats(name: str) -> str:  # hash of one pool's counters
     return f"{FORMAT}:poolstats:{name}"
 
 
+def kernel_generation(pool: str) -> str:  # integer: raised to make the pool's workers
+    return f"{FORMAT}:kernelgen:{pool}"  # discard their kernel caches (cache/pools.py)
+
+
 POOL_PATTERN = f"{FORMAT}:pool:*"
 POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters

@@ -1,6 +1,9 @@
 """The pool registry, on the broker's Redis: each pool's description and its workers'
 readiness, kept alive by their heartbeats, so the gateway knows which targets it can serve
-and whether the workers behind them can compile.
+and whether the workers behind them can compile; and each pool's kernel cache generation,
+which `torchfarm cache drop-kernels` raises and workers compare with the one their kernel
+cache was kept under (workers/kernel_cache.py). It never expires: a worker away during a drop
+discards its kernels when it next compiles.
 
 A pool is one hash (keys.pool): worker id -> that worker's last heartbeat. A worker is
 "starting" until its canary compile (workers/canary.py) ends, then "ready" or "failed". A
@@ -133,6 +136,14 @@ class PoolRegistry:
     def _stale(entry: dict, now: float) -> bool:
         failed = entry["readiness"]["state"] == "failed"
         return now - entry["seen"] > (FAILURE_TTL_S if failed else POOL_TTL_S)
+
+    def kernel_generation(self, pool: str) -> int:
+        """The generation of `pool`'s kernel caches: 0 until it is first dropped."""
+        return int(self.redis.get(keys.kernel_generation(pool)) or 0)
+
+    def drop_kernels(self, pool: str) -> int:
+        """Tell every worker of `pool` to discard its kernel cache; the new generation."""
+        return int(self.redis.incr(keys.kernel_generation(pool)))
 
     def live(self) -> dict[str, PoolState]:
         """Every pool with a worker heard from in the last POOL_TTL_S, or whose worker's canary

@@ -535,6 +535,17 @@ class AdminServicer(pb_grpc.AdminServicer):
         log.info("admin %s purged %d keys (%d entries)", name, reply.keys, reply.entries)
         return reply
 
+    def DropKernels(self, request: pb.DropKernelsRequest, context) -> pb.DropKernelsReply:
+        name = self._authorize(context)
+        reply = self._run(context, lambda: self.cache.drop_kernels(request))
+        log.info(
+            "admin %s dropped the kernel caches of pool %s (generation %d)",
+            name,
+            request.pool,
+            reply.generation,
+        )
+        return reply
+
     def Export(self, request: pb.ExportRequest, context) -> Iterator[pb.BundleChunk]:
         self._authorize(context)
         data = self._run(context, lambda: self.cache.export(request))

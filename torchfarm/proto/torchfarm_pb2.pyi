@@ -1017,6 +1017,46 @@ class DropReply(_message.Message):
 Global___DropReply: _TypeAlias = DropReply  # noqa: Y015
 
 @_typing.final
+class DropKernelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """a pool's name, as `torchfarm cache stats` lists it"""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropKernelsRequest: _TypeAlias = DropKernelsRequest  # noqa: Y015
+
+@_typing.final
+class DropKernelsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    """the pool's kernel cache generation now (cache/pools.py)"""
+    def __init__(
+        self,
+        *,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropKernelsReply: _TypeAlias = DropKernelsReply  # noqa: Y015
+
+@_typing.final
 class EntryFilter(_message.Message):
     """Which entries a command applies to; an empty field matches every entry."""
 
@@ -2284,12 +2324,18 @@ class KernelFiles(_message.Message):
     SOURCES_FIELD_NUMBER: _builtins.int
     TUNING_REUSED_FIELD_NUMBER: _builtins.int
     TUNING_SECONDS_SAVED_FIELD_NUMBER: _builtins.int
+    GEMM_CANDIDATES_BENCHMARKED_FIELD_NUMBER: _builtins.int
     TRITON_SOURCES_FIELD_NUMBER: _builtins.int
     tuning_reused: _builtins.int
     """Staged autotune results a private compile used unchanged (kernel_cache.py), and the
     tuning seconds they record: statistics only (the tenant's child says so).
     """
     tuning_seconds_saved: _builtins.float
+    gemm_candidates_benchmarked: _builtins.int
+    """Candidates Inductor's algorithm selection benchmarked (max-autotune; timings found in its
+    cache not counted), the backward helper's included; reported with the kernel cache off
+    too (torch_adapter/gemm_benchmarks.py). Statistics only.
+    """
     @_builtins.property
     def built(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
         """`<2 chars>/<Inductor's file name>.so|.o`, `triton/<key>/<file>`, `tuning/...` -> bytes"""
@@ -2314,11 +2360,12 @@ class KernelFiles(_message.Message):
         sources: _abc.Iterable[Global___KernelSource] | None = ...,
         tuning_reused: _builtins.int = ...,
         tuning_seconds_saved: _builtins.float = ...,
+        gemm_candidates_benchmarked: _builtins.int = ...,
         triton_sources: _abc.Iterable[Global___TritonSource] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "reused", b"reused", "sources", b"sources", "triton_sources", b"triton_sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "gemm_candidates_benchmarked", b"gemm_candidates_benchmarked", "reused", b"reused", "sources", b"sources", "triton_sources", b"triton_sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

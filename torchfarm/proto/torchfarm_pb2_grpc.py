@@ -409,6 +409,11 @@ class AdminStub:
                 request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.SerializeToString,
                 response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.FromString,
                 _registered_method=True)
+        self.DropKernels = channel.unary_unary(
+                '/torchfarm.v1.Admin/DropKernels',
+                request_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsRequest.SerializeToString,
+                response_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -469,6 +474,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropKernels(self, request, context):
+        """`cache drop-kernels`: every worker of the pool discards its kernel cache for the pool
+        (workers/kernel_cache.py) before its next compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -506,6 +519,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Import,
                     request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.FromString,
                     response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.SerializeToString,
+            ),
+            'DropKernels': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropKernels,
+                    request_deserializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsRequest.FromString,
+                    response_serializer=torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -701,6 +719,33 @@ class Admin:
             '/torchfarm.v1.Admin/Import',
             torchfarm_dot_proto_dot_torchfarm__pb2.BundleChunk.SerializeToString,
             torchfarm_dot_proto_dot_torchfarm__pb2.ImportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropKernels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchfarm.v1.Admin/DropKernels',
+            torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsRequest.SerializeToString,
+            torchfarm_dot_proto_dot_torchfarm__pb2.DropKernelsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -151,6 +151,10 @@ class AdminStub:
     the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
     no admin RPC writes an entry that the farm's clients would not verify.
     """
+    DropKernels: _grpc.UnaryUnaryMultiCallable[_torchfarm_pb2.DropKernelsRequest, _torchfarm_pb2.DropKernelsReply]
+    """`cache drop-kernels`: every worker of the pool discards its kernel cache for the pool
+    (workers/kernel_cache.py) before its next compile.
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -177,6 +181,10 @@ class AdminAsyncStub(AdminStub):
     """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
     the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
     no admin RPC writes an entry that the farm's clients would not verify.
+    """
+    DropKernels: _aio.UnaryUnaryMultiCallable[_torchfarm_pb2.DropKernelsRequest, _torchfarm_pb2.DropKernelsReply]  # type: ignore[assignment]
+    """`cache drop-kernels`: every worker of the pool discards its kernel cache for the pool
+    (workers/kernel_cache.py) before its next compile.
     """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
@@ -243,6 +251,16 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         """`cache import`: the bundle file's bytes, in chunks. Every entry must be signed by one of
         the gateway's TORCHFARM_VERIFY_KEYS, else nothing is imported (FAILED_PRECONDITION):
         no admin RPC writes an entry that the farm's clients would not verify.
+        """
+
+    @_abc_1.abstractmethod
+    def DropKernels(
+        self,
+        request: _torchfarm_pb2.DropKernelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_torchfarm_pb2.DropKernelsReply, _abc.Awaitable[_torchfarm_pb2.DropKernelsReply]]:
+        """`cache drop-kernels`: every worker of the pool discards its kernel cache for the pool
+        (workers/kernel_cache.py) before its next compile.
         """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -159,7 +159,11 @@ def _compile_and_store(
     handed = time.perf_counter()
     kernels = _kernel_cache(settings)
     pool_kernels = tenant_kernels = ""
+    generation = 0
     if kernels:  # the pool's objects for every job; a private job's tenant's own too
+        generation = store.pools.kernel_generation(_pool_of(task))
+        if kernels.renew(_pool_of(task), generation):
+            log.info("kernel cache: dropped (generation %d)", generation, extra=extra)
         pool_kernels = kernels.pool_dir(_pool_of(task))
         if job.private:  # private only: the tenant chooses what it holds (kernel_cache)
             tenant_kernels = kernels.tenant_dir(_pool_of(task), job.tenant)
@@ -191,7 +195,12 @@ def _compile_and_store(
     data, read_back = child.data, time.perf_counter()
     artifact = pb.Artifact.FromString(data)
     pool = _pool_of(task)
-    store.counters.count(pool, compiles=1, compile_seconds=artifact.compile_seconds)
+    store.counters.count(
+        pool,
+        compiles=1,
+        compile_seconds=artifact.compile_seconds,
+        gemm_candidates_benchmarked=child.kernels.gemm_candidates_benchmarked,
+    )
     meta = _entry_meta(job, artifact, pool)
     meta.digest, meta.size = digest_of(data), len(data)
     meta.public_key = _graph_key(job, payload)
@@ -220,12 +229,16 @@ def _compile_and_store(
         store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
     if kernels:  # before the job ends: its tenant's next compile finds them
-        _keep_kernels(kernels, pool_kernels, tenant_kernels, child.kernels, extra)
+        kept = store.pools.kernel_generation(pool) == generation
+        if kept:
+            _keep_kernels(kernels, pool_kernels, tenant_kernels, child.kernels, extra)
+        else:  # what it built may hold what was dropped (timings grown from staged ones)
+            log.info("kernel cache: dropped during the compile, nothing kept", extra=extra)
         tuned = [n for n in child.kernels.built if n.startswith(kernel_cache.TUNING + "/")]
         store.counters.count(
             pool,
             kernels_reused=len(child.kernels.reused),
-            tuning_stored=len(tuned) if tenant_kernels else 0,
+            tuning_stored=len(tuned) if tenant_kernels and kept else 0,
             tuning_reused=child.kernels.tuning_reused,
             tuning_seconds_saved=child.kernels.tuning_seconds_saved,
         )
@@ -306,11 +319,13 @@ def _keep_kernels(
         log.exception("could not keep the compile's kernels", extra=extra)
         return
     log.info(
-        "kernel cache: %d objects reused, %d kept, %d tuning results reused (%.1f s of tuning)",
+        "kernel cache: %d objects reused, %d kept, %d tuning results reused (%.1f s of "
+        "tuning), %d GEMM candidates benchmarked",
         len(files.reused),
         stored,
         files.tuning_reused,
         files.tuning_seconds_saved,
+        files.gemm_candidates_benchmarked,
         extra=extra,
     )
 

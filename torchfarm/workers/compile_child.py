@@ -19,9 +19,10 @@ one request. It compiles that one and exits, so no two tenants ever share a proc
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
 `--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
 and compiles the graph's backward while this process compiles the forward
-(torch_adapter/concurrent_backward.py). The helper reports nothing: what it compiled reaches
-the artifact only through the Inductor cache dir the two share, as a cache entry that this
-process looks up (and compiles itself where that misses).
+(torch_adapter/concurrent_backward.py). What it compiled reaches the artifact only through the
+Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
+itself where that misses); its one report, the GEMM candidates it benchmarked, is a KernelFiles
+it leaves in that dir (HELPER_REPORT), which this process adds to its own.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import tempfile
 import threading
 from typing import BinaryIO
 
+from google.protobuf.message import DecodeError
+
 from torchfarm.compiler import compilers
 from torchfarm.contract.options import INDUCTOR, compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -46,6 +49,7 @@ from torchfarm.workers import kernel_cache
 
 # Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
+HELPER_REPORT = "torchfarm-helper.pb"  # the backward helper's KernelFiles, in the shared cache dir
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 _reports: BinaryIO | None = None  # the real stdout; fd 1 itself then points at stderr
@@ -198,7 +202,10 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     recorded = pb.KernelFiles()  # for the pool's kernel builds
     lookups = None
+    from torchfarm.torch_adapter import gemm_benchmarks
+
     with contextlib.ExitStack() as kernels:
+        benchmarked = kernels.enter_context(gemm_benchmarks.counted())
         if args.kernels:  # before anything of the tenant's runs
             lookups = kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
         if request.kernel_sources:
@@ -219,6 +226,7 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
         artifact = compiler.compile(request, context)
         if backward is not None:
             artifact.backward = backward.compiled_by
+    files = pb.KernelFiles()
     if args.kernels:
         files = kernel_cache.report(
             cache_dir,
@@ -228,9 +236,29 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
             lookups=lookups,
         )
         files.MergeFrom(recorded)
-        report(pb.CompileChildReport(kernels=files))
+    files.gemm_candidates_benchmarked = benchmarked.candidates
+    if helped:  # where the graph had a backward, the helper has exited: its report is whole
+        files.gemm_candidates_benchmarked += _helper_report(cache_dir).gemm_candidates_benchmarked
+    report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
+
+
+def _helper_report(cache_dir: str) -> pb.KernelFiles:
+    """The backward helper's report (empty where it wrote none: no backward, or it failed)."""
+    try:
+        with open(os.path.join(cache_dir, HELPER_REPORT), "rb") as f:
+            return pb.KernelFiles.FromString(f.read())
+    except (OSError, DecodeError):
+        return pb.KernelFiles()
+
+
+def _leave_report(cache_dir: str, files: pb.KernelFiles) -> None:
+    """The helper's report for its child, whole or not at all (a rename), before it exits."""
+    path = os.path.join(cache_dir, HELPER_REPORT)
+    with open(path + ".tmp", "wb") as f:
+        f.write(files.SerializeToString())
+    os.replace(path + ".tmp", path)
 
 
 def _helper_main(args: argparse.Namespace) -> int:
@@ -242,13 +270,13 @@ def _helper_main(args: argparse.Namespace) -> int:
     if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0
     request = pb.CompileChildRequest.FromString(data)
-    from torchfarm.torch_adapter import concurrent_backward
+    from torchfarm.torch_adapter import concurrent_backward, gemm_benchmarks
 
+    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     with contextlib.ExitStack() as kernels:
+        benchmarked = kernels.enter_context(gemm_benchmarks.counted())
         if args.kernels:
-            kernels.enter_context(
-                kernel_cache.looking_up(args.kernels, os.environ["TORCHINDUCTOR_CACHE_DIR"])
-            )
+            kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
         for module in request.op_libraries:
             importlib.import_module(module)
         compiler = compilers.load(INDUCTOR, compilers.parse(args.compilers))
@@ -257,7 +285,8 @@ def _helper_main(args: argparse.Namespace) -> int:
             with concurrent_backward.backward_only():
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
-            return 0
+            pass
+    _leave_report(cache_dir, pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates))
     return 0
 
 

@@ -21,6 +21,11 @@ that kernel's result just before it compiles it; `tuning/cache/<hash>`, Inductor
 timings, copied in at the start). Tuning results choose among configs Inductor generated for
 the kernel (a result tuned again replaces the kept one). The same rule holds: they are the
 tenant's, read by the tenant's private compiles only.
+
+A pool's slices share one directory, so that `torchfarm cache drop-kernels` can discard them
+all: the worker compares the pool's generation (cache/pools.py) with the one its directory
+was kept under before it stages a job's kernels (`renew`), and keeps none of a compile that
+the generation changed under.
 """
 
 from __future__ import annotations
@@ -292,26 +297,58 @@ def _read(path: str) -> bytes:
 
 
 # ---- the worker's side -------------------------------------------------------------------
+GENERATION = "generation"  # in a pool's directory: the generation its kernels were kept under
+
+
 class KernelCache:
-    """Each (pool, tenant)'s objects under `root/<toolchain id>/`, at most `max_bytes` each."""
+    """Each pool's kernels under `root/<toolchain id>/pool-<hash>/`: the pool-wide slice and one
+    per tenant, at most `max_bytes` each. Names are hashes, so no tenant or pool name becomes a
+    path; directories are created 0700."""
 
     def __init__(self, root: str, toolchain: str, max_bytes: int) -> None:
         self.root, self.max_bytes = os.path.join(root, toolchain), max_bytes
 
+    def _pool(self, pool: str) -> str:
+        return os.path.join(self.root, "pool-" + hashlib.sha256(pool.encode()).hexdigest()[:32])
+
     def tenant_dir(self, pool: str, tenant: str) -> str:
-        """The tenant's directory for `pool` (created, 0700): named by a hash, so no tenant or
-        pool name becomes a path."""
-        return self._dir(hashlib.sha256(f"{pool}\0{tenant}".encode()).hexdigest()[:32])
+        """The tenant's slice of `pool`."""
+        digest = hashlib.sha256(f"{pool}\0{tenant}".encode()).hexdigest()[:32]
+        return self._dir(self._pool(pool), "tenants", digest)
 
     def pool_dir(self, pool: str) -> str:
-        """The pool's directory (created, 0700), which only the pool's kernel builds fill
-        (workers/kernel_builder.py); its name has a prefix no tenant's hash has."""
-        return self._dir("pool-" + hashlib.sha256(pool.encode()).hexdigest()[:32])
+        """The pool-wide slice, which only the pool's kernel builds fill
+        (workers/kernel_builder.py)."""
+        return self._dir(self._pool(pool), "shared")
 
-    def _dir(self, name: str) -> str:
-        path = os.path.join(self.root, name)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return path
+    @staticmethod
+    def _dir(top: str, *subs: str) -> str:
+        """`top/subs...`, each of these levels created 0700 where missing."""
+        os.makedirs(top, mode=0o700, exist_ok=True)
+        for sub in subs:
+            top = os.path.join(top, sub)
+            os.makedirs(top, mode=0o700, exist_ok=True)
+        return top
+
+    def renew(self, pool: str, generation: int) -> bool:
+        """Discard every slice of `pool` unless its kernels were kept under `generation` (the
+        pool's, which `torchfarm cache drop-kernels` raises: cache/pools.py), then remember
+        it; whether it discarded. A directory kept under none counts as generation 0."""
+        top = self._pool(pool)
+        try:
+            with open(os.path.join(top, GENERATION)) as f:
+                kept_under = int(f.read())
+        except (FileNotFoundError, ValueError):
+            kept_under = 0
+        if kept_under == generation:
+            return False
+        os.makedirs(self.root, exist_ok=True)
+        trash = tempfile.mkdtemp(dir=self.root, prefix=".dropped-")
+        with contextlib.suppress(FileNotFoundError):  # renamed at once: no reader sees half
+            os.rename(top, os.path.join(trash, "pool"))
+        shutil.rmtree(trash, ignore_errors=True)
+        _write_atomically(os.path.join(self._dir(top), GENERATION), str(generation).encode())
+        return True
 
     @staticmethod
     def built_before(pool_dir: str, source: pb.KernelBuild) -> bool:

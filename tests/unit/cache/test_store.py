@@ -122,6 +122,19 @@ def test_purge_older_than_and_rm(scratch, scratch_url):
     _consistent(scratch)
 
 
+def test_drop_kernels_raises_the_generation_of_a_known_pool_only(scratch, scratch_url):
+    scratch.pools.redis.delete(keys.kernel_generation("cpu-avx2"))
+    refused = CliRunner().invoke(
+        app, ["cache", "drop-kernels", "--pool", "cpu-avx2", "--redis", scratch_url]
+    )
+    assert refused.exit_code == 1 and "no pool 'cpu-avx2'" in refused.output
+    scratch.counters.count("cpu-avx2", compiles=1)  # a pool that compiled (or a live one)
+    for generation in (1, 2):
+        reply = _cli("drop-kernels", "--pool", "cpu-avx2", "--redis", scratch_url)
+        assert reply == {"pool": "cpu-avx2", "generation": generation}
+    assert scratch.pools.kernel_generation("cpu-avx2") == 2
+
+
 def test_an_undecodable_index_entry_is_passed_over_and_dropped_with_its_key(scratch):
     key = _put(scratch, 1)
     [good] = scratch.artifacts.entries(key)

@@ -91,6 +91,14 @@ def test_every_cache_command_works_with_an_admin_token_alone(farm, tmp_path):
     assert _json(addr, "purge", "--all")["keys_removed"] == 3
     assert not store.artifacts.keys()
 
+    store.counters.count("cpu-avx2", compiles=1, gemm_candidates_benchmarked=6)
+    assert _json(addr, "stats")["pools"]["cpu-avx2"]["gemm_candidates_benchmarked"] == 6
+    assert _json(addr, "drop-kernels", "--pool", "cpu-avx2") == {
+        "pool": "cpu-avx2",
+        "generation": 1,
+    }
+    assert store.pools.kernel_generation("cpu-avx2") == 1
+
 
 def test_a_tenant_token_is_refused_every_command_and_changes_nothing(farm, tmp_path):
     addr, store, signer = farm
@@ -106,11 +114,13 @@ def test_a_tenant_token_is_refused_every_command_and_changes_nothing(farm, tmp_p
         ["purge", "--all"],
         ["export", str(tmp_path / "x.tfbundle")],
         ["import", str(bundle)],
+        ["drop-kernels", "--pool", "cpu"],
     ):
         result = _cache(addr, ALICE, *command)
         assert result.exit_code == 1, (command, result.output)
         assert "PERMISSION_DENIED" in result.output, command
     assert store.artifacts.entries(key) and not (tmp_path / "x.tfbundle").exists()
+    assert store.pools.kernel_generation("cpu") == 0
     assert "UNAUTHENTICATED" in _cache(addr, "not-a-token", "stats").output
 
 
@@ -147,6 +157,10 @@ def test_admin_rpcs_refuse_bad_requests_with_precise_statuses(farm):
             (
                 lambda: stub.Import(iter([pb.BundleChunk(data=b"junk")]), metadata=metadata),
                 "INVALID_ARGUMENT",
+            ),
+            (  # no such pool: a typo drops nothing
+                lambda: stub.DropKernels(pb.DropKernelsRequest(pool="cpu"), metadata=metadata),
+                "NOT_FOUND",
             ),
         ]:
             with pytest.raises(grpc.RpcError) as e:

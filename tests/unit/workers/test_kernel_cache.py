@@ -51,8 +51,10 @@ def test_each_pool_and_tenant_has_its_own_private_directory(tmp_path):
     }
     assert len(dirs) == 6
     for d in dirs:
-        assert os.path.dirname(d) == str(tmp_path / "root" / "toolchain")
-        assert os.stat(d).st_mode & 0o777 == 0o700
+        pool = os.path.dirname(os.path.dirname(d))  # a tenant's slice is in its pool's dir
+        assert os.path.dirname(pool) == str(tmp_path / "root" / "toolchain")
+        assert all(os.stat(p).st_mode & 0o777 == 0o700 for p in (d, os.path.dirname(d), pool))
+    assert len({os.path.dirname(os.path.dirname(d)) for d in dirs}) == 2
 
 
 def test_keep_stores_well_formed_new_objects_only(tmp_path):
@@ -110,8 +112,28 @@ def test_the_pools_directory_is_apart_from_every_tenants(tmp_path):
     cache = _cache(tmp_path)
     pool = cache.pool_dir("cpu")
     assert pool not in {cache.tenant_dir("cpu", t) for t in ("", "pool", "cpu")}
-    assert os.path.basename(pool).startswith("pool-") and pool == cache.pool_dir("cpu")
-    assert os.stat(pool).st_mode & 0o777 == 0o700
+    assert pool == cache.pool_dir("cpu") and os.stat(pool).st_mode & 0o777 == 0o700
+    assert os.path.dirname(pool) == os.path.dirname(os.path.dirname(cache.tenant_dir("cpu", "a")))
+
+
+def test_renew_discards_every_slice_of_the_pool_once_for_each_new_generation(tmp_path):
+    cache = _cache(tmp_path)
+    slices = [cache.pool_dir("cpu"), cache.tenant_dir("cpu", "alice"), cache.tenant_dir("cpu", "b")]
+    other = cache.tenant_dir("cpu-b", "alice")
+    for d in (*slices, other):
+        cache.keep(d, pb.KernelFiles(built={f"{OBJ}.so": b"lib"}))
+    assert not cache.renew("cpu", 0)  # never dropped: kept under generation 0
+    assert all(kernel_cache._names(d) == [f"{OBJ}.so"] for d in slices)
+    assert cache.renew("cpu", 1)
+    assert not any(os.path.exists(d) for d in slices)  # every slice, at once
+    assert kernel_cache._names(other) == [f"{OBJ}.so"]  # another pool's stays
+    assert sorted(os.listdir(cache.root)) == sorted(  # the two pools' dirs, nothing left over
+        os.path.basename(os.path.dirname(cache.pool_dir(p))) for p in ("cpu", "cpu-b")
+    )
+    cache.keep(cache.pool_dir("cpu"), pb.KernelFiles(built={f"{OBJ}.so": b"new"}))
+    assert not cache.renew("cpu", 1)  # kept under 1 now
+    assert kernel_cache._names(cache.pool_dir("cpu")) == [f"{OBJ}.so"]
+    assert cache.renew("cpu", 0)  # a generation that differs, e.g. a Redis started afresh
 
 
 def test_a_source_counts_as_built_while_all_its_objects_are_there(tmp_path):
