@@ -4,7 +4,8 @@ tenant's earlier private compiles built; a shared compile reuses the objects the
 another tenant's shared compile. A hostile payload can plant objects under the names of another
 graph's kernels in its own tenant's cache only; what it reports to the pool enters it only
 through the pool's own build of a source, so neither another tenant's compile nor a shared
-entry ever loads a planted object."""
+entry ever loads a planted object. A private max-autotune compile finds the GEMM timings its
+tenant's earlier one kept and benchmarks no candidate, until `cache drop-kernels`."""
 
 import glob
 import json
@@ -14,17 +15,21 @@ import pickle
 import grpc
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import torchfarm
 from tests.integration.helpers import (
+    ADMIN_TOKEN,
     KERNEL_CACHE_ON,
     TOKENS,
     direct_request,
     kernel_log,
+    past_gateway_memory,
     pool_builds,
     session_farm,
     wait_for_pool_builds,
 )
+from torchfarm.cli import app
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import pool_name
@@ -269,3 +274,58 @@ def test_objects_a_hostile_payload_reports_for_the_pool_never_enter_it(farm, mon
     sources, error = _run(victim, x, "bob", False, monkeypatch, farm)
     assert sources == ["miss"] and error < 1e-4
     assert int(kernel_log(farm)[before].split()[2]) > 0, kernel_log(farm)[before]
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).relu()
+
+
+def _tuned(farm, mode: str) -> tuple[str, list[int]]:
+    """alice's private compile of _Bmm in `mode` (a max-autotune one): its key, and the numbers
+    of its kernel cache line (objects reused, kept, tuning results reused, GEMM candidates)."""
+    request = direct_request(_Bmm(), torch.randn(8, 64, 96), torch.randn(8, 96, 64), mode=mode)
+    request.private = True
+    before = len(kernel_log(farm))
+    with grpc.insecure_channel(farm.addr) as channel:
+        events = list(
+            pb_grpc.FarmStub(channel).Compile(
+                request, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=600
+            )
+        )
+    header = next(e.header for e in events if e.WhichOneof("event") == "header")
+    assert header.source == "miss"
+    line = kernel_log(farm)[before]
+    return header.key, [int(w) for w in line.replace("(", " ").split() if w.isdigit()]
+
+
+def _admin(farm, *args: str):
+    result = CliRunner().invoke(
+        app, ["cache", *args, "--addr", farm.addr, "--token", ADMIN_TOKEN, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_gemm_timings_are_found_again_until_the_pools_kernels_are_dropped(farm):
+    pool = pool_name(local_target())
+    # On the CPU, max-autotune benchmarks a bmm's C++ template and ATen choices.
+    _, (_, kept, _, benchmarked) = _tuned(farm, "max-autotune")
+    assert kept > 0 and benchmarked > 0
+    # The same kernels under another key: the tenant's objects and timings are found.
+    key, (reused, _, _, benchmarked) = _tuned(farm, "max-autotune-no-cudagraphs")
+    assert reused > 0 and benchmarked == 0
+    stats = _admin(farm, "stats")["pools"][pool]
+    assert stats["gemm_candidates_benchmarked"] > 0
+
+    assert _admin(farm, "drop-kernels", "--pool", pool) == {"pool": pool, "generation": 1}
+    _admin(farm, "rm", key)
+    past_gateway_memory()
+    # The very compile again: nothing of before the drop is staged, all is built and tuned anew.
+    _, (reused, kept, _, benchmarked) = _tuned(farm, "max-autotune-no-cudagraphs")
+    assert reused == 0 and kept > 0 and benchmarked > 0
+    assert any(
+        "kernel cache: dropped (generation 1)" in line for line in kernel_log(farm, "dropped")
+    )
+    with open(os.path.join(os.path.dirname(_pool_dir(farm)), "generation")) as f:
+        assert f.read() == "1"
