@@ -1,7 +1,8 @@
 """A training graph's backward compiled beside its forward (issue 28): with
 TORCHFARM_CONCURRENT_BACKWARD=1 each compile child has a helper in its sandbox that compiles
 the backward while the child compiles the forward; the child's own backward is then a lookup
-of the helper's entry (torch_adapter/concurrent_backward.py)."""
+of the helper's entry (torch_adapter/concurrent_backward.py). The GEMM candidates the helper
+benchmarks are counted with the child's, the kernel cache off (the tier's default) or on."""
 
 import pytest
 import torch
@@ -53,3 +54,40 @@ def test_an_inference_graph_compiles_and_the_helper_has_nothing_to_do(helped_far
         torch.testing.assert_close(compiled(x), model(x))
     assert [r.source for r in backend.history] == ["miss"]
     assert log_of(helped_farm, "worker0").count(HELPED) == before
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).relu()
+
+
+def _benchmarked(farm, training: bool) -> int:
+    """The GEMM candidates a max-autotune compile of _Bmm benchmarked, from the farm's counter."""
+
+    def counted() -> int:
+        return int(farm.store().counters.farm().get("gemm_candidates_benchmarked", 0))
+
+    before = counted()
+    a = torch.randn(8, 64, 96, requires_grad=training)
+    b = torch.randn(8, 96, 64, requires_grad=training)
+    torch._dynamo.reset()
+    backend.history.clear()
+    compiled = torchfarm.compile(_Bmm(), mode="max-autotune", addr=farm.addr)
+    with torch.set_grad_enabled(training):
+        out = compiled(a, b)
+    if training:
+        out.sum().backward()
+    assert [r.source for r in backend.history] == ["miss"]
+    return counted() - before
+
+
+def test_the_gemm_candidates_the_helper_benchmarked_are_counted(helped_farm):
+    forward = _benchmarked(helped_farm, training=False)  # the helper has nothing to do
+    assert forward > 0
+    before = log_of(helped_farm, "worker0").count("backward compiled by the")
+    # The backward's bmm is benchmarked by the helper only: the child's backward is a lookup
+    # of its entry or (as here, max-autotune on the CPU: the lookup misses) a compile that
+    # finds the helper's timings in their shared cache dir. Without the helper's report the
+    # two counts were equal.
+    assert _benchmarked(helped_farm, training=True) > forward
+    assert log_of(helped_farm, "worker0").count("backward compiled by the") == before + 1
