@@ -301,15 +301,16 @@ GENERATION = "generation"  # in a pool's directory: the generation its kernels w
 
 
 class KernelCache:
-    """Each pool's kernels under `root/<toolchain id>/pool-<hash>/`: the pool-wide slice and one
-    per tenant, at most `max_bytes` each. Names are hashes, so no tenant or pool name becomes a
-    path; directories are created 0700."""
+    """Each pool's kernels under `root/<toolchain id>/pools/<hash>/`: the pool-wide slice and
+    one per tenant, at most `max_bytes` each. Names are hashes, so no tenant or pool name
+    becomes a path; directories are created 0700. (The layout before `pools/`, a tenant's
+    directory beside its pool's, is neither read nor removed.)"""
 
     def __init__(self, root: str, toolchain: str, max_bytes: int) -> None:
-        self.root, self.max_bytes = os.path.join(root, toolchain), max_bytes
+        self.root, self.max_bytes = os.path.join(root, toolchain, "pools"), max_bytes
 
     def _pool(self, pool: str) -> str:
-        return os.path.join(self.root, "pool-" + hashlib.sha256(pool.encode()).hexdigest()[:32])
+        return os.path.join(self.root, hashlib.sha256(pool.encode()).hexdigest()[:32])
 
     def tenant_dir(self, pool: str, tenant: str) -> str:
         """The tenant's slice of `pool`."""

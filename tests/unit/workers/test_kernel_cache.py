@@ -52,7 +52,7 @@ def test_each_pool_and_tenant_has_its_own_private_directory(tmp_path):
     assert len(dirs) == 6
     for d in dirs:
         pool = os.path.dirname(os.path.dirname(d))  # a tenant's slice is in its pool's dir
-        assert os.path.dirname(pool) == str(tmp_path / "root" / "toolchain")
+        assert os.path.dirname(pool) == str(tmp_path / "root" / "toolchain" / "pools")
         assert all(os.stat(p).st_mode & 0o777 == 0o700 for p in (d, os.path.dirname(d), pool))
     assert len({os.path.dirname(os.path.dirname(d)) for d in dirs}) == 2
 
