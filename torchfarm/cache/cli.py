@@ -1,6 +1,6 @@
 """`torchfarm cache`: look at and manage the farm's cache (ls, show, stats, rm, purge,
-export, import, drop-kernels). Each command is an Admin RPC of the gateway (`--addr`/`--token`, or
-TORCHFARM_ADDR / TORCHFARM_ADMIN_TOKEN: a token listed in its TORCHFARM_ADMINS), so an
+export, import, drop-kernels). Each command is an Admin RPC of the gateway (`--addr`/`--token`,
+or TORCHFARM_ADDR / TORCHFARM_ADMIN_TOKEN: a token listed in its TORCHFARM_ADMINS), so an
 operator needs no store credentials. `--redis URL` (or `--direct`, TORCHFARM_REDIS_URL) talks
 to the cache's Redis itself instead: the recovery mode, for a farm whose gateway is down.
 Both run the same operations (cache/admin.py); this module only picks the source and
