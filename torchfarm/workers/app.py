@@ -229,8 +229,8 @@ def _compile_and_store(
         store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
     timings.store_s = time.perf_counter() - read_back
     if kernels:  # before the job ends: its tenant's next compile finds them
-        kept = store.pools.kernel_generation(pool) == generation
-        if kept:
+        undropped = store.pools.kernel_generation(pool) == generation
+        if undropped:
             _keep_kernels(kernels, pool_kernels, tenant_kernels, child.kernels, extra)
         else:  # what it built may hold what was dropped (timings grown from staged ones)
             log.info("kernel cache: dropped during the compile, nothing kept", extra=extra)
@@ -238,7 +238,7 @@ def _compile_and_store(
         store.counters.count(
             pool,
             kernels_reused=len(child.kernels.reused),
-            tuning_stored=len(tuned) if tenant_kernels and kept else 0,
+            tuning_stored=len(tuned) if tenant_kernels and undropped else 0,
             tuning_reused=child.kernels.tuning_reused,
             tuning_seconds_saved=child.kernels.tuning_seconds_saved,
         )
