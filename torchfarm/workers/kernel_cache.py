@@ -468,6 +468,15 @@ def unhide(staging: str) -> None:
 
 
 def _source_marker(pool_dir: str, source: pb.KernelBuild) -> str:
+    """A Triton kernel's marker leaves its result out: the kernel is built once, with the first
+    result a compile sent (later compiles find that one, and send it back as the pool wrote
+    it, or another they tuned again)."""
+    if source.triton.result:
+        source = pb.KernelBuild(
+            triton=pb.TritonSource(
+                kernel_name=source.triton.kernel_name, module=source.triton.module
+            )
+        )
     digest = hashlib.sha256(source.SerializeToString(deterministic=True)).hexdigest()
     return os.path.join(pool_dir, "sources", digest)
 

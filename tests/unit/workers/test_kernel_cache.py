@@ -148,6 +148,11 @@ def test_a_source_counts_as_built_while_all_its_objects_are_there(tmp_path):
     assert not cache.built_before(pool, pb.KernelBuild(cpp=other))
     same_text = pb.TritonSource(kernel_name="CppCodeCache", module="int x;")
     assert not cache.built_before(pool, pb.KernelBuild(triton=same_text))
+    # A Triton kernel is built once, whatever result a later compile sends with it.
+    kernel = pb.TritonSource(kernel_name="k", module="m", result=b"{}")
+    cache.mark_built(pool, pb.KernelBuild(triton=kernel), [f"{OBJ}.so"])
+    kernel.result = b'{"XBLOCK": 2}'
+    assert cache.built_before(pool, pb.KernelBuild(triton=kernel))
     os.remove(os.path.join(pool, f"{OBJ}.o"))  # pruned: build it again
     assert not cache.built_before(pool, source)
 
