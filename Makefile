@@ -30,8 +30,13 @@ demo: deps
 # tier, and the other torch releases (below).
 INTEGRATION_WORKERS := 2
 
+# The two run as two makes side by side, sharing no job slots: under `make -j2 integration
+# checks` (the checks' own make resets to -j3 inside it) one fresh-clone CI started the tier
+# only as the last release's tests began, 12.5 minutes late; the runs before had it at once.
 test: deps $(COMPOSE_SCHEMA)
-	$(MAKE) -j2 integration checks
+	$(MAKE) checks & checks=$$!; \
+	$(MAKE) integration; status=$$?; \
+	wait $$checks || status=$$?; exit $$status
 
 # Three jobs at most: lint then unit; one release's venv installing; one release's tests.
 checks:
