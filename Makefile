@@ -30,8 +30,13 @@ demo: deps
 # tier, and the other torch releases (below).
 INTEGRATION_WORKERS := 2
 
+# The two run as two makes side by side, sharing no job slots: under `make -j2 integration
+# checks` (the checks' own make resets to -j3 inside it) one fresh-clone CI started the tier
+# only as the last release's tests began, 12.5 minutes late; the runs before had it at once.
 test: deps $(COMPOSE_SCHEMA)
-	$(MAKE) -j2 integration checks
+	$(MAKE) checks & checks=$$!; \
+	$(MAKE) integration; status=$$?; \
+	wait $$checks || status=$$?; exit $$status
 
 # Three jobs at most: lint then unit; one release's venv installing; one release's tests.
 checks:
@@ -81,9 +86,14 @@ test-versions: $(VERSION_RUNS)
 # hold them beside the integration tier's farms (a full disk failed a compile there).
 KEEP_VENV_FREE_GB := 40
 
+# The venvs are installed without byte-compiling (--no-compile: the install is on the way to
+# the first release's tests), so their runs write the .pyc of what they import: with
+# PYTHONDONTWRITEBYTECODE set (as on these machines) every process of a run (pytest, the
+# farm's, each client and compile child) compiled torch's and Inductor's sources again, ~6
+# CPU-s each: a 2.11 run took 206 CPU-s, and 113 writing its own .pyc (cpuacct cgroup).
 $(VERSION_RUNS): test-version-%: .venv-%/.installed $(COMPOSE_SCHEMA)
 	@echo "== torch $* (.venv-$*)"
-	.venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
+	PYTHONDONTWRITEBYTECODE= .venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
 		tests/unit/compiler tests/integration/test_versions.py; status=$$?; \
 	free_gb=$$(( $$(df --output=avail -k . | tail -1) / 1048576 )); \
 	if [ $$free_gb -lt $(KEEP_VENV_FREE_GB) ]; then \

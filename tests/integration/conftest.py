@@ -52,24 +52,47 @@ def compiler_log(tmp_path):
 
 # The slowest files first: `--dist loadfile` hands files to the two workers in collection order
 # (with --no-loadscope-reorder, which the Makefile passes: else xdist orders them by their
-# number of tests), so a long file collected late runs on one worker at the end while the other
-# has nothing left. Ordered by their tests' durations in CI (2026-11-27, the 25 slowest) and
-# the earlier per-file sums (2026-11-25).
+# number of tests), and a worker takes its next file while its last two tests run, so the
+# tier ends when its last files do: every file is here, longest first, the short ones last
+# for the two workers to end together. Ordered by each file's summed durations in a run of the
+# tier alone (2026-11-27, `--durations=0`; the last four from CI's durations).
 SLOWEST_FIRST = (
     "test_skip_differential.py",
     "test_coverage.py",
     "test_farm.py",
-    "test_skip_tracing.py",
     "test_gateways.py",
-    "test_kernel_cache.py",
+    "test_skip_tracing.py",
     "test_faults.py",
-    "test_ready.py",
+    "test_export.py",
     "test_precompiled_headers.py",
+    "test_program.py",
+    "test_attacks.py",
+    "test_blob_store.py",
+    "test_kernel_cache.py",
+    "test_ready.py",
     "test_prepare.py",
     "test_stalls.py",
-    "test_export.py",
-    "test_parallel_graphs.py",
     "test_cluster.py",
+    "test_limits.py",
+    "test_sandbox.py",
+    "test_concurrent_backward.py",
+    "test_nowait.py",
+    "test_parallel_graphs.py",
+    "test_warm_children.py",
+    "test_signing.py",
+    "test_operations.py",
+    "test_doctor.py",
+    "test_guard_entries.py",
+    "test_versions.py",
+    "test_up.py",
+    "test_tenant_limits.py",
+    "test_isa_probe.py",
+    "test_availability.py",
+    "test_get.py",
+    "test_tls.py",
+    "test_device_index.py",
+    "test_cache.py",
+    "test_load.py",
 )
 
 

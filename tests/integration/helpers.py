@@ -37,7 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def session_farm(**env: str) -> LocalFarm:
-    """The session farm's kind: every tenant of helpers.TOKENS, the admin, JSON logs."""
+    """The session farm's kind: every tenant of helpers.TOKENS, the admin, JSON logs. No
+    TORCHFARM_OP_LIBRARIES: each compile child would import transformers (0.6 CPU-s) for the
+    one model that calls its operator (test_coverage.py's farm imports it)."""
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
     # JSON log lines: test_operations checks that a request id follows a compile in them.
     return LocalFarm(
@@ -45,8 +47,6 @@ def session_farm(**env: str) -> LocalFarm:
         admins=f"ops:{hash_token(ADMIN_TOKEN)}",
         extra_env={
             "TORCHFARM_LOG_FORMAT": "json",
-            # the coverage suite's MoE model calls transformers' custom grouped-mm operator
-            "TORCHFARM_OP_LIBRARIES": OP_LIBRARIES,
             **RECHECK_ENV,
             **env,
         },

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchfarm
-from tests.integration.helpers import HERE, TOKENS
+from tests.integration.helpers import HERE, OP_LIBRARIES, TOKENS, session_farm
 from torchfarm.client import backend
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "coverage"))
@@ -25,6 +25,13 @@ from suite import ARCHITECTURES, PHASES, PYTORCH_LIMITS, farm_failures, run_arch
 pytestmark = pytest.mark.integration
 IN_CI = ("mixtral-moe", "batchnorm-train", "graph-break", "lstm-lm")
 ALL = os.environ.get("TORCHFARM_COVERAGE") == "all"
+
+
+@pytest.fixture(scope="module")
+def farm():
+    """The session farm's kind whose compile children import the MoE's custom operator."""
+    with session_farm(TORCHFARM_OP_LIBRARIES=OP_LIBRARIES) as f:
+        yield f
 
 
 @pytest.mark.parametrize(
