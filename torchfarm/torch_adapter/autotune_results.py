@@ -64,6 +64,12 @@ def result_path(kernel_path: str) -> str:
     return f"{directory}/{hashed}.best_config"  # 2.11's _setup_local_cache
 
 
+def module_result_path(source_code: str) -> str:
+    """`result_path` of a Triton kernel module, written first where Inductor writes it (the
+    same file Inductor's own write of that module finds there)."""
+    return result_path(codecache.PyCodeCache.write(source_code)[1])
+
+
 @contextlib.contextmanager
 def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
     """While entered, each Triton kernel Inductor compiles first has its module written and
@@ -71,7 +77,7 @@ def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
     compiles it."""
 
     def on_kernel(kernel_name: str, source_code: str) -> None:
-        place(kernel_name, source_code, result_path(codecache.PyCodeCache.write(source_code)[1]))
+        place(kernel_name, source_code, module_result_path(source_code))
 
     with triton_kernels.seen(on_kernel):
         yield

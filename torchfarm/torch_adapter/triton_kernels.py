@@ -68,8 +68,7 @@ def build(module: str, kernel_name: str, result: bytes = b"") -> bytes:
     triton_helpers.set_driver_to_gpu = lambda: None  # this process only builds
     tuned = admissible(result) if result else None
     if tuned is not None:  # where the kernel's decorator looks for it
-        path = autotune_results.result_path(codecache.PyCodeCache.write(module)[1])
-        with open(path, "w") as f:
+        with open(autotune_results.module_result_path(module), "w") as f:
             json.dump(tuned, f, sort_keys=True)
     loaded = codecache.PyCodeCache.load(module)
     triton_source_check.same_as_validated(loaded, module)

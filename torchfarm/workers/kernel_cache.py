@@ -158,14 +158,6 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
         yield
 
 
-def _result_path(module: str) -> str:
-    from torch._inductor import codecache
-
-    from torchfarm.torch_adapter import autotune_results
-
-    return autotune_results.result_path(codecache.PyCodeCache.write(module)[1])
-
-
 def _copy(source: str, dest: str) -> None:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     shutil.copyfile(source, dest)
@@ -177,7 +169,7 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
     CppCodeCache classes are asked to build (`recorded.sources`; extra flags, another device
     or class: left out) and, with `triton`, each Triton kernel a compile asks for, once, with
     the autotune result it has when the compile ends (`recorded.triton_sources`)."""
-    from torchfarm.torch_adapter import cpp_libraries, triton_kernels
+    from torchfarm.torch_adapter import autotune_results, cpp_libraries, triton_kernels
 
     sources, kernels = recorded.sources, set()
 
@@ -210,7 +202,7 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
         yield
     for source in recorded.triton_sources:  # the result each kernel's compile ended with
         with contextlib.suppress(FileNotFoundError):
-            source.result = _read(_result_path(source.module))
+            source.result = _read(autotune_results.module_result_path(source.module))
 
 
 CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache")  # what a kernel build builds
