@@ -5,7 +5,8 @@ another tenant's shared compile. A hostile payload can plant objects under the n
 graph's kernels in its own tenant's cache only; what it reports to the pool enters it only
 through the pool's own build of a source, so neither another tenant's compile nor a shared
 entry ever loads a planted object. A private max-autotune compile finds the GEMM timings its
-tenant's earlier one kept and benchmarks no candidate, until `cache drop-kernels`."""
+tenant's earlier one kept and benchmarks no candidate, until `cache drop-kernels`; a shared one
+finds those the pool measured for the GEMMs another tenant's compile benchmarked."""
 
 import glob
 import json
@@ -281,16 +282,30 @@ class _Bmm(torch.nn.Module):
         return torch.bmm(a, b).relu()
 
 
-def _tuned(farm, mode: str) -> tuple[str, list[int]]:
-    """alice's private compile of _Bmm in `mode` (a max-autotune one): its key, and the numbers
-    of its kernel cache line (objects reused, kept, tuning results reused, GEMM candidates)."""
-    request = direct_request(_Bmm(), torch.randn(8, 64, 96), torch.randn(8, 96, 64), mode=mode)
-    request.private = True
+class _BmmTanh(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).tanh()
+
+
+def _tuned(
+    farm,
+    mode: str,
+    model: torch.nn.Module | None = None,
+    tenant: str = "alice",
+    private: bool = True,
+    k: int = 96,
+) -> tuple[str, list[int]]:
+    """`tenant`'s compile of `model` (_Bmm) on a bmm (8, 64, k) x (8, k, 64) in `mode` (a
+    max-autotune one): its key, and the numbers of its kernel cache line (objects reused,
+    kept, tuning results reused, GEMM candidates)."""
+    a, b = torch.randn(8, 64, k), torch.randn(8, k, 64)
+    request = direct_request(model or _Bmm(), a, b, mode=mode)
+    request.private = private
     before = len(kernel_log(farm))
     with grpc.insecure_channel(farm.addr) as channel:
         events = list(
             pb_grpc.FarmStub(channel).Compile(
-                request, metadata=[("authorization", f"Bearer {TOKENS['alice']}")], timeout=600
+                request, metadata=[("authorization", f"Bearer {TOKENS[tenant]}")], timeout=600
             )
         )
     header = next(e.header for e in events if e.WhichOneof("event") == "header")
@@ -329,3 +344,17 @@ def test_gemm_timings_are_found_again_until_the_pools_kernels_are_dropped(farm):
     )
     with open(os.path.join(os.path.dirname(_pool_dir(farm)), "generation")) as f:
         assert f.read() == "1"
+
+
+def test_a_shared_compile_finds_the_gemm_timings_the_pool_measured_for_another_tenant(farm):
+    # alice's shared compile benchmarks the bmm's candidates and reports only the problem; the
+    # pool measures it itself and keeps Inductor's timings.
+    counts = pool_builds(farm)
+    _, (_, _, _, benchmarked) = _tuned(farm, "max-autotune", private=False, k=80)
+    assert benchmarked > 0
+    wait_for_pool_builds(farm, counts)
+    builds = kernel_log(farm, "pool kernel build")[counts[1] :]
+    assert builds and all(line.startswith("pool kernel build: ") for line in builds), builds
+    # bob's shared compile of another graph with that bmm: every timing is the pool's.
+    _, (_, _, _, benchmarked) = _tuned(farm, "max-autotune", _BmmTanh(), "bob", False, k=80)
+    assert benchmarked == 0

@@ -2326,6 +2326,7 @@ class KernelFiles(_message.Message):
     TUNING_SECONDS_SAVED_FIELD_NUMBER: _builtins.int
     GEMM_CANDIDATES_BENCHMARKED_FIELD_NUMBER: _builtins.int
     TRITON_SOURCES_FIELD_NUMBER: _builtins.int
+    GEMM_PROBLEMS_FIELD_NUMBER: _builtins.int
     tuning_reused: _builtins.int
     """Staged autotune results a private compile used unchanged (kernel_cache.py), and the
     tuning seconds they record: statistics only (the tenant's child says so).
@@ -2352,6 +2353,10 @@ class KernelFiles(_message.Message):
     def triton_sources(self) -> _containers.RepeatedCompositeFieldContainer[Global___TritonSource]:
         """with CompileChildRequest.kernel_sources, on a GPU"""
 
+    @_builtins.property
+    def gemm_problems(self) -> _containers.RepeatedCompositeFieldContainer[Global___GemmProblem]:
+        """with CompileChildRequest.kernel_sources"""
+
     def __init__(
         self,
         *,
@@ -2362,10 +2367,11 @@ class KernelFiles(_message.Message):
         tuning_seconds_saved: _builtins.float = ...,
         gemm_candidates_benchmarked: _builtins.int = ...,
         triton_sources: _abc.Iterable[Global___TritonSource] | None = ...,
+        gemm_problems: _abc.Iterable[Global___GemmProblem] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "gemm_candidates_benchmarked", b"gemm_candidates_benchmarked", "reused", b"reused", "sources", b"sources", "triton_sources", b"triton_sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["built", b"built", "gemm_candidates_benchmarked", b"gemm_candidates_benchmarked", "gemm_problems", b"gemm_problems", "reused", b"reused", "sources", b"sources", "triton_sources", b"triton_sources", "tuning_reused", b"tuning_reused", "tuning_seconds_saved", b"tuning_seconds_saved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2448,6 +2454,74 @@ class TritonSource(_message.Message):
 Global___TritonSource: _TypeAlias = TritonSource  # noqa: Y015
 
 @_typing.final
+class GemmInput(_message.Message):
+    """One operand of a GemmProblem, as Inductor's algorithm selection keys it (key_of): on the
+    pool's own device.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    dtype: _builtins.str
+    """torch.float32, torch.float16, torch.bfloat16"""
+    offset: _builtins.int
+    @_builtins.property
+    def size(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        dtype: _builtins.str = ...,
+        size: _abc.Iterable[_builtins.int] | None = ...,
+        stride: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "offset", b"offset", "size", b"size", "stride", b"stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GemmInput: _TypeAlias = GemmInput  # noqa: Y015
+
+@_typing.final
+class GemmProblem(_message.Message):
+    """One GEMM whose candidates a compile benchmarked (max-autotune): the only input of a pool's
+    measurement of it (torch_adapter/gemm_problems.py), which builds the op on tensors of these
+    layouts itself and lets Inductor benchmark and key the timings.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OP_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
+    op: _builtins.str
+    """Inductor's name for the selection: mm, addmm, bmm, baddbmm"""
+    precision: _builtins.str
+    """torch.get_float32_matmul_precision() of the compile"""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___GemmInput]: ...
+    def __init__(
+        self,
+        *,
+        op: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___GemmInput] | None = ...,
+        precision: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "op", b"op", "precision", b"precision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GemmProblem: _TypeAlias = GemmProblem  # noqa: Y015
+
+@_typing.final
 class KernelBuild(_message.Message):
     """What a pool's kernel builder (workers/kernel_builder.py) is asked to build."""
 
@@ -2455,21 +2529,27 @@ class KernelBuild(_message.Message):
 
     CPP_FIELD_NUMBER: _builtins.int
     TRITON_FIELD_NUMBER: _builtins.int
+    GEMM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def cpp(self) -> Global___KernelSource: ...
     @_builtins.property
     def triton(self) -> Global___TritonSource: ...
+    @_builtins.property
+    def gemm(self) -> Global___GemmProblem:
+        """measured, not built: the pool's GEMM timings"""
+
     def __init__(
         self,
         *,
         cpp: Global___KernelSource | None = ...,
         triton: Global___TritonSource | None = ...,
+        gemm: Global___GemmProblem | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "source", b"source", "triton", b"triton"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "gemm", b"gemm", "source", b"source", "triton", b"triton"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "source", b"source", "triton", b"triton"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpp", b"cpp", "gemm", b"gemm", "source", b"source", "triton", b"triton"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["cpp", "triton"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["cpp", "triton", "gemm"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 

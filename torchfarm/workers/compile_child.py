@@ -6,8 +6,9 @@ So nothing of a tenant's compile is a file the host can see, and a crashed worke
 nothing behind; the one exception is the kernels a private job's child reports (C++ objects;
 on GPU pools Triton entries and tuning results), which its parent checks and keeps for that
 tenant's later compiles (kernel_cache.py); a shared job's
-child reports the C++ sources it built and the Triton kernels it asked for, which only ever
-reach a kernel build of the pool's (kernel_builder.py). Everything it
+child reports the C++ sources it built, the Triton kernels it asked for and the GEMMs whose
+candidates it benchmarked, which only ever reach a kernel build of the pool's
+(kernel_builder.py). Everything it
 reads is hostile; it runs with no network, no secrets, no capabilities and no access to the
 cache.
 
@@ -21,8 +22,9 @@ With `--concurrent-backward` it starts, first thing, a helper: the same module w
 and compiles the graph's backward while this process compiles the forward
 (torch_adapter/concurrent_backward.py). What it compiled reaches the artifact only through the
 Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
-itself where that misses); its one report, the GEMM candidates it benchmarked, is a KernelFiles
-it leaves in that dir (HELPER_REPORT), which this process adds to its own.
+itself where that misses); its one report, the GEMM candidates it benchmarked and their
+problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
+its own.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     recorded = pb.KernelFiles()  # for the pool's kernel builds
     lookups = None
-    from torchfarm.torch_adapter import gemm_benchmarks
+    from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
 
     with contextlib.ExitStack() as kernels:
         benchmarked = kernels.enter_context(gemm_benchmarks.counted())
@@ -237,8 +239,13 @@ def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> in
         )
         files.MergeFrom(recorded)
     files.gemm_candidates_benchmarked = benchmarked.candidates
+    if request.kernel_sources:
+        files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
     if helped:  # where the graph had a backward, the helper has exited: its report is whole
-        files.gemm_candidates_benchmarked += _helper_report(cache_dir).gemm_candidates_benchmarked
+        helper_files = _helper_report(cache_dir)
+        files.gemm_candidates_benchmarked += helper_files.gemm_candidates_benchmarked
+        if request.kernel_sources:
+            files.gemm_problems.extend(helper_files.gemm_problems)
     report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
@@ -270,7 +277,7 @@ def _helper_main(args: argparse.Namespace) -> int:
     if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0
     request = pb.CompileChildRequest.FromString(data)
-    from torchfarm.torch_adapter import concurrent_backward, gemm_benchmarks
+    from torchfarm.torch_adapter import concurrent_backward, gemm_benchmarks, gemm_problems
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     with contextlib.ExitStack() as kernels:
@@ -286,7 +293,9 @@ def _helper_main(args: argparse.Namespace) -> int:
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass
-    _leave_report(cache_dir, pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates))
+    files = pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates)
+    files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
+    _leave_report(cache_dir, files)
     return 0
 
 

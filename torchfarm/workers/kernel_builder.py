@@ -15,6 +15,9 @@ secrets, a private tmpfs, nothing staged), given sources and nothing else.
   any Python), then compiles it as Inductor's compile workers do, and Triton names each entry
   after what determines it (its version, the function's text, signature, options, target).
   Refused modules are not built (exit status REFUSED).
+- A GEMM whose candidates a compile benchmarked (max-autotune): the builder makes operands of
+  the recorded layouts on the pool's device and lets Inductor benchmark every candidate and
+  file the timings (torch_adapter/gemm_problems.py); the worker merges them into the pool's.
 It reports what it built. So what lies under a name is what the pool's compilers make of the
 one source that name hashes; a hostile payload can at most make the pool build, correctly,
 kernels whose sources it names.
@@ -68,18 +71,32 @@ REFUSED = 3  # a build's exit status: a Triton module that is not one Inductor w
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
 
 
-def build(request: pb.KernelBuild, cache_dir: str) -> pb.KernelFiles:
+def build(request: pb.KernelBuild, cache_dir: str, device: str = "cpu") -> pb.KernelFiles:
     """Builder child: build what `request` names into the empty `cache_dir` (and, for a Triton
     kernel, Triton's empty TRITON_CACHE_DIR) as a compile would, without loading or launching
-    anything built; report it."""
+    anything built; report it. A GEMM problem is measured instead, on `device` (the pool's)."""
     from torchfarm.compiler.inductor import WORKER_CONFIG
     from torchfarm.torch_adapter import standalone
 
     with standalone.inductor_config.patch(WORKER_CONFIG), standalone.cache_dir_at(cache_dir):
         if request.HasField("triton"):
             return _build_triton(request.triton, cache_dir)
+        if request.HasField("gemm"):
+            return _measure_gemm(request.gemm, cache_dir, device)
         _build_cpp(request.cpp)
     return kernel_cache.report(cache_dir, "")
+
+
+def _measure_gemm(gemm: pb.GemmProblem, cache_dir: str, device: str) -> pb.KernelFiles:
+    """The timings Inductor filed for the problem's candidates, and nothing else the
+    measurement compiled."""
+    from torchfarm.torch_adapter import gemm_problems
+
+    gemm_problems.measure(gemm, device)
+    files = kernel_cache.report(cache_dir, "")
+    for name in [n for n in files.built if not kernel_cache.is_gemm_timings(n)]:
+        del files.built[name]
+    return files
 
 
 def _build_triton(source: pb.TritonSource, cache_dir: str) -> pb.KernelFiles:
@@ -119,9 +136,11 @@ def _build_cpp(source: pb.KernelSource) -> None:
 
 def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:
     """What a shared job's child recorded, as the builds that would make it for the pool."""
-    return [pb.KernelBuild(cpp=s) for s in files.sources] + [
-        pb.KernelBuild(triton=t) for t in files.triton_sources
-    ]
+    return (
+        [pb.KernelBuild(cpp=s) for s in files.sources]
+        + [pb.KernelBuild(triton=t) for t in files.triton_sources]
+        + [pb.KernelBuild(gemm=g) for g in files.gemm_problems]
+    )
 
 
 _Queued = tuple[str, pb.KernelBuild, Callable[[int], None]]  # pool dir, source, `kept`
@@ -212,6 +231,7 @@ class _Builder:
     def _start(self) -> subprocess.Popen:
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-kernel-build-")
         child: tuple[str, ...] = ("-m", "torchfarm.workers.kernel_builder")
+        child += ("--device", self.settings.device)
         if self.settings.sandbox == "bwrap":  # its own PID namespace and tmpfs to clean
             child += ("--in-sandbox",)
         argv, env, cwd = sandbox.child_command(self.settings, self.private_dir, child)
@@ -317,7 +337,7 @@ def _as_if_new(in_sandbox: bool) -> None:
                     os.unlink(path)
 
 
-def _build_in_fork(source: pb.KernelBuild, cache_dir: str) -> tuple[int, bytes]:
+def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple[int, bytes]:
     """Build `source` in a child forked from this process, whose state no build has touched:
     each build sees only its own source."""
     read_end, write_end = os.pipe()
@@ -328,7 +348,7 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str) -> tuple[int, bytes]:
         status = 1
         try:
             try:
-                data, status = build(source, cache_dir).SerializeToString(), 0
+                data, status = build(source, cache_dir, device).SerializeToString(), 0
             except Refused as e:  # the reply is why
                 data, status = str(e)[:500].encode(), REFUSED
             with os.fdopen(write_end, "wb") as out:
@@ -358,6 +378,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="torchfarm.workers.kernel_builder")
     parser.add_argument("--in-sandbox", action="store_true")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
     args = parser.parse_args()
     compile_child.warm_up("cpu", [], args.isa_checks)
     in_sandbox = args.in_sandbox
@@ -369,7 +390,7 @@ def main() -> int:
     while head := requests.read(FRAME.size):
         source = pb.KernelBuild.FromString(requests.read(FRAME.unpack(head)[0]))
         _as_if_new(in_sandbox)
-        status, data = _build_in_fork(source, cache_dir)
+        status, data = _build_in_fork(source, cache_dir, args.device)
         replies.write(REPLY.pack(status, len(data)) + data)
         replies.flush()
     return 0

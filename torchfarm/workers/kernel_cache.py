@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import inspect
 import json
@@ -65,6 +66,11 @@ _TUNING = re.compile(
     TUNING + r"/(?:(?:[0-9a-z]{2}|text)/[0-9a-f]{64}\.best_config|cache/[0-9a-f]{64})"
 )
 _GEMM_TIMINGS = "cache"  # Inductor's cache_dir()/cache/<system hash>: PersistentCache
+
+
+def is_gemm_timings(name: str) -> bool:
+    """Inductor's GEMM timings file (`tuning/cache/<system hash>`)."""
+    return name.startswith(f"{TUNING}/{_GEMM_TIMINGS}/") and is_kernel_name(name)
 
 
 def is_kernel_name(name: str) -> bool:
@@ -373,7 +379,10 @@ class KernelCache:
                 path = os.path.join(tenant_dir, name)
                 replaces = name.startswith(TUNING + "/")
                 if is_kernel_name(name) and (replaces or not os.path.exists(path)):
-                    _write_atomically(path, files.built[name])
+                    if is_gemm_timings(name):
+                        _merge_timings(path, files.built[name])
+                    else:
+                        _write_atomically(path, files.built[name])
                     stored += 1
         self.prune(tenant_dir)
         return stored, len(files.reused)
@@ -425,11 +434,17 @@ def _listdir(path: str) -> list[str]:
 
 def stage(tenant_dir: str, staging: str) -> int:
     """Hard-link (else copy) the tenant's objects into a child's staging directory, which its
-    sandbox sees read-only; the number staged."""
+    sandbox sees read-only; the number staged. A GEMM timings file staged already (the pool's,
+    for a private job) gets these timings added, in a copy."""
     staged = 0
     for name in _names(tenant_dir):
         source, dest = os.path.join(tenant_dir, name), os.path.join(staging, name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if is_gemm_timings(name) and os.path.exists(dest):
+            with contextlib.suppress(FileNotFoundError):  # pruned by a compile beside this one
+                _merge_timings(dest, _read(source))
+                staged += 1
+            continue
         try:
             os.link(source, dest)
         except OSError as e:
@@ -471,6 +486,38 @@ def _source_marker(pool_dir: str, source: pb.KernelBuild) -> str:
         )
     digest = hashlib.sha256(source.SerializeToString(deterministic=True)).hexdigest()
     return os.path.join(pool_dir, "sources", digest)
+
+
+def _merge_timings(path: str, data: bytes) -> None:
+    """Add the timings `data` holds to the GEMM timings file at `path` (theirs win): a
+    tenant's compile, or a pool's measurement, adds to what others kept. Bytes that are not
+    Inductor's format replace the file (a tenant's own to spoil; the pool's are measured)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with _locked(os.path.dirname(path)):
+        try:
+            new = json.loads(data)
+            with open(path, "rb") as f:
+                old = json.loads(f.read())
+            for op, by_inputs in new["cache"].items():
+                for inputs, by_precision in by_inputs.items():
+                    for precision, timings in by_precision.items():
+                        kept = old["cache"].setdefault(op, {}).setdefault(inputs, {})
+                        kept.setdefault(precision, {}).update(timings)
+            data = json.dumps({**new, "cache": old["cache"]}, indent=4).encode()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # nothing kept yet, or not a timings file: `data` as it is
+        _write_atomically(path, data)
+
+
+@contextlib.contextmanager
+def _locked(directory: str) -> Iterator[None]:
+    """An exclusive lock on `directory` (flock), across the worker's processes."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _write_atomically(path: str, data: bytes) -> None:

@@ -1,6 +1,8 @@
 """Algorithm selection's benchmarked candidates, counted through the installed torch's own
 lookup (torch_adapter/gemm_benchmarks.py): a miss counts every candidate handed to the
-benchmark, timings found in the cache count none, and the lookup is restored afterwards."""
+benchmark, timings found in the cache count none, each benchmarking's problem (op, inputs key,
+matmul precision) is remembered unless a size hint was overridden (another key), and the lookup
+is restored afterwards."""
 
 from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
@@ -30,4 +32,7 @@ def test_candidates_benchmarked_are_counted_and_timings_found_are_not(tmp_path, 
         assert count.candidates == 2
         selector.lookup(choices[:1], "mm", "64x96", _benchmark, hint_override=None)
         assert count.candidates == 3
+        selector.lookup(choices[:1], "mm", "32x96", _benchmark, hint_override=32)
+        assert count.candidates == 4
+    assert count.problems == [("bmm", "8x64x96", "highest"), ("mm", "64x96", "highest")]
     assert "lookup" not in AlgorithmSelectorCache.__dict__  # inherited again, as it was

@@ -2,6 +2,7 @@
 pruning, staging for a child, the child's side (lookup by name, reports), the pool's build."""
 
 import ctypes
+import json
 import os
 
 import pytest
@@ -106,6 +107,34 @@ def test_staging_links_the_objects_and_hides_their_names(tmp_path):
         assert os.stat(directory).st_mode & 0o777 == 0o100
     kernel_cache.unhide(str(staging))
     assert os.stat(staging / "ab").st_mode & 0o777 == 0o700
+
+
+def _timings(**by_choice: float) -> bytes:
+    """Inductor's GEMM timings file with one bmm key's timings."""
+    cache = {"bmm": {"[key]": {"highest": by_choice}}}
+    return json.dumps({"system": {"device": "cpu"}, "cache": cache}).encode()
+
+
+def test_gemm_timings_kept_or_staged_add_to_those_there(tmp_path):
+    cache = _cache(tmp_path)
+    name = f"tuning/cache/{'c' * 64}"
+    pool, alice = cache.pool_dir("cpu"), cache.tenant_dir("cpu", "alice")
+    cache.keep(pool, pb.KernelFiles(built={name: _timings(aten=2.0, cpp=1.0)}))
+    cache.keep(pool, pb.KernelFiles(built={name: _timings(cpp=0.5, triton=3.0)}))
+    with open(os.path.join(pool, name)) as f:
+        kept = json.load(f)["cache"]["bmm"]["[key]"]["highest"]
+    assert kept == {"aten": 2.0, "cpp": 0.5, "triton": 3.0}  # the later measurement wins
+    cache.keep(alice, pb.KernelFiles(built={name: _timings(mine=9.0)}))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    assert kernel_cache.stage(pool, str(staging)) == kernel_cache.stage(alice, str(staging)) == 1
+    with open(staging / name) as f:  # a private job's child sees the pool's and its tenant's
+        assert json.load(f)["cache"]["bmm"]["[key]"]["highest"] == {**kept, "mine": 9.0}
+    with open(os.path.join(pool, name)) as f:  # in a copy: the pool's file is as it was
+        assert json.load(f)["cache"]["bmm"]["[key]"]["highest"] == kept
+    cache.keep(alice, pb.KernelFiles(built={name: b"not json"}))  # a tenant's own to spoil
+    with open(os.path.join(alice, name), "rb") as f:
+        assert f.read() == b"not json"
 
 
 def test_the_pools_directory_is_apart_from_every_tenants(tmp_path):

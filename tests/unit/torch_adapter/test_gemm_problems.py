@@ -1,0 +1,104 @@
+"""The pool's GEMM measurements (torch_adapter/gemm_problems.py): the key Inductor files a
+GEMM's timings under is parsed back into the problem, anything else is none; a problem out of
+range is refused before anything is allocated; and the timings a measurement files are the
+ones a later compile of another graph with that GEMM finds: it benchmarks no candidate and
+computes what eager does."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
+from torchfarm.torch_adapter.triton_source_check import Refused
+
+# An addmm of a GPT's attention projection, as a compile on an H200 keyed it (torch 2.11).
+ADDMM = (
+    "[('cuda', 'torch.bfloat16', 1024, 768, 0, 1, 0), ('cuda', 'torch.bfloat16', 1024, 256, "
+    "256, 1, 0), ('cuda', 'torch.bfloat16', 256, 768, 1, 256, 0)]"
+)
+
+
+def test_a_recorded_key_is_the_problem_and_anything_else_is_none():
+    gemm = gemm_problems.problem("addmm", ADDMM, "highest", "cuda")
+    assert gemm is not None and gemm.op == "addmm" and gemm.precision == "highest"
+    assert [(list(i.size), list(i.stride), i.offset, i.dtype) for i in gemm.inputs] == [
+        ([1024, 768], [0, 1], 0, "torch.bfloat16"),
+        ([1024, 256], [256, 1], 0, "torch.bfloat16"),
+        ([256, 768], [1, 256], 0, "torch.bfloat16"),
+    ]
+    assert gemm_problems.problems([("addmm", ADDMM, "highest")] * 2, "cuda") == [gemm]
+    policy = ADDMM + ":benchmark_policy=eager"  # torch 2.15's key: the measurement's own policy
+    assert gemm_problems.problem("addmm", policy, "highest", "cuda") == gemm
+    for op, key, device in (
+        ("addmm", ADDMM, "cpu"),  # another device than the pool's
+        ("convolution", ADDMM, "cuda"),
+        ("addmm", ADDMM.replace("768, 1, 256", "768, 1"), "cuda"),  # a number short
+        ("addmm", ADDMM.replace("1024, 768", "1024, 768.0"), "cuda"),
+        ("addmm", "__import__('os').system('true')", "cuda"),  # not a literal: never run
+        ("addmm", "[" * 10000, "cuda"),
+        ("mm", ADDMM, "cuda"),  # three operands for two
+    ):
+        assert gemm_problems.problem(op, key, "highest", device) is None, (op, key)
+    assert gemm_problems.problem("addmm", ADDMM, "fastest", "cuda") is None
+
+
+def _bmm(
+    *sizes: tuple[int, ...], dtype: str = "torch.float32", precision: str = "highest"
+) -> pb.GemmProblem:
+    inputs = [pb.GemmInput(dtype=dtype, size=s, stride=[s[1] * s[2], s[2], 1]) for s in sizes]
+    return pb.GemmProblem(op="bmm", inputs=inputs, precision=precision)
+
+
+def test_a_problem_out_of_range_is_refused():
+    gemm_problems.check(_bmm((8, 64, 96), (8, 96, 64)))
+    for forged in (
+        pb.GemmProblem(op="_int_mm", inputs=_bmm((8, 4, 4), (8, 4, 4)).inputs),
+        _bmm((8, 64, 96), (8, 96, 64), precision="fast"),
+        _bmm((8, 64, 96)),  # an operand short
+        _bmm((8, 64, 96), (8, 64, 96)),  # shapes bmm refuses
+        _bmm((8, 64, 96), (8, 96, 64), dtype="torch.int8"),
+        _bmm((8, 1 << 20, 1 << 10), (8, 1 << 10, 64)),  # 32 GB
+        _bmm((8, 0, 96), (8, 96, 64)),
+        _bmm((8, 64, 96), (8, 96, 1 << 41)),
+    ):
+        with pytest.raises(Refused):
+            gemm_problems.check(forged)
+    mixed = _bmm((8, 64, 96), (8, 96, 64))
+    mixed.inputs[1].dtype = "torch.float16"
+    negative = _bmm((8, 64, 96), (8, 96, 64))
+    negative.inputs[0].stride[0] = -1
+    for forged in (mixed, negative):
+        with pytest.raises(Refused):
+            gemm_problems.check(forged)
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).tanh()  # not the graph the measurement compiles
+
+
+def test_the_timings_a_measurement_files_are_found_by_a_later_compile(tmp_path, monkeypatch):
+    """On the CPU, max-autotune benchmarks a bmm's C++ template and ATen's kernel."""
+    measured, later = tmp_path / "measured", tmp_path / "later"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(measured))
+    with gemm_benchmarks.counted() as count:
+        gemm_problems.measure(_bmm((4, 32, 48), (4, 48, 32)), "cpu")
+    assert count.candidates > 0
+    ((op, key, precision),) = {*count.problems}  # the same GEMM twice: found the second time
+    assert gemm_problems.problem(op, key, precision, "cpu") == _bmm((4, 32, 48), (4, 48, 32))
+    (timings,) = os.listdir(measured / "cache")
+    with open(measured / "cache" / timings) as f:
+        assert key in json.load(f)["cache"]["bmm"]
+
+    (later / "cache").mkdir(parents=True)
+    os.link(measured / "cache" / timings, later / "cache" / timings)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(later))
+    torch._dynamo.reset()
+    a, b = torch.randn(4, 32, 48), torch.randn(4, 48, 32)
+    model = torch.compile(_Bmm(), mode="max-autotune-no-cudagraphs")
+    with gemm_benchmarks.counted() as count:
+        assert torch.allclose(model(a, b), _Bmm()(a, b), atol=1e-5)
+    assert count.candidates == 0 and not count.problems
