@@ -89,10 +89,18 @@ def build(request: pb.KernelBuild, cache_dir: str, device: str = "cpu") -> pb.Ke
 
 def _measure_gemm(gemm: pb.GemmProblem, cache_dir: str, device: str) -> pb.KernelFiles:
     """The timings Inductor filed for the problem's candidates, and nothing else the
-    measurement compiled."""
+    measurement compiled. It runs in a fresh interpreter (in this sandbox, with this cache
+    dir): CUDA does not start in a process forked from one that asked for the device count
+    (torch then marks the fork bad), which importing Inductor did on a GPU host."""
     from torchfarm.torch_adapter import gemm_problems
 
-    gemm_problems.measure(gemm, device)
+    gemm_problems.check(gemm)  # refused before anything starts
+    subprocess.run(
+        [sys.executable, "-m", "torchfarm.torch_adapter.gemm_problems", device],
+        input=gemm.SerializeToString(),
+        stdout=sys.stderr,  # the measurement's output: the error text, never the reply
+        check=True,
+    )
     files = kernel_cache.report(cache_dir, "")
     for name in [n for n in files.built if not kernel_cache.is_gemm_timings(n)]:
         del files.built[name]
