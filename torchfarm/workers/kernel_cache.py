@@ -20,7 +20,10 @@ kernel's `.best_config`, kept under its text, `tuning/text/`, placed where Induc
 that kernel's result just before it compiles it; `tuning/cache/<hash>`, Inductor's GEMM
 timings, copied in at the start). Tuning results choose among configs Inductor generated for
 the kernel (a result tuned again replaces the kept one). The same rule holds: they are the
-tenant's, read by the tenant's private compiles only.
+tenant's, read by the tenant's private compiles only. The pool's own directory holds GEMM
+timings too, but only those its builder measured (torch_adapter/gemm_problems.py); a timings
+file kept adds to the one there (`_merge_timings`), and one staged beside another (the pool's,
+then a private job's tenant's) adds to it in a copy.
 
 A pool's slices share one directory, so that `torchfarm cache drop-kernels` can discard them
 all: the worker compares the pool's generation (cache/pools.py) with the one its directory
