@@ -44,6 +44,9 @@ DTYPES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}  # -> byt
 PRECISIONS = ("highest", "high", "medium")
 MAX_TENSOR_BYTES = 1 << 30  # an operand's storage, or the result, at most
 MAX_NUMBER = 1 << 40  # a size, stride or offset
+# Multiply-adds of one run: a large training GEMM's (16k tokens x 4096 x 14336 is 2^39.8), so
+# that broadcast (stride 0) operands cannot ask the pool for unbounded work in little memory.
+MAX_MULTIPLY_ADDS = 1 << 40
 MODE = "max-autotune-no-cudagraphs"  # what the pool measures with (cudagraphs decide no GEMM)
 
 
@@ -90,7 +93,7 @@ def problems(benchmarked: list[tuple[str, str, str]], device: str) -> list[pb.Ge
 
 def check(gemm: pb.GemmProblem) -> None:
     """Refused unless `gemm` is an op of OPS on operands of its ranks, of one known dtype,
-    within MAX_TENSOR_BYTES, whose shapes the op accepts."""
+    within MAX_TENSOR_BYTES, whose shapes the op accepts, within MAX_MULTIPLY_ADDS."""
     import torch
 
     ranks = OPS.get(gemm.op)
@@ -117,6 +120,8 @@ def check(gemm: pb.GemmProblem) -> None:
         raise Refused(f"{gemm.op} refuses these shapes: {str(e)[:200]}") from None
     if result.numel() * result.element_size() > MAX_TENSOR_BYTES:
         raise Refused("a result over the pool's limit")
+    if result.numel() * gemm.inputs[-2].size[-1] > MAX_MULTIPLY_ADDS:  # the first matrix's K
+        raise Refused("more work than the pool measures")
 
 
 def measure(gemm: pb.GemmProblem, device: str) -> None:

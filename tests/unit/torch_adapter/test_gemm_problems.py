@@ -52,7 +52,15 @@ def _bmm(
     return pb.GemmProblem(op="bmm", inputs=inputs, precision=precision)
 
 
+def _broadcast_bmm(k: int) -> pb.GemmProblem:
+    """A bmm (64, 64, k) x (64, k, 64) of operands broadcast along k (stride 0)."""
+    a = pb.GemmInput(dtype="torch.float32", size=[64, 64, k], stride=[64, 1, 0])
+    b = pb.GemmInput(dtype="torch.float32", size=[64, k, 64], stride=[64, 0, 1])
+    return pb.GemmProblem(op="bmm", inputs=[a, b], precision="highest")
+
+
 def test_a_problem_out_of_range_is_refused():
+    gemm_problems.check(_broadcast_bmm(1 << 10))
     gemm_problems.check(_bmm((8, 64, 96), (8, 96, 64)))
     for forged in (
         pb.GemmProblem(op="_int_mm", inputs=_bmm((8, 4, 4), (8, 4, 4)).inputs),
@@ -62,6 +70,7 @@ def test_a_problem_out_of_range_is_refused():
         _bmm((8, 64, 96), (8, 96, 64), dtype="torch.int8"),
         _bmm((8, 1 << 20, 1 << 10), (8, 1 << 10, 64)),  # 32 GB
         _bmm((8, 0, 96), (8, 96, 64)),
+        _broadcast_bmm(1 << 24),  # a few bytes of operands for 2^42 multiply-adds
         _bmm((8, 64, 96), (8, 96, 1 << 41)),
     ):
         with pytest.raises(Refused):
