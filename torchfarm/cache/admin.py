@@ -130,7 +130,8 @@ class CacheAdmin:
         return pb.DropKernelsReply(generation=self.store.pools.drop_kernels(request.pool))
 
     def export(self, request: pb.ExportRequest) -> bytes:
-        """A bundle file's bytes: the matching entries with their artifacts and signatures."""
+        """A bundle file's bytes: the matching entries with their artifacts and signatures,
+        and every pool's tuning builds."""
         bundle = pb.CacheBundle(format=BUNDLE_FORMAT)
         for row in self._matching(pb.EntryFilter(target=request.filter.target)):
             entry = self.store.artifacts.with_details(row.entry)
@@ -145,6 +146,8 @@ class CacheAdmin:
                 meta_json=json.dumps(entry_dict(entry)),
                 artifact=data,
             )
+        for pool, builds in sorted(self.store.pools.tuning_by_pool().items()):
+            bundle.pool_tuning.add(pool=pool, builds=builds)
         return zstandard.ZstdCompressor(level=10).compress(bundle.SerializeToString())
 
     def import_bundle(
@@ -181,6 +184,11 @@ class CacheAdmin:
             )
         for item, meta in entries:
             self.store.artifacts.put_new(item.key, item.artifact, meta)
+        # Unsigned and still safe: each is a build's input, which the pool checks and builds
+        # itself, as it does a shared compile's report (workers/kernel_builder.py).
+        tuning = sum(
+            self.store.pools.add_tuning(t.pool, list(t.builds)) for t in bundle.pool_tuning
+        )
         signers = collections.Counter(meta.signed_by for _, meta in entries if meta.signed_by)
         return pb.ImportReply(
             entries=len(entries),
@@ -188,6 +196,7 @@ class CacheAdmin:
             private_dropped=private,
             signed_by=dict(signers),
             unserved=sorted(set(signers) - set(served)),
+            tuning_builds=tuning,
         )
 
 

@@ -511,16 +511,18 @@ def export(
     direct: bool = DirectOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Write entries (artifact and metadata) to a bundle, e.g. to warm another farm."""
+    """Write entries (artifact and metadata) to a bundle, e.g. to warm another farm, with every
+    pool's tuning builds (what its workers measured or tuned: rebuilt where imported)."""
     request = pb.ExportRequest(filter=_filter(target))
     data = _run((addr, token, redis_url, direct), lambda s: b"".join(s.export(request)))
     with open(path, "wb") as f:
         f.write(data)
-    count = len(admin.parse_bundle(data).entries)
+    bundle = admin.parse_bundle(data)
+    count, tuning = len(bundle.entries), sum(len(t.builds) for t in bundle.pool_tuning)
     typer.echo(
-        json.dumps({"entries": count, "path": path})
+        json.dumps({"entries": count, "tuning_builds": tuning, "path": path})
         if as_json
-        else f"exported {count} entries to {path}"
+        else f"exported {count} entries and {tuning} pool tuning builds to {path}"
     )
 
 
@@ -551,7 +553,9 @@ def import_(
     signature they came with, never re-signed with this farm's key: a client loads them only
     if it trusts their origin's key (the gateway's TORCHFARM_VERIFY_KEYS, or its own pins),
     and each records that key (`signed_by`). Entries private to a tenant are dropped and
-    counted: a bundle places nothing in a tenant's own namespace."""
+    counted: a bundle places nothing in a tenant's own namespace. A bundle's pool tuning builds
+    (GEMM problems, tuned Triton kernels) are offered to their pools, whose workers build them
+    themselves, as they build a shared compile's report: no signature needed."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -580,11 +584,13 @@ def import_(
             "unsigned": reply.unsigned,
             "private_dropped": reply.private_dropped,
             "signed_by": dict(reply.signed_by),
+            "tuning_builds": reply.tuning_builds,
         }
         typer.echo(json.dumps(result))
         return
     typer.echo(
         f"imported {reply.entries} entries"
+        + (f"; {reply.tuning_builds} pool tuning builds offered" if reply.tuning_builds else "")
         + (f" ({reply.unsigned} unsigned)" if reply.unsigned else "")
         + (f"; dropped {dropped} private to a tenant" if (dropped := reply.private_dropped) else "")
     )

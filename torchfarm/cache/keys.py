@@ -101,7 +101,12 @@ def kernel_generation(pool: str) -> str:  # integer: raised to make the pool's w
     return f"{FORMAT}:kernelgen:{pool}"  # discard their kernel caches (cache/pools.py)
 
 
+def pool_tuning(pool: str) -> str:  # set: KernelBuild bytes whose build the pool kept tuning
+    return f"{FORMAT}:pooltuning:{pool}"  # of; rebuilt by each worker of it, never trusted
+
+
 POOL_PATTERN = f"{FORMAT}:pool:*"
+POOL_TUNING_PATTERN = f"{FORMAT}:pooltuning:*"
 POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"
 STATS = f"{FORMAT}:stats"  # hash of farm-wide counters
 TOTALS = f"{FORMAT}:totals"  # hash: the cache's stored_bytes and entries, kept with the index

@@ -19,11 +19,14 @@ import json
 from typing import Literal
 
 import redis
+from google.protobuf.message import DecodeError
 
 from torchfarm.cache import keys
+from torchfarm.proto import torchfarm_pb2 as pb
 
 POOL_TTL_S = 30  # a worker unheard of this long is gone
 FAILURE_TTL_S = 600  # a failed canary stays reported this long after its worker exited
+MAX_TUNING_BUILDS = 4096  # builds a pool remembers keeping tuning of (`add_tuning`)
 
 State = Literal["starting", "ready", "failed"]
 
@@ -142,8 +145,40 @@ class PoolRegistry:
         return int(self.redis.get(keys.kernel_generation(pool)) or 0)
 
     def drop_kernels(self, pool: str) -> int:
-        """Tell every worker of `pool` to discard its kernel cache; the new generation."""
-        return int(self.redis.incr(keys.kernel_generation(pool)))
+        """Tell every worker of `pool` to discard its kernel cache, and forget the builds it
+        kept tuning of; the new generation."""
+        with self.redis.pipeline() as pipe:
+            pipe.delete(keys.pool_tuning(pool))
+            pipe.incr(keys.kernel_generation(pool))
+            return int(pipe.execute()[-1])
+
+    def add_tuning(self, pool: str, builds: list[pb.KernelBuild]) -> int:
+        """Remember builds whose tuning `pool` kept (a worker's, or a bundle's), for every
+        worker of the pool and for `cache export`, up to MAX_TUNING_BUILDS; how many were new.
+        Only GEMM problems and Triton kernels: what a reader does with one is build it."""
+        members = [
+            b.SerializeToString(deterministic=True)
+            for b in builds
+            if b.WhichOneof("source") in ("gemm", "triton")
+        ]
+        key = keys.pool_tuning(pool)
+        if not members or self.redis.scard(key) >= MAX_TUNING_BUILDS:
+            return 0
+        return int(self.redis.sadd(key, *members))
+
+    def tuning_count(self, pool: str) -> int:
+        return int(self.redis.scard(keys.pool_tuning(pool)))
+
+    def tuning(self, pool: str) -> list[pb.KernelBuild]:
+        """The builds `pool` kept tuning of (what no longer parses is left out)."""
+        return _builds(self.redis.smembers(keys.pool_tuning(pool)))
+
+    def tuning_by_pool(self) -> dict[str, list[pb.KernelBuild]]:
+        """Every pool's `tuning`."""
+        found = {}
+        for key in self.redis.scan_iter(keys.POOL_TUNING_PATTERN, count=100):
+            found[key.decode().split(":", 2)[2]] = _builds(self.redis.smembers(key))
+        return found
 
     def live(self) -> dict[str, PoolState]:
         """Every pool with a worker heard from in the last POOL_TTL_S, or whose worker's canary
@@ -167,3 +202,13 @@ class PoolRegistry:
             if workers:
                 pools[name] = PoolState(name, describe, target, workers)
         return pools
+
+
+def _builds(members) -> list[pb.KernelBuild]:
+    builds = []
+    for member in members:
+        try:
+            builds.append(pb.KernelBuild.FromString(member))  # protobuf parse: no code runs
+        except DecodeError:
+            continue
+    return builds

@@ -1327,11 +1327,14 @@ class ImportReply(_message.Message):
     PRIVATE_DROPPED_FIELD_NUMBER: _builtins.int
     SIGNED_BY_FIELD_NUMBER: _builtins.int
     UNSERVED_FIELD_NUMBER: _builtins.int
+    TUNING_BUILDS_FIELD_NUMBER: _builtins.int
     entries: _builtins.int
     unsigned: _builtins.int
     """imported unsigned (the CLI's direct mode with --unsigned)"""
     private_dropped: _builtins.int
     """entries private to a tenant, not imported"""
+    tuning_builds: _builtins.int
+    """pool tuning builds offered to their pools (PoolTuning)"""
     @_builtins.property
     def signed_by(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """entries per trusted key that signed them"""
@@ -1348,10 +1351,11 @@ class ImportReply(_message.Message):
         private_dropped: _builtins.int = ...,
         signed_by: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         unserved: _abc.Iterable[_builtins.str] | None = ...,
+        tuning_builds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "private_dropped", b"private_dropped", "signed_by", b"signed_by", "unserved", b"unserved", "unsigned", b"unsigned"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "private_dropped", b"private_dropped", "signed_by", b"signed_by", "tuning_builds", b"tuning_builds", "unserved", b"unserved", "unsigned", b"unsigned"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1827,23 +1831,54 @@ class CacheBundle(_message.Message):
 
     FORMAT_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    POOL_TUNING_FIELD_NUMBER: _builtins.int
     format: _builtins.str
     """"torchfarm-bundle-v1" """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___BundleEntry]: ...
+    @_builtins.property
+    def pool_tuning(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolTuning]:
+        """Per pool, the builds whose tuning the pool kept (GEMM problems, tuned Triton kernels): the
+        importing farm's pool builds them itself, as it builds a shared compile's report.
+        """
+
     def __init__(
         self,
         *,
         format: _builtins.str = ...,
         entries: _abc.Iterable[Global___BundleEntry] | None = ...,
+        pool_tuning: _abc.Iterable[Global___PoolTuning] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "format", b"format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "format", b"format", "pool_tuning", b"pool_tuning"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CacheBundle: _TypeAlias = CacheBundle  # noqa: Y015
+
+@_typing.final
+class PoolTuning(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    BUILDS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    @_builtins.property
+    def builds(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelBuild]: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        builds: _abc.Iterable[Global___KernelBuild] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["builds", b"builds", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolTuning: _TypeAlias = PoolTuning  # noqa: Y015
 
 @_typing.final
 class Job(_message.Message):

@@ -257,8 +257,10 @@ def _compile_and_store(
         pb.JobOutcome(kind=pb.JobOutcome.STORED, digest=entry.digest, timings=timings),
     )
     builds = kernel_builder.builds_of(child.kernels)
+    if kernels:
+        builds += _pool_tuning(store, pool)
     if kernels and builds:  # after the job ended: no waiter waits for builds
-        kept = functools.partial(_count_tuning_stored, store, pool)
+        kept = functools.partial(_tuning_kept, store, pool)
         queued = _pool_builds(settings).offer(pool_kernels, builds, kept)
         log.info("kernel cache: %d sources queued for the pool's builds", queued, extra=extra)
     evicted = store.artifacts.evict(settings.cache_max_bytes, settings.cache_ttl_s)
@@ -297,10 +299,26 @@ def _pool_builds(settings: WorkerSettings) -> kernel_builder.PoolBuilds:
     return kernel_builder.PoolBuilds(kernels, settings)
 
 
-def _count_tuning_stored(store: Store, pool: str, stored: int) -> None:
-    """A pool build's tuning results, counted as its compiles' are (`torchfarm cache stats`)."""
+def _tuning_kept(store: Store, pool: str, source: pb.KernelBuild, stored: int) -> None:
+    """A pool build's tuning results, counted as its compiles' are (`torchfarm cache stats`);
+    its source remembered for the pool's other workers and for bundles."""
     if stored:
         store.counters.count(pool, tuning_stored=stored)
+        store.pools.add_tuning(pool, [source])
+
+
+_tuning_seen: dict[str, int] = {}  # pool -> how many tuning builds it had when last read
+
+
+def _pool_tuning(store: Store, pool: str) -> list[pb.KernelBuild]:
+    """The pool's tuning builds (other workers', a bundle's) whenever their number changed
+    since this worker last read them: each one it has not built is queued for its own
+    builder, which checks it as any source."""
+    count = store.pools.tuning_count(pool)
+    if _tuning_seen.get(pool) == count:
+        return []
+    _tuning_seen[pool] = count
+    return store.pools.tuning(pool)
 
 
 def _keep_kernels(

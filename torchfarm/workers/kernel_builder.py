@@ -151,7 +151,8 @@ def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:
     )
 
 
-_Queued = tuple[str, pb.KernelBuild, Callable[[int], None]]  # pool dir, source, `kept`
+# pool dir, source, `kept`
+_Queued = tuple[str, pb.KernelBuild, Callable[[pb.KernelBuild, int], None]]
 
 
 class PoolBuilds:
@@ -163,10 +164,14 @@ class PoolBuilds:
         threading.Thread(target=self._drain, name="kernel-builds", daemon=True).start()
 
     def offer(
-        self, pool_dir: str, sources: list[pb.KernelBuild], kept: Callable[[int], None]
+        self,
+        pool_dir: str,
+        sources: list[pb.KernelBuild],
+        kept: Callable[[pb.KernelBuild, int], None],
     ) -> int:
         """Queue the sources not built for `pool_dir` yet; how many were queued. `kept` hears
-        how many tuning results each build stored (for the pool's counters)."""
+        each source built and how many tuning results its build stored (for the pool's
+        counters and its tuning builds)."""
         queued = 0
         for source in sources:
             if self.kernels.built_before(pool_dir, source):
@@ -194,7 +199,7 @@ class PoolBuilds:
         builder: _Builder,
         pool_dir: str,
         source: pb.KernelBuild,
-        kept: Callable[[int], None],
+        kept: Callable[[pb.KernelBuild, int], None],
     ) -> None:
         if self.kernels.built_before(pool_dir, source):  # queued twice
             log.info("pool kernel build skipped: built already")
@@ -204,7 +209,8 @@ class PoolBuilds:
             files = builder.build(source)
             self.kernels.keep(pool_dir, files)
             self.kernels.mark_built(pool_dir, source, sorted(files.built))
-            kept(sum(1 for name in files.built if name.startswith(kernel_cache.TUNING + "/")))
+            tuned = sum(1 for name in files.built if name.startswith(kernel_cache.TUNING + "/"))
+            kept(source, tuned)
         except ValueError as e:  # a Triton module that is not Inductor's: not shared
             log.info("pool kernel build %s", str(e)[:600])
             return

@@ -2,13 +2,15 @@
 trusted key signed: a crafted bundle imports nothing; --unsigned imports with a warning;
 imported entries keep the signature they came with and record its key (issue 27: they used
 to be re-signed with the importing farm's key, leaving no trace of their origin); entries
-private to a tenant are dropped."""
+private to a tenant are dropped. A pool's tuning builds travel unsigned: the importing pool
+builds them itself."""
 
 import hashlib
 import json
 
 import pytest
 import redis
+import zstandard
 from typer.testing import CliRunner
 
 from torchfarm import signing
@@ -170,3 +172,33 @@ def test_a_bundle_that_is_no_protobuf_gets_a_precise_refusal(scratch, tmp_path):
     bundle.write_bytes(zstandard.ZstdCompressor().compress(b"\xff" * 64))
     refused = _import(str(bundle))
     assert refused.exit_code == 2 and "not a torchfarm bundle" in refused.output
+
+
+def test_a_pools_tuning_builds_travel_unsigned_and_are_dropped_with_its_kernels(
+    scratch, tmp_path, redis_url, monkeypatch
+):
+    """What a pool kept tuning of travels as the builds' inputs, which the importing pool's
+    builder checks and builds itself: no signature is needed, and nothing else is taken."""
+    monkeypatch.setenv("TORCHFARM_BROKER_URL", redis_url)  # the pools' server: scratch's
+    operand = pb.GemmInput(dtype="torch.float32", size=[64, 64], stride=[64, 1])
+    gemm = pb.KernelBuild(gemm=pb.GemmProblem(op="mm", inputs=[operand] * 2, precision="high"))
+    triton = pb.KernelBuild(triton=pb.TritonSource(kernel_name="k", module="m", result=b"{}"))
+    cpp = pb.KernelBuild(cpp=pb.KernelSource(code_cache="CppCodeCache", main_code="int x;"))
+    assert scratch.pools.add_tuning("cpu", [gemm, triton, cpp, gemm]) == 2  # C++: no tuning
+    bundle = tmp_path / "b.tfbundle"
+    exported = CliRunner().invoke(app, ["cache", "export", "--direct", "--json", str(bundle)])
+    assert json.loads(exported.output)["tuning_builds"] == 2
+    assert scratch.pools.drop_kernels("cpu") == 1
+    assert scratch.pools.tuning("cpu") == []
+
+    reply = json.loads(_import(str(bundle), "--json").output)  # no trusted key needed
+    assert reply["tuning_builds"] == 2 and reply["entries"] == 0
+    wanted = sorted(b.SerializeToString(deterministic=True) for b in (gemm, triton))
+    got = sorted(b.SerializeToString(deterministic=True) for b in scratch.pools.tuning("cpu"))
+    assert got == wanted
+    forged = pb.CacheBundle(format="torchfarm-bundle-v1")
+    forged.pool_tuning.add(pool="gpu", builds=[cpp])
+    path = tmp_path / "forged.tfbundle"
+    path.write_bytes(zstandard.ZstdCompressor().compress(forged.SerializeToString()))
+    assert json.loads(_import(str(path), "--json").output)["tuning_builds"] == 0
+    assert scratch.pools.tuning("gpu") == []
