@@ -358,3 +358,33 @@ def test_a_shared_compile_finds_the_gemm_timings_the_pool_measured_for_another_t
     # bob's shared compile of another graph with that bmm: every timing is the pool's.
     _, (_, _, _, benchmarked) = _tuned(farm, "max-autotune", _BmmTanh(), "bob", False, k=80)
     assert benchmarked == 0
+
+
+def test_the_pools_gemm_timings_travel_in_a_bundle_and_are_measured_again_where_imported(
+    farm, tmp_path
+):
+    """After the test above: the pool's tuning builds leave in a bundle (no entry: a target no
+    entry has), are dropped with its kernels, come back with the bundle, and the pool measures
+    them again after its next compile; then another graph with that bmm benchmarks none."""
+    pool = pool_name(local_target())
+    bundle = str(tmp_path / "tuning.tfbundle")
+    assert _admin(farm, "export", bundle, "--target", "no-such-target")["tuning_builds"] >= 1
+    _admin(farm, "drop-kernels", "--pool", pool)
+    assert _admin(farm, "import", bundle)["tuning_builds"] >= 1
+    counts = pool_builds(farm)
+    # The first compile after the drop, in default mode (it benchmarks nothing, so reports no
+    # GEMM problem of its own): its job's end offers the bundle's builds to the pool's builder.
+    _tuned(farm, "default", _BmmSigmoid(), "alice", False, k=80)
+    wait_for_pool_builds(farm, counts)
+    _, (_, _, _, benchmarked) = _tuned(farm, "max-autotune", _BmmGelu(), "bob", False, k=80)
+    assert benchmarked == 0
+
+
+class _BmmSigmoid(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).sigmoid()
+
+
+class _BmmGelu(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.nn.functional.gelu(torch.bmm(a, b))

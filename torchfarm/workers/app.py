@@ -258,7 +258,7 @@ def _compile_and_store(
     )
     builds = kernel_builder.builds_of(child.kernels)
     if kernels:
-        builds += _pool_tuning(store, pool)
+        builds += _pool_tuning(store, pool, generation)
     if kernels and builds:  # after the job ended: no waiter waits for builds
         kept = functools.partial(_tuning_kept, store, pool)
         queued = _pool_builds(settings).offer(pool_kernels, builds, kept)
@@ -307,17 +307,18 @@ def _tuning_kept(store: Store, pool: str, source: pb.KernelBuild, stored: int) -
         store.pools.add_tuning(pool, [source])
 
 
-_tuning_seen: dict[str, int] = {}  # pool -> how many tuning builds it had when last read
+# pool -> (kernel generation, number of tuning builds) when this worker last read them
+_tuning_seen: dict[str, tuple[int, int]] = {}
 
 
-def _pool_tuning(store: Store, pool: str) -> list[pb.KernelBuild]:
-    """The pool's tuning builds (other workers', a bundle's) whenever their number changed
-    since this worker last read them: each one it has not built is queued for its own
-    builder, which checks it as any source."""
-    count = store.pools.tuning_count(pool)
-    if _tuning_seen.get(pool) == count:
+def _pool_tuning(store: Store, pool: str, generation: int) -> list[pb.KernelBuild]:
+    """The pool's tuning builds (other workers', a bundle's) whenever they changed since this
+    worker last read them (builds are only added, until a drop raises the generation): each
+    one it has not built is queued for its own builder, which checks it as any source."""
+    seen = (generation, store.pools.tuning_count(pool))
+    if _tuning_seen.get(pool) == seen:
         return []
-    _tuning_seen[pool] = count
+    _tuning_seen[pool] = seen
     return store.pools.tuning(pool)
 
 
