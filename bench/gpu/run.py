@@ -19,6 +19,9 @@ sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and i
           its private compiles; SIBLING_JOBS=shared: shared jobs, B after the pool's builds
           of A's kernels ended); a farm hit of B for the step time. Ratios B-after-A over
           local cold of B and over local B after A, and the worker's kernel-cache lines.
+          SIBLING_ROWS=local runs the local rows only and keeps them in /tmp; a next call on
+          the same warm machine with SIBLING_ROWS=farm runs the farm's and takes those (a
+          max-autotune pair with the pool's builds does not fit one call).
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
           MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
@@ -72,10 +75,17 @@ TOKEN = make_token()  # the bench's tenant: the skip keeps Dynamo's package per 
 PT_REMOTE_GPU = dict(PT_REMOTE, TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE="1")
 
 
+SIBLING_LOCAL_ROWS = "/tmp/torchfarm-sibling-local-rows.json"  # SIBLING_ROWS=local/farm
+SIBLING_TENSORS = "/tmp/torchfarm-sibling-tensors"  # and the local rows' outputs
+
+
 class Runner:
     def __init__(self, farm: LocalFarm, outdir: str):
         self.farm, self.outdir, self.rows = farm, outdir, []
-        self.tensors = tempfile.mkdtemp(prefix="bench-tensors-")
+        # kept across calls on a warm machine only where the sibling rows are split
+        split = os.environ.get("SIBLING_ROWS", "all") != "all"
+        self.tensors = SIBLING_TENSORS if split else tempfile.mkdtemp(prefix="bench-tensors-")
+        os.makedirs(self.tensors, exist_ok=True)
 
     def env(self, cache: str, addr: str) -> dict:
         return dict(
@@ -192,10 +202,24 @@ class Runner:
 
     def sibling_miss(self, a: str, b: str, mode: str) -> dict:
         """Issue 28's sibling rows (see the module's docstring); the ratios."""
-        cold = self.run(b, mode, "local", "local cold B", tempfile.mkdtemp(prefix="cold-"))
-        kept = tempfile.mkdtemp(prefix="kept-")
-        self.run(a, mode, "local", "local A", kept)
-        after = self.run(b, mode, "local", "local B after A", kept)
+        rows, kept_rows = os.environ.get("SIBLING_ROWS", "all"), SIBLING_LOCAL_ROWS
+        if rows == "farm":  # this machine's local rows, from the call before
+            with open(kept_rows) as f:
+                cold, after = json.load(f)[f"{a}:{b}:{mode}"]
+        else:
+            cold = self.run(b, mode, "local", "local cold B", tempfile.mkdtemp(prefix="cold-"))
+            kept = tempfile.mkdtemp(prefix="kept-")
+            self.run(a, mode, "local", "local A", kept)
+            after = self.run(b, mode, "local", "local B after A", kept)
+        if rows == "local":
+            local = {}
+            if os.path.exists(kept_rows):
+                with open(kept_rows) as f:
+                    local = json.load(f)
+            local[f"{a}:{b}:{mode}"] = [cold, after]
+            with open(kept_rows, "w") as f:
+                json.dump(local, f)
+            return {}
         shared = os.environ.get("SIBLING_JOBS", "private") == "shared"
         jobs = {} if shared else {"TORCHFARM_PRIVATE": "1"}
         self.run(a, mode, "farm", "farm miss A", tempfile.mkdtemp(prefix="miss-"), jobs)
