@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import redis
 from celery import Celery
 from google.protobuf import json_format
 
@@ -302,9 +303,13 @@ def _pool_builds(settings: WorkerSettings) -> kernel_builder.PoolBuilds:
 def _tuning_kept(store: Store, pool: str, source: pb.KernelBuild, stored: int) -> None:
     """A pool build's tuning results, counted as its compiles' are (`torchfarm cache stats`);
     its source remembered for the pool's other workers and for bundles."""
-    if stored:
+    if not stored:
+        return
+    try:  # on the builds' thread: a Redis failure costs the counters, never later builds
         store.counters.count(pool, tuning_stored=stored)
         store.pools.add_tuning(pool, [source])
+    except redis.RedisError as e:
+        log.warning("pool tuning not recorded: %s", e)
 
 
 # pool -> (kernel generation, number of tuning builds) when this worker last read them
