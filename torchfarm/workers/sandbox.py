@@ -485,7 +485,7 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
         events=child_pool.Events(
             ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
         ),
-        reuse=_staging_emptied if forks_children(settings) else None,
+        reuse=_reusable if forks_children(settings) else None,
     )
     atexit.register(started.close)
     log.info(
@@ -499,12 +499,33 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
 
 
 def _pool_command(settings: WorkerSettings, number: int, private_dir: str):
-    return child_command(settings, private_dir, number=number, fork_server=forks_children(settings))
+    forks = forks_children(settings)
+    if forks:
+        _parents_started_as[private_dir] = _started_as()
+    return child_command(settings, private_dir, number=number, fork_server=forks)
 
 
-def _staging_emptied(private_dir: str) -> bool:
-    """Before a warm parent serves its next request: its staging dir (bound into its sandbox
-    at start) emptied of the last tenant's objects, or False (the parent is then ended)."""
+# What of a child's command changes during a worker's life, as each warm parent started
+# with it (by its private dir): the ISA probe's verdict, the precompiled headers once built.
+_parents_started_as: dict[str, tuple] = {}
+
+
+def _started_as() -> tuple:
+    return (
+        tuple(isa_probe.child_arguments()),
+        tuple(sorted(isa_probe.child_environment().items())),
+        tuple(precompiled_headers.child_binds(WORK_DIR, CHILD_USER)),
+        tuple(sorted(precompiled_headers.child_environment().items())),
+    )
+
+
+def _reusable(private_dir: str) -> bool:
+    """Before a warm parent serves its next request: it was started as a child would be now
+    (else it is ended, and the next one gets the headers built since), and its staging dir
+    (bound into its sandbox at start) is emptied of the last tenant's objects."""
+    if _parents_started_as.get(private_dir) != _started_as():
+        _parents_started_as.pop(private_dir, None)
+        return False
     staging = staging_dir(private_dir)
     if not os.path.isdir(staging):
         return True
@@ -516,10 +537,12 @@ def _staging_emptied(private_dir: str) -> bool:
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
-        return not os.listdir(staging)
+        if not os.listdir(staging):
+            return True
     except OSError:
         log.warning("could not empty a warm parent's staging dir: ending it", exc_info=True)
-        return False
+    _parents_started_as.pop(private_dir, None)
+    return False
 
 
 def run_compile(
