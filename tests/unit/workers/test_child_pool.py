@@ -202,7 +202,7 @@ def _fork_server(number: int, private_dir: str):
     return sandbox.child_command(settings, private_dir, number=number, fork_server=True)
 
 
-def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next(pools):
+def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
     reused: list[str] = []
     events = _Events()
     pool = child_pool.ChildPool(
@@ -212,22 +212,17 @@ def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next(pools):
         _until(lambda: len(_ready(pool)) == 1, timeout_s=300)
         (parent,) = pool.idle()
         # A child that gets no request (its pipe closed) exits 0; one killed on KILL ends by
-        # SIGKILL; each time the same parent comes back, and the pool started no other.
+        # SIGKILL; each time the same parent comes back, and the pool started no other (a
+        # parent killed while idle is replaced: test_warm_children.py, on a real farm).
         first = pool.take()
         assert isinstance(first, child_pool.ForkedChild) and first.parent is parent
         assert first.wait_ready() and pool.idle() == []
         assert first.close() == 0
         second = pool.take()
         assert second.parent is parent and second.wait_ready()
-        second.kill()
-        assert second.close() == -signal.SIGKILL
+        second.kill()  # while it waits for its request: only the kill can end it
+        assert second.proc.wait() == -signal.SIGKILL and second.close() == -signal.SIGKILL
         assert pool.idle() == [parent] and reused == [parent.private_dir] * 2
         assert events.taken == ["ready", "ready"] and events.replaced == []
-        # A parent that dies while idle is replaced, as a child is.
-        os.kill(parent.proc.pid, signal.SIGKILL)
-        _until(lambda: len(_ready(pool)) == 1 and _ready(pool)[0] is not parent, timeout_s=300)
-        assert events.replaced == ["died"]
-        third = pool.take()
-        assert third.parent is not parent and third.wait_ready() and third.close() == 0
     finally:
         pool.close()
