@@ -215,7 +215,9 @@ class _Forked:
         self.parent, self.pid = parent, parent.proc.pid
         self.returncode: int | None = None
         self.cleanly = False  # the parent reported the end (its sandbox is clean again)
+        self.given_back = False  # from then on a kill must not reach the parent's next child
         self._lock = threading.Lock()
+        self._sending = threading.Lock()
         ours: list[int] = []
         theirs: list[int] = []
         try:
@@ -252,11 +254,14 @@ class _Forked:
     def kill(self) -> None:
         """Ask the parent to kill the child; kill the parent (and its sandbox) if it cannot
         be asked, or has not reported the end _KILL_GRACE_S later."""
-        try:
-            self.parent.send(KILL)
-        except OSError:
-            self.parent.kill()
-            return
+        with self._sending:
+            if self.given_back:  # a late kill (a timer, the abandon check): ended already
+                return
+            try:
+                self.parent.send(KILL)
+            except OSError:
+                self.parent.kill()
+                return
         timer = threading.Timer(_KILL_GRACE_S, self._unless_ended)
         timer.daemon = True
         timer.start()
@@ -289,10 +294,15 @@ class ForkedChild(Child):
         try:
             returncode = self._release()
         except BaseException:
-            self._done(self.parent, False)
+            self._give_back(False)
             raise
-        self._done(self.parent, self.proc.cleanly)
+        self._give_back(self.proc.cleanly)
         return returncode
+
+    def _give_back(self, cleanly: bool) -> None:
+        with self.proc._sending:
+            self.proc.given_back = True
+        self._done(self.parent, cleanly)
 
 
 def _tail(stream: IO[bytes], keep: collections.deque) -> None:
