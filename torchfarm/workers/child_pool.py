@@ -299,6 +299,16 @@ class ForkedChild(Child):
         self._give_back(self.proc.cleanly)
         return returncode
 
+    def error_text(self) -> str:
+        """Its own error text; where its parent ended instead of reporting its end (a warm-up
+        that failed, a sandbox that could not be cleaned), the parent's after it."""
+        text = super().error_text()
+        if self.proc.returncode is not None and not self.proc.cleanly:
+            for thread in self.parent._threads:  # its stderr drained to the end
+                thread.join(timeout=5)
+            text = (text + self.parent.error_text())[-ERROR_TAIL_BYTES:]
+        return text
+
     def _give_back(self, cleanly: bool) -> None:
         with self.proc._sending:
             self.proc.given_back = True
