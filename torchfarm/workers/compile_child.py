@@ -283,7 +283,11 @@ def _fork_server_main(args: argparse.Namespace) -> int:
         for fd in fds:
             os.close(fd)
         status = _until_ended(pid, control)
+        # Before the child is reaped: until then its pid, and so its process group's id, is
+        # not reused, and ending the group ends only what the child left.
         warm.as_if_new(group=pid)  # raises where it cannot: the parent and its sandbox end
+        with contextlib.suppress(ChildProcessError):  # reaped there already (in the sandbox)
+            os.waitpid(pid, 0)
         ends.write(END.pack(status))
         ends.flush()
 
@@ -306,7 +310,7 @@ def _forked_child(args: argparse.Namespace, fds: list[int], parents: tuple[int, 
 
 def _until_ended(pid: int, control: socket.socket) -> int:
     """Wait for the forked child `pid` to end, killing it on KILL (or when the worker is
-    gone); its exit status."""
+    gone); its exit status. It is left unreaped (a zombie)."""
     pidfd = os.pidfd_open(pid)
     try:
         with selectors.DefaultSelector() as selector:
@@ -315,7 +319,10 @@ def _until_ended(pid: int, control: socket.socket) -> int:
             while True:
                 for key, _ in selector.select():
                     if key.data == "ended":
-                        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                        assert ended is not None
+                        code = ended.si_status
+                        return code if ended.si_code == os.CLD_EXITED else -code
                     message = control.recv(16)
                     if not message:
                         selector.unregister(control)
