@@ -317,11 +317,19 @@ class LocalFarm:
                 return False
             return status == health_pb2.HealthCheckResponse.SERVING
 
+        rebound: dict[str, int] = {}
         try:
             while True:
                 waiting = self._workers_not_ready(store)  # first: a failed one exits at once
-                for name, proc in self.procs.items():
+                for name, proc in list(self.procs.items()):
                     if proc.poll() is not None:
+                        if self._port_taken(name) and rebound.get(name, 0) < 3:
+                            # Its metrics port, free when picked, was taken before it bound it
+                            # (by any process of the host: farms started side by side, an
+                            # outgoing connection's local port): again, on another.
+                            rebound[name] = rebound.get(name, 0) + 1
+                            self.start_worker(name, *self.worker_args[name])
+                            continue
                         raise FarmNotReady(
                             f"{name} exited ({proc.returncode}): {self._last_words(name)}"
                             f"; see {self.log_dir}/{name}.log"
@@ -357,6 +365,9 @@ class LocalFarm:
             if entry is None or entry.readiness.state != "ready":
                 waiting.append(name)
         return waiting
+
+    def _port_taken(self, name: str) -> bool:
+        return name in self.worker_names and "Errno 98" in self._last_words(name)
 
     def _last_words(self, name: str) -> str:
         """The last line of a process's log: why it exited, when it said so."""

@@ -4,6 +4,7 @@ still serves the next honest request."""
 import json
 import os
 import pickle
+import re
 import socket
 import uuid
 
@@ -90,6 +91,70 @@ raise RuntimeError("exploit ran; environment: " + ",".join(sorted(os.environ)))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert [r.source for r in backend.history] == ["miss"]
+
+
+# What a hostile request leaves in its sandbox for the next request a warm parent forks
+# (workers/warm_fork.py): files in every writable place, a daemon, a System V segment.
+_LEAVE = """
+import ctypes, os, sys, time
+for path in ("/tmp/left", os.path.expanduser("~/left-home"), "/dev/shm/left", "/dev/left"):
+    open(path, "w").write("left by the last tenant")
+os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"] + "/planted", exist_ok=True)
+libc = ctypes.CDLL(None)
+assert libc.shmget(0x7f17, 4096, 0o1666) >= 0
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        while True:
+            time.sleep(1)
+    os._exit(0)
+raise RuntimeError("exploit ran: left its things, pid %d" % os.getpid())
+"""
+_FIND = """
+import json, os
+me, parent = os.getpid(), os.getppid()
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+others = []
+for p in filter(str.isdigit, os.listdir("/proc")):
+    state, ppid = stat(p)
+    if int(p) not in (1, me, parent) and ppid != me and state != "Z":
+        others.append(open(f"/proc/{p}/cmdline").read())
+files = []
+for path in ("/tmp/left", os.path.expanduser("~/left-home"), "/dev/shm/left", "/dev/left",
+             os.environ["TORCHINDUCTOR_CACHE_DIR"] + "/planted"):
+    if os.path.exists(path):
+        files.append(path)
+found = {
+    "files": files,
+    "processes": others,
+    "sysv": open("/proc/sysvipc/shm").read().splitlines()[1:],
+    "forked": parent != 1,  # bwrap's init is 1: a started child's parent
+    "pid": me,
+}
+raise RuntimeError("exploit ran: found " + json.dumps(found))
+"""
+
+
+def test_a_request_finds_nothing_a_hostile_request_left_in_its_sandbox(farm):
+    """On CPU a warm parent forks each request's child in the same sandbox: the next
+    request, forked from the same warm state, finds no file, process or IPC object of the
+    last one, and runs in a process of its own."""
+    for code in (_LEAVE, _FIND):
+        request = pb.CompileRequest(graph=pickle.dumps(_Exploit(code)), target=local_target())
+        with pytest.raises(grpc.RpcError) as e:
+            _compile(farm, request, tenant="bob" if code == _LEAVE else "alice")
+        assert "exploit ran" in e.value.details()
+        if code == _LEAVE:
+            first = int(re.search(r"left its things, pid (\d+)", e.value.details())[1])
+    found = json.loads(e.value.details().split("exploit ran: found ")[1].splitlines()[0])
+    assert found["forked"]  # by a warm parent in the same sandbox, not started in a new one
+    assert found["pid"] != first
+    assert found["files"] == [] and found["processes"] == [] and found["sysv"] == []
+    events = _compile(farm, pb.CompileRequest(graph=_real_payload(), target=local_target()))
+    assert events[-1].WhichOneof("event") == "chunk"
 
 
 def _real_payload() -> bytes:

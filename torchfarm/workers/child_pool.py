@@ -11,6 +11,13 @@ replaced, after a growing pause while they keep failing (a broken toolchain must
 `take` never waits for the pool: with no child ready it takes one still warming, or starts
 one, and the caller's own timeout bounds the rest.
 
+With `reuse` (CPU pools), what the pool keeps warm is *parents* (`compile_child
+--fork-server`): each warms up once in its sandbox, and `take` hands out a child forked from
+one that is idle; when that child has ended and the parent has made its sandbox clean again,
+the parent goes back to the pool (if `reuse(private_dir)` could clear what the worker put in
+its private dir for that request), else it is ended. The pool keeps `size` parents, idle or
+busy, and starts one more only for a request that finds none idle.
+
 This module knows processes and the `ready` report only; what a child runs and in which
 sandbox is the caller's `command` (workers/sandbox.py).
 """
@@ -20,7 +27,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -29,7 +38,7 @@ from collections.abc import Callable
 from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.workers.compile_child import FRAME
+from torchfarm.workers.compile_child import END, FORK, FRAME, KILL
 
 log = logging.getLogger("torchfarm.worker")
 
@@ -37,6 +46,7 @@ ERROR_TAIL_BYTES = 2048  # how much of a child's stderr is kept for the error te
 _READY_FRAME = 16  # a `ready` report is 2 bytes; anything longer is not one
 _BACKOFF_S = (0.5, 60.0)  # pause before the next start after a failed warm-up: first, most
 _CHECK_EVERY_S = 0.5  # how often the keeper looks for children that died or hang
+_KILL_GRACE_S = 30.0  # a forked child not ended this long after KILL: its parent is killed
 
 # argv, environment and working directory of a child, given the number of the child (from 0)
 # and an empty private host directory of its own (removed when it ends).
@@ -57,22 +67,30 @@ class Events:
 class Child:
     """One started compile child: its process, its stderr's tail, and whether it is ready."""
 
+    proc: subprocess.Popen | _Forked
+
     def __init__(self, number: int, command: Command) -> None:
         self.started = time.monotonic()
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-compile-")
         try:
             argv, env, cwd = command(number, self.private_dir)
-            self.proc = subprocess.Popen(
-                argv,
-                env=env,
-                cwd=cwd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            self.proc = self._popen(argv, env, cwd)
         except BaseException:
             shutil.rmtree(self.private_dir, ignore_errors=True)
             raise
+        self._watch()
+
+    def _popen(self, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def _watch(self) -> None:
         self.stderr: collections.deque[bytes] = collections.deque()
         self.is_ready = False
         self.settled = threading.Event()  # set when it reported ready, or will never
@@ -125,8 +143,14 @@ class Child:
     def close(self) -> int:
         """Wait for it to end (kill it first to not wait), release its pipes and directory;
         its exit status."""
+        returncode = self._release()
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+        return returncode
+
+    def _release(self) -> int:
         try:
-            self.stdin.close()  # a child still waiting for its request reads the end and exits
+            if self.proc.stdin:  # a child still waiting for its request reads the end, exits
+                self.proc.stdin.close()
         except OSError:
             pass
         returncode = self.proc.wait()
@@ -135,11 +159,160 @@ class Child:
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream:
                 stream.close()
-        shutil.rmtree(self.private_dir, ignore_errors=True)
         return returncode
 
     def error_text(self) -> str:
         return b"".join(self.stderr)[-ERROR_TAIL_BYTES:].decode(errors="replace")
+
+
+class WarmParent(Child):
+    """A fork server (compile_child.py): a Child whose one `ready` says it is warm, and which
+    then forks a child per request, one at a time; its stdin is the control socket."""
+
+    def _popen(self, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            return subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=theirs.fileno(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except BaseException:
+            self.control.close()
+            raise
+        finally:
+            theirs.close()
+
+    def fork(self, done: Callable[[WarmParent, bool], None]) -> ForkedChild:
+        """A child forked for one request; `done(self, cleanly)` once it has ended and been
+        closed (`cleanly`: this parent reported its end, so its sandbox is clean again)."""
+        return ForkedChild(self, done)
+
+    def ended(self) -> int | None:
+        """Block until this parent reports its current child's end: the exit status; None
+        where the parent itself ended (killed, or its sandbox could not be made clean)."""
+        assert self.proc.stdout is not None
+        data = self.proc.stdout.read(END.size)
+        return END.unpack(data)[0] if len(data) == END.size else None
+
+    def send(self, message: bytes, fds: tuple[int, ...] = ()) -> None:
+        socket.send_fds(self.control, [message], list(fds))
+
+    def close(self) -> int:
+        self.control.close()  # an idle parent reads the end and exits
+        return super().close()
+
+
+class _Forked:
+    """The part of a Popen that the worker uses, for a child that a WarmParent forked."""
+
+    pid: int  # the parent's (the host's pid of its sandbox)
+
+    def __init__(self, parent: WarmParent) -> None:
+        self.parent, self.pid = parent, parent.proc.pid
+        self.returncode: int | None = None
+        self.cleanly = False  # the parent reported the end (its sandbox is clean again)
+        self.given_back = False  # from then on a kill must not reach the parent's next child
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            for _ in range(3):  # stdin, stdout, stderr
+                read_end, write_end = os.pipe()
+                ours.append(write_end if not theirs else read_end)
+                theirs.append(read_end if not theirs else write_end)
+            parent.send(FORK, tuple(theirs))
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        self.stdin: IO[bytes] | None = os.fdopen(ours[0], "wb")
+        self.stdout: IO[bytes] | None = os.fdopen(ours[1], "rb")
+        self.stderr: IO[bytes] | None = os.fdopen(ours[2], "rb")
+
+    def wait(self) -> int:
+        with self._lock:
+            if self.returncode is None:
+                status = self.parent.ended()
+                self.cleanly = status is not None
+                if status is None:  # the parent is gone, and its sandbox with it
+                    self.parent.kill()
+                    status = self.parent.proc.wait() or -9
+                self.returncode = status
+            return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        """Ask the parent to kill the child; kill the parent (and its sandbox) if it cannot
+        be asked, or has not reported the end _KILL_GRACE_S later."""
+        with self._sending:
+            if self.given_back:  # a late kill (a timer, the abandon check): ended already
+                return
+            try:
+                self.parent.send(KILL)
+            except OSError:
+                self.parent.kill()
+                return
+        timer = threading.Timer(_KILL_GRACE_S, self._unless_ended)
+        timer.daemon = True
+        timer.start()
+
+    def _unless_ended(self) -> None:
+        if self._lock.acquire(blocking=False):  # a waiter holds it until the end is reported
+            try:
+                if self.returncode is None:
+                    self.parent.kill()
+            finally:
+                self._lock.release()
+        elif self.returncode is None:
+            self.parent.kill()
+
+
+class ForkedChild(Child):
+    """A child forked by a WarmParent for one request: the same pipes and reports as a
+    started one; closing it gives the parent back (`done`)."""
+
+    proc: _Forked
+
+    def __init__(self, parent: WarmParent, done: Callable[[WarmParent, bool], None]) -> None:
+        self.started = time.monotonic()
+        self.parent, self._done = parent, done
+        self.private_dir = parent.private_dir  # the parent's (its staging dir among it)
+        self.proc = _Forked(parent)
+        self._watch()
+
+    def close(self) -> int:
+        try:
+            returncode = self._release()
+        except BaseException:
+            self._give_back(False)
+            raise
+        self._give_back(self.proc.cleanly)
+        return returncode
+
+    def error_text(self) -> str:
+        """Its own error text; where its parent ended instead of reporting its end (a warm-up
+        that failed, a sandbox that could not be cleaned), the parent's after it."""
+        text = super().error_text()
+        if self.proc.returncode is not None and not self.proc.cleanly:
+            for thread in self.parent._threads:  # its stderr drained to the end
+                thread.join(timeout=5)
+            text = (text + self.parent.error_text())[-ERROR_TAIL_BYTES:]
+        return text
+
+    def _give_back(self, cleanly: bool) -> None:
+        with self.proc._sending:
+            self.proc.given_back = True
+        self._done(self.parent, cleanly)
 
 
 def _tail(stream: IO[bytes], keep: collections.deque) -> None:
@@ -161,10 +334,12 @@ class ChildPool:
         command: Command,
         warm_up_timeout_s: float,
         events: Events = Events(),
+        reuse: Callable[[str], bool] | None = None,
     ) -> None:
         self.size, self.warm_up_timeout_s = size, warm_up_timeout_s
-        self._command, self._events = command, events
+        self._command, self._events, self._reuse = command, events, reuse
         self._idle: list[Child] = []  # oldest first
+        self._busy = 0  # parents whose forked child serves a request (with `reuse`)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -176,7 +351,8 @@ class ChildPool:
 
     def take(self) -> Child:
         """A child for one request: a ready one if any, else the one warming longest, else a
-        new one. Never waits for the pool; the caller owns (and must close) the child."""
+        new one (with `reuse`: forked from such a parent). Never waits for the pool; the
+        caller owns (and must close) the child."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the compile child pool is closed")
@@ -186,9 +362,43 @@ class ChildPool:
             if chosen:
                 self._idle.remove(chosen)
                 self._report_ready()
-        self._wake.set()  # start its replacement now
+            if self._reuse:
+                self._busy += 1
         self._events.taken("started" if not chosen else "ready" if chosen.is_ready else "warming")
-        return chosen or self._start()
+        if not self._reuse:
+            self._wake.set()  # start its replacement now
+            return chosen or self._start()
+        try:
+            parent = chosen or self._start()
+            assert isinstance(parent, WarmParent)
+            try:
+                return parent.fork(self._give_back)
+            except OSError:  # it died since: a new one
+                parent.kill()
+                parent.close()
+                parent = self._start()
+                assert isinstance(parent, WarmParent)
+                return parent.fork(self._give_back)
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+            raise
+
+    def _give_back(self, parent: WarmParent, cleanly: bool) -> None:
+        """A parent whose child has ended: idle again if its sandbox and private dir are
+        clean again, else ended."""
+        assert self._reuse is not None
+        keep = cleanly and parent.alive() and self._reuse(parent.private_dir)
+        with self._lock:
+            self._busy -= 1
+            keep = keep and not self._closed and self.size > 0
+            if keep:
+                self._idle.append(parent)
+                self._report_ready()
+        if not keep:
+            parent.kill()
+            parent.close()
+        self._wake.set()
 
     def idle(self) -> list[Child]:
         """The children waiting now (a copy)."""
@@ -209,7 +419,7 @@ class ChildPool:
     def _start(self) -> Child:
         with self._lock:
             number, self._started = self._started, self._started + 1
-        return Child(number, self._command)
+        return (WarmParent if self._reuse else Child)(number, self._command)
 
     def _keep(self) -> None:
         while True:
@@ -219,7 +429,8 @@ class ChildPool:
                 if self._closed:
                     return
                 self._reap()
-                wanted = len(self._idle) < self.size and time.monotonic() >= self._next_start
+                kept = len(self._idle) + self._busy  # a busy parent comes back
+                wanted = kept < self.size and time.monotonic() >= self._next_start
             if wanted:
                 try:
                     child = self._start()

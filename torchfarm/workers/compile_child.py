@@ -25,34 +25,50 @@ Inductor cache dir the two share, as a cache entry that this process looks up (a
 itself where that misses); its one report, the GEMM candidates it benchmarked and their
 problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
 its own.
+
+On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
+sandbox that warms up once, then for each request forks a process from that untouched state,
+handed the request's own three pipes over its stdin (a Unix socket, SCM_RIGHTS). That process
+is a compile child as above, warm-up done: it reports `ready`, reads its one request, compiles
+it and exits (its backward helper forked from it, warm too); the parent then ends every
+process the request left, empties the sandbox's writable directories (warm_fork.py) and
+reports the request's exit status on its stdout before it forks the next. A warm-up (~4.5
+CPU-s on the 2-core box) is paid once per parent, not once per compile. On CUDA a process
+cannot fork once its CUDA context exists, so GPU pools start one child per request as before.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
+import functools
 import importlib
 import os
+import selectors
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
-from typing import BinaryIO
+from typing import IO, Any, BinaryIO, Protocol
 
 from google.protobuf.message import DecodeError
 
 from torchfarm.compiler import compilers
 from torchfarm.contract.options import INDUCTOR, compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.workers import kernel_cache
+from torchfarm.workers import kernel_cache, warm_fork
 
 # Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
 HELPER_REPORT = "torchfarm-helper.pb"  # the backward helper's KernelFiles, in the shared cache dir
-PR_SET_PDEATHSIG = 1  # prctl(2)
+# A fork server's protocol. On its stdin (a Unix socket): FORK with the request's stdin,
+# stdout and stderr (SCM_RIGHTS), or KILL (end the request now). On its stdout: a `ready`
+# report once warm, then END (the exit status) after each request, once its sandbox is clean.
+FORK, KILL = b"F", b"K"
+END = struct.Struct(">i")
 
 _reports: BinaryIO | None = None  # the real stdout; fd 1 itself then points at stderr
 
@@ -124,6 +140,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--kernel-names", choices=("unique", "content"), default="unique", help="settings.py"
     )
+    parser.add_argument(
+        "--fork-server", action="store_true", help="fork one child per request (CPU pools)"
+    )
+    parser.add_argument("--in-sandbox", action="store_true", help="its own PID namespace")
     return parser.parse_args(argv)
 
 
@@ -152,7 +172,54 @@ def _start_helper(argv: list[str]) -> subprocess.Popen:
     )
 
 
-def _hand_over(helper: subprocess.Popen | None, request: bytes, compiles: bool) -> None:
+class _Helper(Protocol):
+    """What the child uses of its helper: a Popen, or the fork server's `_ForkedHelper`."""
+
+    @property
+    def stdin(self) -> IO[Any] | None: ...
+
+    def poll(self) -> int | None: ...
+    def wait(self) -> int: ...
+    def kill(self) -> None: ...
+
+
+class _ForkedHelper:
+    """The backward helper of a forked child: forked from it before its request exists, so
+    warm as it is; its request on a pipe, its output on the child's stderr."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        read_end, write_end = os.pipe()
+
+        def helper() -> int:
+            os.close(write_end)
+            os.dup2(read_end, 0)
+            os.close(read_end)
+            os.dup2(2, 1)
+            return _helper_main(args, warmed=True)
+
+        self.pid = warm_fork.fork(helper)
+        os.close(read_end)
+        self.stdin: IO[Any] | None = os.fdopen(write_end, "wb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _hand_over(helper: _Helper | None, request: bytes, compiles: bool) -> None:
     """Give the helper the request (from a thread: a helper still warming up reads it only
     then, and a large request fills the pipe), or end it where it has nothing to do."""
     if helper is None or helper.stdin is None:
@@ -170,7 +237,7 @@ def _hand_over(helper: subprocess.Popen | None, request: bytes, compiles: bool) 
     threading.Thread(target=write, name="backward-helper-request", daemon=True).start()
 
 
-def _end(helper: subprocess.Popen | None) -> None:
+def _end(helper: _Helper | None) -> None:
     if helper is not None and helper.poll() is None:
         helper.kill()
         helper.wait()
@@ -181,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     if args.backward_helper:
         return _helper_main(args)
+    if args.fork_server:
+        return _fork_server_main(args)
     helper = _start_helper(argv) if args.concurrent_backward else None
     try:
         return _child_main(args, helper)
@@ -188,12 +257,91 @@ def main(argv: list[str] | None = None) -> int:
         _end(helper)
 
 
-def _child_main(args: argparse.Namespace, helper: subprocess.Popen | None) -> int:
+def _fork_server_main(args: argparse.Namespace) -> int:
+    """Warm up once, then serve each FORK in a child forked from that untouched state, one at
+    a time, and make the sandbox as it was before the next (module docstring)."""
+    control = socket.socket(fileno=os.dup(0))
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    ends = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what the warm-up prints goes to stderr, never into the reports
+    _warm_up(args)
+    warm = warm_fork.WarmState(args.in_sandbox)  # sealed from here on
+    data = pb.CompileChildReport(ready=True).SerializeToString()
+    ends.write(FRAME.pack(len(data)) + data)
+    ends.flush()
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, len(FORK), 3)
+        except OSError:
+            return 0
+        if not message:  # the worker closed the socket: it is done with this parent
+            return 0
+        if message != FORK or len(fds) != 3:  # a KILL that came after its child's end
+            for fd in fds:
+                os.close(fd)
+            continue
+        parents = (control.fileno(), ends.fileno())
+        pid = warm_fork.fork(functools.partial(_forked_child, args, fds, parents))
+        for fd in fds:
+            os.close(fd)
+        status = _until_ended(pid, control)
+        # Before the child is reaped: until then its pid, and so its process group's id, is
+        # not reused, and ending the group ends only what the child left.
+        warm.as_if_new(group=pid)  # raises where it cannot: the parent and its sandbox end
+        with contextlib.suppress(ChildProcessError):  # reaped there already (in the sandbox)
+            os.waitpid(pid, 0)
+        ends.write(END.pack(status))
+        ends.flush()
+
+
+def _forked_child(args: argparse.Namespace, fds: list[int], parents: tuple[int, ...]) -> int:
+    """A fork server's child: the request's pipes on 0, 1, 2, nothing of its parent's."""
+    for fd in parents:  # the parent's socket and reports: never the tenant's to use
+        os.close(fd)
+    os.setsid()  # one process group: how its leftovers are ended without a sandbox
+    warm_fork.die_with_parent()
+    for number, fd in enumerate(fds):
+        os.dup2(fd, number)
+        os.close(fd)
+    helper = _ForkedHelper(args) if args.concurrent_backward else None
+    try:
+        return _child_main(args, helper, warmed=True)
+    finally:
+        _end(helper)
+
+
+def _until_ended(pid: int, control: socket.socket) -> int:
+    """Wait for the forked child `pid` to end, killing it on KILL (or when the worker is
+    gone); its exit status. It is left unreaped (a zombie)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(pidfd, selectors.EVENT_READ, "ended")
+            selector.register(control, selectors.EVENT_READ, "control")
+            while True:
+                for key, _ in selector.select():
+                    if key.data == "ended":
+                        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                        assert ended is not None
+                        code = ended.si_status
+                        return code if ended.si_code == os.CLD_EXITED else -code
+                    message = control.recv(16)
+                    if not message:
+                        selector.unregister(control)
+                    if message in (KILL, b""):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool = False) -> int:
     global _reports
     # Whatever the compile prints goes to stderr (the error text), never into the reports.
     _reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    _warm_up(args)
+    if not warmed:
+        _warm_up(args)
     report(pb.CompileChildReport(ready=True))
     data = sys.stdin.buffer.read()
     if not data:  # the worker closed the pipe without a request: it is going away
@@ -268,11 +416,12 @@ def _leave_report(cache_dir: str, files: pb.KernelFiles) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _helper_main(args: argparse.Namespace) -> int:
+def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
     """The backward helper: warm up, read the child's request, compile its backward into the
     shared cache dir, stop. Exit status 0 whether or not there was a backward."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # ends with its child, sandbox or not
-    _warm_up(args)
+    warm_fork.die_with_parent()  # ends with its child, sandbox or not
+    if not warmed:
+        _warm_up(args)
     data = sys.stdin.buffer.read()
     if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0

@@ -35,8 +35,6 @@ status, then its `KernelFiles` (refused: why).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -49,15 +47,13 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import IO, BinaryIO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter.triton_source_check import Refused
-from torchfarm.workers import compile_child, kernel_cache, sandbox
+from torchfarm.workers import compile_child, kernel_cache, sandbox, warm_fork
 from torchfarm.workers.compile_child import FRAME
 
 log = logging.getLogger("torchfarm.worker")
@@ -65,7 +61,6 @@ log = logging.getLogger("torchfarm.worker")
 BUILD_TIMEOUT_S = 600  # one library: seconds of g++ here, minutes on a crowded host
 MAX_QUEUED = 1024  # sources waiting for a build; more are dropped (a later compile offers them)
 IDLE_S = 5.0  # a builder child with nothing to build for this long exits
-PR_SET_DUMPABLE = 4  # prctl(2)
 REPLY = struct.Struct(">iQ")  # a build's exit status, then the length of its KernelFiles
 REFUSED = 3  # a build's exit status: a Triton module that is not one Inductor writes
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
@@ -330,49 +325,23 @@ def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _as_if_new(in_sandbox: bool) -> None:
-    """Before each build: what a fresh builder would find. Every process a build left in the
-    sandbox ended (its own PID namespace: bwrap is 1, this process the only other one meant
-    to be there), and the writable directories empty: the work dir (Inductor's cache dir,
-    $HOME and $TMPDIR) and, in the sandbox, /dev/shm. So a g++ run that a crafted source
-    could subvert cannot reach the next source's build."""
-    if in_sandbox:
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            if pid not in (1, os.getpid()):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-    for directory in (os.environ["TMPDIR"], *(["/dev/shm"] if in_sandbox else [])):
-        for entry in os.listdir(directory):
-            path = os.path.join(directory, entry)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-
-
 def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple[int, bytes]:
     """Build `source` in a child forked from this process, whose state no build has touched:
     each build sees only its own source."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the build's own process
+
+    def build_here() -> int:  # the build's own process
         os.close(read_end)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
-        status = 1
         try:
-            try:
-                data, status = build(source, cache_dir, device).SerializeToString(), 0
-            except Refused as e:  # the reply is why
-                data, status = str(e)[:500].encode(), REFUSED
-            with os.fdopen(write_end, "wb") as out:
-                out.write(data)
-        except BaseException:
-            status = 1
-            traceback.print_exc()
-        finally:
-            sys.stderr.flush()
-            os._exit(status)
+            data, status = build(source, cache_dir, device).SerializeToString(), 0
+        except Refused as e:  # the reply is why
+            data, status = str(e)[:500].encode(), REFUSED
+        with os.fdopen(write_end, "wb") as out:
+            out.write(data)
+        return status
+
+    pid = warm_fork.fork(build_here)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as built:
         data = built.read()
@@ -381,9 +350,6 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple
 
 def main() -> int:
     os.nice(10)  # builds yield to the compiles that wait on the same cores
-    # Each build forks this process while torch's idle threads exist: Python's warning of
-    # that would fill every build's error text.
-    warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks
@@ -395,15 +361,14 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
     args = parser.parse_args()
     compile_child.warm_up("cpu", [], args.isa_checks)
-    in_sandbox = args.in_sandbox
-    # Not dumpable: no process a build starts (g++ on a crafted source included), though of
-    # the same uid, can trace this one or write into its memory, and so into later builds.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
+    # forked from it in a sandbox made as it was before the last one (warm_fork.py).
+    warm = warm_fork.WarmState(args.in_sandbox)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     requests = sys.stdin.buffer
     while head := requests.read(FRAME.size):
         source = pb.KernelBuild.FromString(requests.read(FRAME.unpack(head)[0]))
-        _as_if_new(in_sandbox)
+        warm.as_if_new()
         status, data = _build_in_fork(source, cache_dir, args.device)
         replies.write(REPLY.pack(status, len(data)) + data)
         replies.flush()

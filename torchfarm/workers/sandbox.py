@@ -10,7 +10,10 @@ Request, stages and artifact travel through pipes (the contract's child protocol
 with caps; its error text is bounded. See docs/reliability.md, "Threat model".
 
 Children are started ahead of need by a pool of this worker's (workers/child_pool.py), each
-in exactly this sandbox, and each serves one request.
+in exactly this sandbox, and each serves one request. On CPU pools the pool keeps warm parents
+in this sandbox instead, which fork one child per request (compile_child.py, `--fork-server`)
+and clean the sandbox after each: the same sandbox, one request per process, without a
+warm-up per request.
 """
 
 from __future__ import annotations
@@ -258,13 +261,17 @@ def child_command(
     private_dir: str,
     python_args: tuple[str, ...] = _CHILD,
     number: int = 0,
+    fork_server: bool = False,
 ) -> tuple[list[str], dict, str]:
     """argv, environment and working directory of compile child number `number` (a CUDA
-    child gets one of the visible GPUs, in turn). `private_dir` is an empty host directory
-    of the parent's: with the kernel cache on, it holds the child's staging directory
-    (`staging_dir`); without a sandbox, its library and work directories too."""
+    child gets one of the visible GPUs, in turn), or with `fork_server` of a warm parent
+    that forks such children. `private_dir` is an empty host directory of the parent's: with
+    the kernel cache on, it holds the child's staging directory (`staging_dir`); without a
+    sandbox, its library and work directories too."""
     python = [sys.executable, *python_args, *isa_probe.child_arguments()]
     staging = ""
+    if fork_server:
+        python += ["--fork-server"] + (["--in-sandbox"] if settings.sandbox == "bwrap" else [])
     if python_args == _CHILD:
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
         python += ["--tuning-gpus", ",".join(tuning_gpus(settings))]
@@ -462,6 +469,13 @@ def pool(settings: WorkerSettings) -> child_pool.ChildPool:
         return _pool(settings)
 
 
+def forks_children(settings: WorkerSettings) -> bool:
+    """Whether the pool keeps warm parents that fork the children: on CPU. A CUDA process
+    cannot fork once its context exists (and a child's warm-up makes it), so GPU pools start
+    one child per request."""
+    return settings.device == "cpu"
+
+
 @functools.cache
 def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
     started = child_pool.ChildPool(
@@ -471,6 +485,7 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
         events=child_pool.Events(
             ready=metrics.warm_children_ready, replaced=metrics.replaced, taken=metrics.taken
         ),
+        reuse=_reusable if forks_children(settings) else None,
     )
     atexit.register(started.close)
     log.info(
@@ -484,7 +499,50 @@ def _pool(settings: WorkerSettings) -> child_pool.ChildPool:
 
 
 def _pool_command(settings: WorkerSettings, number: int, private_dir: str):
-    return child_command(settings, private_dir, number=number)
+    forks = forks_children(settings)
+    if forks:
+        _parents_started_as[private_dir] = _started_as()
+    return child_command(settings, private_dir, number=number, fork_server=forks)
+
+
+# What of a child's command changes during a worker's life, as each warm parent started
+# with it (by its private dir): the ISA probe's verdict, the precompiled headers once built.
+_parents_started_as: dict[str, tuple] = {}
+
+
+def _started_as() -> tuple:
+    return (
+        tuple(isa_probe.child_arguments()),
+        tuple(sorted(isa_probe.child_environment().items())),
+        tuple(precompiled_headers.child_binds(WORK_DIR, CHILD_USER)),
+        tuple(sorted(precompiled_headers.child_environment().items())),
+    )
+
+
+def _reusable(private_dir: str) -> bool:
+    """Before a warm parent serves its next request: it was started as a child would be now
+    (else it is ended, and the next one gets the headers built since), and its staging dir
+    (bound into its sandbox at start) is emptied of the last tenant's objects."""
+    if _parents_started_as.get(private_dir) != _started_as():
+        _parents_started_as.pop(private_dir, None)
+        return False
+    staging = staging_dir(private_dir)
+    if not os.path.isdir(staging):
+        return True
+    try:
+        kernel_cache.unhide(staging)
+        for entry in os.listdir(staging):
+            path = os.path.join(staging, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        if not os.listdir(staging):
+            return True
+    except OSError:
+        log.warning("could not empty a warm parent's staging dir: ending it", exc_info=True)
+    _parents_started_as.pop(private_dir, None)
+    return False
 
 
 def run_compile(

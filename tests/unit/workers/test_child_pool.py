@@ -190,3 +190,39 @@ def test_closing_the_pool_kills_its_children(pools):
     assert all(not os.path.exists(c.private_dir) for c in children)
     with pytest.raises(RuntimeError, match="closed"):
         pool.take()
+
+
+def _fork_server(number: int, private_dir: str):
+    """The real compile child as a warm parent, unsandboxed (the sandboxed one is the
+    integration tier's: test_attacks.py, test_sandbox.py)."""
+    from torchfarm.settings import WorkerSettings
+    from torchfarm.workers import sandbox
+
+    settings = WorkerSettings(sandbox="none", concurrent_backward="0", kernel_cache_mb=0)
+    return sandbox.child_command(settings, private_dir, number=number, fork_server=True)
+
+
+def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
+    reused: list[str] = []
+    events = _Events()
+    pool = child_pool.ChildPool(
+        1, _fork_server, 300, events=events.events, reuse=lambda d: reused.append(d) or True
+    )
+    try:
+        _until(lambda: len(_ready(pool)) == 1, timeout_s=300)
+        (parent,) = pool.idle()
+        # A child that gets no request (its pipe closed) exits 0; one killed on KILL ends by
+        # SIGKILL; each time the same parent comes back, and the pool started no other (a
+        # parent killed while idle is replaced: test_warm_children.py, on a real farm).
+        first = pool.take()
+        assert isinstance(first, child_pool.ForkedChild) and first.parent is parent
+        assert first.wait_ready() and pool.idle() == []
+        assert first.close() == 0
+        second = pool.take()
+        assert second.parent is parent and second.wait_ready()
+        second.kill()  # while it waits for its request: only the kill can end it
+        assert second.proc.wait() == -signal.SIGKILL and second.close() == -signal.SIGKILL
+        assert pool.idle() == [parent] and reused == [parent.private_dir] * 2
+        assert events.taken == ["ready", "ready"] and events.replaced == []
+    finally:
+        pool.close()
