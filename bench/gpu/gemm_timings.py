@@ -28,6 +28,7 @@ def compile_model(name: str, cache_dir: str, problems_out: str) -> None:
     import torch
 
     from bench.gpu import models
+    from torchfarm.proto import torchfarm_pb2 as pb
     from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
 
     model, inputs, spec = models.build(name)
@@ -40,10 +41,8 @@ def compile_model(name: str, cache_dir: str, problems_out: str) -> None:
                 out.float().sum().backward()
         torch.cuda.synchronize()
     found = gemm_problems.problems(count.problems, "cuda")
-    with open(problems_out, "wb") as f:
-        for gemm in found:
-            data = gemm.SerializeToString()
-            f.write(len(data).to_bytes(4, "big") + data)
+    with open(problems_out, "wb") as f:  # as a shared job's child reports them
+        f.write(pb.KernelFiles(gemm_problems=found).SerializeToString())
     print(
         json.dumps(
             {
@@ -84,12 +83,8 @@ def main() -> None:
     pool = kernel_cache.KernelCache(os.path.join(work, "kernels"), "bench", 1 << 30)
     pool_dir = pool.pool_dir("gpu")
     with open(problems, "rb") as f:
-        data = f.read()
-    offset = 0
-    while offset < len(data):
-        size = int.from_bytes(data[offset : offset + 4], "big")
-        gemm = pb.GemmProblem.FromString(data[offset + 4 : offset + 4 + size])
-        offset += 4 + size
+        reported = pb.KernelFiles.FromString(f.read())
+    for gemm in reported.gemm_problems:
         cache_dir = tempfile.mkdtemp(dir=work, prefix="measure-")
         started = time.perf_counter()
         subprocess.run(
