@@ -46,6 +46,10 @@ class ClientSettings:
     # TORCHFARM_SKIP_TRACING=0 turns off keeping Dynamo's output on the farm (per tenant) for a
     # later process to install instead of tracing (client/packages.py); needs a token
     skip_tracing: bool = True
+    # TORCHFARM_REGIONS=1: a static graph of repeated blocks (a ModuleList's children) goes to
+    # the farm as one graph per block, so blocks of one shape compile once, for this model and
+    # its siblings (torch_adapter/regions.py); such a graph's Dynamo package is not kept
+    regions: bool = False
     # TORCHFARM_PACKAGE_KEY: the secret (32+ characters) that authenticates this user's Dynamo
     # packages; it never leaves the client. Empty = a key file of this user's, made on first
     # use (user_cache_dir()/package.key, mode 0600). Give every machine of a job the same one.
@@ -66,6 +70,7 @@ class ClientSettings:
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
             wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
             skip_tracing=_env("TORCHFARM_SKIP_TRACING", "1") not in ("0", "false", "no"),
+            regions=_env("TORCHFARM_REGIONS", "0") in ("1", "true", "yes"),
             package_key=_env("TORCHFARM_PACKAGE_KEY", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

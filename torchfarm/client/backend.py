@@ -35,7 +35,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import fake_device, load_prewarm
+from torchfarm.torch_adapter import fake_device, load_prewarm, regions
 from torchfarm.torch_adapter.deferrable import deferrable
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
@@ -143,11 +143,87 @@ def torchfarm_backend(
     prepared_for = prepare.target()
     if prepared_for is not None:
         return _prepare(gm, settings, farm_options, label, started, prepared_for)
+    split = _regions(gm, settings, farm_options)
+    if split is not None:
+        try:
+            requests = [
+                _request(region.gm, settings, farm_options, f"{label}, region {number}")
+                for number, region in enumerate(split.regions)
+            ]
+        except Exception as e:  # a region the payload cannot carry: the graph goes whole
+            log.info("%s: not split into regions (%s: %s)", label, type(e).__name__, e)
+        else:
+            return _compile_regions(split, requests, settings, farm_options, label, started)
+    return _compile_graph(gm, example_inputs, settings, farm_options, label, started)
+
+
+def _regions(
+    gm: torch.fx.GraphModule, settings: ClientSettings, options: pb.Options
+) -> regions.Split | None:
+    """The graph split into its blocks' regions (torch_adapter/regions.py) where
+    TORCHFARM_REGIONS asks for it and every region can be fetched in the background; else
+    None. Not with CUDA graphs: one region's code may run at several places of a step."""
+    if not (settings.regions and settings.wait and settings.parallel_graphs) or not deferrable(gm):
+        return None
+    try:
+        if config_patches(options).get("triton.cudagraphs"):
+            return None
+        return regions.split(gm)
+    except Exception as e:  # never worse than the whole graph
+        log.info("graph not split into regions (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _compile_regions(
+    split: regions.Split,
+    requests: list[pb.CompileRequest],
+    settings: ClientSettings,
+    options: pb.Options,
+    label: str,
+    started: float,
+) -> Callable:
+    """Each distinct region on the farm, in the background (blocks of one shape share one
+    request and its code), stitched back into the graph's order."""
+    by_payload: dict[bytes, Callable] = {}
+    compiled = []
+    for region, request in zip(split.regions, requests, strict=True):
+        if request.graph not in by_payload:
+            by_payload[request.graph] = _compile_graph(
+                region.gm,
+                serialize.example_inputs(region.gm),
+                settings,
+                options,
+                request.label,
+                started,
+                request,
+            )
+        compiled.append(by_payload[request.graph])
+    log.info(
+        "%s: %d regions, %d distinct, sent to the farm",
+        label,
+        len(split.regions),
+        len(by_payload),
+    )
+    return split.stitched(compiled)
+
+
+def _compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    settings: ClientSettings,
+    farm_options: pb.Options,
+    label: str,
+    started: float,
+    request: pb.CompileRequest | None = None,
+) -> Callable:
+    """One graph's code from the farm (or compiled here, or eager): `request` where the
+    caller built it already (a region's)."""
     inputs = serialize.example_inputs(gm)
     try:
-        request = _request(gm, settings, farm_options, label)
-        for observe in request_observers:
-            observe(gm, request)
+        if request is None:
+            request = _request(gm, settings, farm_options, label)
+            for observe in request_observers:
+                observe(gm, request)
         payload_s = time.monotonic() - started
         ask = _ask(gm, request, inputs)
         before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
