@@ -443,12 +443,15 @@ def visible_gpus() -> tuple[str, ...]:
 
 
 def default_concurrency(device: str) -> int:
-    """Compiles at once by default: two per visible GPU on CUDA (one autotunes while another
-    lowers), on CPU a quarter of the cores (each compile runs Inductor's parallel compile and
-    the C++ compiler on several), at least 2 and at most 8."""
+    """Compiles at once by default: on CPU a quarter of the cores (each compile runs
+    Inductor's parallel compile and the C++ compiler on several), at least 2 and at most 8;
+    on CUDA two per visible GPU (one autotunes while another lowers), or the CPU figure where
+    it is more: a graph split into regions (client/backend.py) arrives as several compiles at
+    once, each of them mostly host work."""
+    cpu = max(2, min(8, (os.cpu_count() or 1) // 4))
     if device == "cuda":
-        return max(1, 2 * len(visible_gpus()))
-    return max(2, min(8, (os.cpu_count() or 1) // 4))
+        return max(2 * len(visible_gpus()), cpu)
+    return cpu
 
 
 CONCURRENT_BACKWARD_MIN_CORES = 8  # TORCHFARM_CONCURRENT_BACKWARD=auto turns it on from here

@@ -30,11 +30,12 @@ def deferrable(gm: torch.fx.GraphModule) -> bool:
 
 def _static(gm: torch.fx.GraphModule) -> bool:
     """No input, intermediate or output carries a symbol. A computing node without an example
-    value counts as symbolic: what cannot be seen is not promised static."""
+    value counts as symbolic (what cannot be seen is not promised static), unless nothing
+    reads it: a call made for its effect (grad mode, API-usage logging) carries no value."""
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        if "example_value" not in node.meta and node.op != "get_attr":
+        if "example_value" not in node.meta and node.op != "get_attr" and node.users:
             return False
         for leaf in pytree.tree_leaves(node.meta.get("example_value")):
             if isinstance(leaf, _VALUES) and free_symbols(leaf):

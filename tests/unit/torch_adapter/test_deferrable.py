@@ -52,3 +52,18 @@ def test_a_static_graph_calling_a_custom_operator_blocks():
         return torch.ops.torchfarm_unit.twice(torch.sin(x))
 
     assert [deferrable(g) for g in _graphs(custom, torch.randn(4), dynamic=False)] == [False]
+
+
+def test_calls_made_for_their_effect_leave_a_static_graph_deferrable():
+    """Grad mode switched inside the graph (HF's rotary embeddings): its calls have no value."""
+
+    def no_grad_inside(x):
+        with torch.no_grad():
+            scale = x.abs().amax()
+        return x * scale
+
+    graphs = _graphs(no_grad_inside, torch.randn(4, requires_grad=True), dynamic=False)
+    assert any(n.target is torch._C._set_grad_enabled for g in graphs for n in g.graph.nodes), (
+        "the graph should switch grad mode itself"
+    )
+    assert [deferrable(g) for g in graphs] == [True]

@@ -20,6 +20,9 @@ def test_defaults_for_a_cpu_box_and_a_gpu_node(monkeypatch):
     assert gpu.concurrency == 16 and gpu.warm_children == 16  # two per visible GPU
     monkeypatch.setattr(os, "cpu_count", lambda: 256)
     assert default_concurrency("cpu") == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert default_concurrency("cuda") == 4  # one GPU, 16 cores: the cores' figure
 
 
 def test_explicit_sizes_and_a_pool_of_no_warm_children(monkeypatch):
