@@ -145,15 +145,7 @@ def torchfarm_backend(
         return _prepare(gm, settings, farm_options, label, started, prepared_for)
     split = _regions(gm, settings, farm_options)
     if split is not None:
-        try:
-            requests = [
-                _request(region.gm, settings, farm_options, f"{label}, region {number}")
-                for number, region in enumerate(split.regions)
-            ]
-        except Exception as e:  # a region the payload cannot carry: the graph goes whole
-            log.info("%s: not split into regions (%s: %s)", label, type(e).__name__, e)
-        else:
-            return _compile_regions(split, requests, settings, farm_options, label, started)
+        return _whole_or_regions(gm, split, settings, farm_options, label, started)
     return _compile_graph(gm, example_inputs, settings, farm_options, label, started)
 
 
@@ -174,37 +166,82 @@ def _regions(
         return None
 
 
-def _compile_regions(
+def _whole_or_regions(
+    gm: torch.fx.GraphModule,
     split: regions.Split,
-    requests: list[pb.CompileRequest],
     settings: ClientSettings,
     options: pb.Options,
     label: str,
     started: float,
 ) -> Callable:
-    """Each distinct region on the farm, in the background (blocks of one shape share one
-    request and its code), stitched back into the graph's order."""
+    """A graph of repeated blocks: the whole graph's code where the farm has it. Else its
+    regions' (most of them hits for a sibling of a model the farm has seen), while the farm
+    compiles the whole graph; the graph switches to that between two calls once it arrived,
+    so that the steady state runs code with no block boundary in it (the same code as a
+    local compile's)."""
+    inputs = serialize.example_inputs(gm)
+    try:
+        request = _request(gm, settings, options, label)
+        for observe in request_observers:
+            observe(gm, request)
+        payload_s = time.monotonic() - started
+        ask = _ask(gm, request, inputs)
+    except Exception as e:  # the farm must never break training
+        why = _farm_failed(e, label, started)
+        return _compile_locally(gm, inputs, options, label, started, why=why)
+    before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
+    answer = switching.FarmAnswer()
+    remote.channel(settings.addr, settings.tls_ca)
+    whole = pool(settings.parallel_graphs).submit(
+        functools.partial(_fetch, request, ask, settings, inputs, before, answer.heard)
+    )
+    if answer.serves(whole):
+        return DeferredGraph(gm, whole, options, label, started)
     by_payload: dict[bytes, Callable] = {}
     compiled = []
-    for region, request in zip(split.regions, requests, strict=True):
-        if request.graph not in by_payload:
-            by_payload[request.graph] = _compile_graph(
-                region.gm,
-                serialize.example_inputs(region.gm),
-                settings,
-                options,
-                request.label,
-                started,
-                request,
-            )
-        compiled.append(by_payload[request.graph])
+    try:
+        for number, region in enumerate(split.regions):
+            part = _request(region.gm, settings, options, f"{label}, region {number}")
+            if part.graph not in by_payload:
+                region_inputs = serialize.example_inputs(region.gm)
+                by_payload[part.graph] = _compile_graph(
+                    region.gm, region_inputs, settings, options, part.label, started, part
+                )
+            compiled.append(by_payload[part.graph])
+    except Exception as e:  # a region the payload cannot carry: wait for the whole graph
+        log.info("%s: not split into regions (%s: %s)", label, type(e).__name__, e)
+        return DeferredGraph(gm, whole, options, label, started)
     log.info(
-        "%s: %d regions, %d distinct, sent to the farm",
+        "%s: %d regions (%d distinct) until the whole graph is compiled",
         label,
-        len(split.regions),
+        len(compiled),
         len(by_payload),
     )
-    return split.stitched(compiled)
+    resolve = functools.partial(
+        _whole_code, options, serialize.local_device_index(gm), label, started
+    )
+    return switching.SwitchingGraph(split.stitched(compiled), inputs, whole, resolve, label)
+
+
+def _whole_code(
+    options: pb.Options,
+    device_index: int | None,
+    label: str,
+    submitted: float,
+    job: Job,
+    graph: switching.SwitchingGraph,
+) -> switching.Switch | None:
+    """The whole graph's code to switch to from its regions' (SwitchingGraph counts the calls
+    that ran the regions as eager_calls); None keeps the regions' code (the farm failed)."""
+    try:
+        fetched = job.result()
+        compiled = _load(fetched.artifact, options, device_index, fetched.timings)
+    except Exception as e:
+        log.info("%s: stays on its regions' code (%s: %s)", label, type(e).__name__, e)
+        return None
+    _record_farm(label, fetched, submitted, submitted, switched=True)
+    log.info("%s: the whole graph's code after %d calls of its regions", label, graph.eager_calls)
+    return compiled, fetched.artifact.guards
 
 
 def _compile_graph(
