@@ -175,10 +175,10 @@ def _whole_or_regions(
     started: float,
 ) -> Callable:
     """A graph of repeated blocks: the whole graph's code where the farm has it. Else its
-    regions' (most of them hits for a sibling of a model the farm has seen), while the farm
-    compiles the whole graph; the graph switches to that between two calls once it arrived,
-    so that the steady state runs code with no block boundary in it (the same code as a
-    local compile's)."""
+    regions' (most of them hits for a sibling of a model the farm has seen); from the second
+    call on, once the first step's compiles are asked for, the farm compiles the whole graph
+    in the background, and the graph switches to it between two calls once it arrived, so
+    that the steady state runs code with no block boundary in it (a local compile's)."""
     inputs = serialize.example_inputs(gm)
     try:
         request = _request(gm, settings, options, label)
@@ -190,13 +190,12 @@ def _whole_or_regions(
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, inputs, options, label, started, why=why)
     before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
-    answer = switching.FarmAnswer()
-    remote.channel(settings.addr, settings.tls_ca)
-    whole = pool(settings.parallel_graphs).submit(
-        functools.partial(_fetch, request, ask, settings, inputs, before, answer.heard)
-    )
-    if answer.serves(whole):
-        return DeferredGraph(gm, whole, options, label, started)
+    fetch = functools.partial(_fetch, request, ask, settings, inputs, before)
+    lookup: Job[Fetched] = Job(functools.partial(fetch, compile=False))
+    lookup.run()  # one Hit call: the entry, or a miss that compiles nothing
+    if lookup.future.exception() is None:
+        return DeferredGraph(gm, lookup, options, label, started)
+    log.info("%s: whole graph not on the farm (%s)", label, lookup.future.exception())
     by_payload: dict[bytes, Callable] = {}
     compiled = []
     try:
@@ -208,19 +207,24 @@ def _whole_or_regions(
                     region.gm, region_inputs, settings, options, part.label, started, part
                 )
             compiled.append(by_payload[part.graph])
-    except Exception as e:  # a region the payload cannot carry: wait for the whole graph
+    except Exception as e:  # a region the payload cannot carry: the whole graph, now
         log.info("%s: not split into regions (%s: %s)", label, type(e).__name__, e)
-        return DeferredGraph(gm, whole, options, label, started)
+        return _compile_graph(gm, inputs, settings, options, label, started, request)
     log.info(
         "%s: %d regions (%d distinct) until the whole graph is compiled",
         label,
         len(compiled),
         len(by_payload),
     )
-    resolve = functools.partial(
-        _whole_code, options, serialize.local_device_index(gm), label, started
+    whole: Job[Fetched] = Job(fetch)
+    return switching.SwitchingGraph(
+        split.stitched(compiled),
+        inputs,
+        whole,
+        functools.partial(_whole_code, options, serialize.local_device_index(gm), label, started),
+        label,
+        after_first_call=functools.partial(pool(settings.parallel_graphs).start, whole),
     )
-    return switching.SwitchingGraph(split.stitched(compiled), inputs, whole, resolve, label)
 
 
 def _whole_code(
@@ -587,12 +591,14 @@ def _fetch(
     inputs: list,
     before: dict[str, float],
     heard: Callable[[pb.Progress], None] | None = None,
+    compile: bool = True,
 ) -> Fetched:
     """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
     the signature check. The farm's part, network and protobuf only (safe on a pool thread);
     the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
     payload_s and key_s). `heard` sees every progress event (no-wait mode tells a hit,
-    DOWNLOADING, from a compile, QUEUED on `missing`, by the first)."""
+    DOWNLOADING, from a compile, QUEUED on `missing`, by the first). Without `compile` a
+    miss compiles nothing and raises FarmError."""
     prefetched = _prefetched(ask, inputs)
     if prefetched is not None:
         prefetched.timings.update(before)
@@ -613,7 +619,7 @@ def _fetch(
     try:
         received = remote.get(
             ask,
-            request,
+            request if compile else None,
             settings,
             on_progress=on_progress,
             request_id=request_id,
