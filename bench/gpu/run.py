@@ -11,7 +11,8 @@ miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode def
 novel:    issue 28: local cold vs farm miss on an empty farm for MODELS (default GPT and four
           coverage architectures, training steps), MODE (default "default"), and their
           geomean; step time farm/local from a farm hit after the miss (the worker idle);
-          the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on here).
+          the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on here); PARITY=gpt
+          then times that model's farm code beside a local compile in one process (parity.py).
 sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and its 8-layer
           sibling), MODE (default "default"): local cold of B on empty caches; local A, then
           local B with A's caches kept (what one user gets today); the farm's miss of A, then
@@ -673,6 +674,9 @@ def main() -> None:
                 geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
                 runner.rows.append({"case": "geomean miss_over_cold", "value": geomean})
                 print(f"geomean miss_over_cold over {len(ratios)}: {geomean:.3f}", flush=True)
+            for model in os.environ.get("PARITY", "").split(","):  # a bench model it compiled:
+                if model:  # the farm's steady-state code, timed beside local in one process
+                    runner.parity(model)
         elif args.part == "sibling":  # issue 28: SIBLINGS (a:b,...), MODE
             mode = os.environ.get("MODE", "default")
             for pair in os.environ.get("SIBLINGS", "gpt:gpt-l8").split(","):
