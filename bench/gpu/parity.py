@@ -25,13 +25,13 @@ from models import build  # noqa: E402
 
 def main(name: str, rounds: int = 12) -> None:
     model, (x,), spec = build(name)
-    x = x.repeat(2, 2)
+    xs = (x.repeat(2, 2),)  # step_ms calls step(*xs)
     steps = {
         "eager": make_step(model, model, spec),
         "farm": make_step(torch.compile(model, backend="torchfarm"), model, spec),
         "local": make_step(torch.compile(model, backend="inductor"), model, spec),
     }
-    results = {k: step(x) for k, step in steps.items()}  # compiles both
+    results = {k: step(*xs) for k, step in steps.items()}  # compiles both
     errors = {
         k: max(
             rel_err(a, b)
@@ -44,7 +44,7 @@ def main(name: str, rounds: int = 12) -> None:
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(rounds):  # alternate which compiled model runs first
         for k in ("eager", "farm", "local") if i % 2 else ("eager", "local", "farm"):
-            times[k].append(step_ms(steps[k], x, iters=30))
+            times[k].append(step_ms(steps[k], xs, iters=30))
     from torchfarm.client.backend import history
 
     ratios = sorted(f / loc for f, loc in zip(times["farm"], times["local"]))
