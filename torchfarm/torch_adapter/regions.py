@@ -1,11 +1,12 @@
 """Regional compilation: a graph of repeated blocks is compiled as one graph per block.
 
-A model's blocks (the children of one ModuleList: transformer layers, ResNet stages' units)
-trace to the same code at the same shapes. Compiled as one graph, Inductor lowers every
-block again, and a sibling of the model (another depth) is a new graph whose compile starts
-over. Split at block boundaries, with every node renamed canonically, each block of one
-shape is the same graph (the same payload, the same farm key): compiled once for the model,
-and found by its siblings, by a next version of the model, and by other tenants.
+A model's blocks (the children of one ModuleList or Sequential that run at least _MIN_OPS
+operations each: transformer layers, ResNet stages' units) trace to the same code at the
+same shapes. Compiled as one graph, Inductor lowers every block again, and a sibling of the
+model (another depth) is a new graph whose compile starts over. Split at block boundaries,
+with every node renamed canonically, each block of one shape is the same graph (the same
+payload, the same farm key): compiled once for the model, and found by its siblings, by a
+next version of the model, and by other tenants.
 
 The price: Inductor fuses nothing across a block boundary, and each region is its own
 autograd Function. Static graphs only (their regions' example values need no ShapeEnv of
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +36,9 @@ _INDEXED = re.compile(r"^(?P<list>.+?)(?:\.(?P<dot>\d+)|\[(?P<bracket>\d+)\])$")
 # between entering and leaving one would change what the regions compute.
 _STATEFUL = re.compile(r"autocast|grad_enabled|set_grad|_functorch|inference_mode")
 _KINDS = frozenset({"placeholder", "call_function", "call_method", "output"})
+# Operations a block must run to be a region of its own: a list's transformer layers or
+# residual units, not the single layers of a Sequential (Linear, GELU, Linear).
+_MIN_OPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Region:
 
     gm: torch.fx.GraphModule
     single: bool
-    block: str  # the block it computes ("blocks.3"), or "" for the code between blocks
+    block: str  # the block it computes ("L['self'].blocks.3"), or "" for the code between
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +78,10 @@ class _Compiled(torch.nn.Module):
 
 
 def _block(node: torch.fx.Node) -> tuple[str, int] | None:
-    """The outermost indexed module the node runs in, if it is a model's own block (not one
-    of torch.nn's layers in a Sequential): (the list's path, the index)."""
-    for path, kind, *_ in (node.meta.get("nn_module_stack") or {}).values():
+    """The outermost indexed module the node runs in: (the list's path, the index)."""
+    for path, *_ in (node.meta.get("nn_module_stack") or {}).values():
         match = _INDEXED.match(str(path))
         if match:
-            name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
-            if name.startswith("torch.nn."):
-                return None
             return match["list"], int(match["dot"] or match["bracket"])
     return None
 
@@ -93,19 +94,17 @@ def _stateful(node: torch.fx.Node) -> bool:
 
 
 def split(gm: torch.fx.GraphModule) -> Split | None:
-    """`gm` as a chain of regions, one per block of a list with at least two blocks and one
-    for each run of code between them; None where nothing repeats or the graph is not one to
-    split (see the module's docstring)."""
+    """`gm` as a chain of regions, one per block of a list with at least two blocks (of
+    _MIN_OPS operations or more) and one for each run of code between them; None where
+    nothing repeats or the graph is not one to split (see the module's docstring)."""
     if any(node.op not in _KINDS for node in gm.graph.nodes):
         return None
     blocks = {n: _block(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
-    indices: dict[str, set[int]] = {}
-    for block in filter(None, blocks.values()):
-        indices.setdefault(block[0], set()).add(block[1])
-    repeated = {name for name, seen in indices.items() if len(seen) >= 2}
-    if not repeated:
+    big = {b for b, count in Counter(filter(None, blocks.values())).items() if count >= _MIN_OPS}
+    lists = Counter(name for name, _ in big)
+    labels = {n: (b if b in big and lists[b[0]] >= 2 else None) for n, b in blocks.items()}
+    if not any(labels.values()):
         return None
-    labels = {n: (b if b and b[0] in repeated else None) for n, b in blocks.items()}
     partition, numbers, previous = -1, {}, object()
     for node, label in labels.items():  # in graph order: each run of one label is a region
         if label != previous:

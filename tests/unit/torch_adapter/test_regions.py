@@ -80,6 +80,17 @@ def test_the_stitched_regions_compute_the_models_outputs_and_gradients():
         torch.testing.assert_close(p.grad, g)
 
 
+def test_torchs_own_transformer_layers_are_blocks_too():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    split = regions.split(_graph(encoder, torch.randn(2, 8, 32)))
+    assert split is not None
+    layers = [r for r in split.regions if r.block]
+    assert len(layers) == 3
+    # the first layer takes the graph's input, which needs no gradient: a compile of its own
+    assert _digest(layers[0]) != _digest(layers[1]) == _digest(layers[2])
+
+
 def test_a_graph_without_repeated_blocks_is_left_whole():
     model, x = build("transformer")
     assert regions.split(_graph(model, x)) is None
