@@ -13,9 +13,11 @@ Inductor cache, side by side in one run:
   timed), then B compiled shared by tenant 2.
 
 Farm requests are private (TORCHFARM_PRIVATE=1) except in the last row. Prints a table and
-the ratios; `--json PATH` too.
+the ratios; `--json PATH` too. `--novel-only`: local cold B and the farm's miss of B on an
+empty farm (a novel miss), whole and, for another tenant, as regions (TORCHFARM_REGIONS=1:
+B's three blocks are of one shape). Every other row runs with TORCHFARM_REGIONS=0.
 
-    .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--json PATH]
+    .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--novel-only] [--json PATH]
 """
 
 import argparse
@@ -97,10 +99,12 @@ def measure(
     addr: str = "",
     token: str = "",
     private: bool = True,
+    regions: bool = False,
 ):
     env = dict(
         os.environ,
         **caches,
+        TORCHFARM_REGIONS="1" if regions else "0",
         TORCHFARM_ADDR=addr,
         TORCHFARM_TOKEN=token,
         TORCHFARM_PRIVATE="1" if private else "0",
@@ -129,6 +133,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--novel-only",
+        action="store_true",
+        help="local cold B and the farm's miss of B on an empty farm only (a novel miss)",
+    )
     parser.add_argument("--step", default="")
     parser.add_argument("name", nargs="?", default="")
     args = parser.parse_args()
@@ -156,6 +165,8 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
 
     for _ in range(args.repeats):
         add("local cold B", measure("inductor", "B", local_caches(scratch)), "inductor")
+        if args.novel_only:
+            continue
         kept = local_caches(scratch)  # A's cache and header, kept for B's fresh process
         add("local A", measure("inductor", "A", kept), "inductor")
         add("local B after A", measure("inductor", "B", kept), "inductor")
@@ -164,11 +175,17 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
             wait_for_precompiled_headers(farm)
 
-            def farm_miss(name: str, tenant: str, private: bool = True) -> dict:
+            def farm_miss(
+                name: str, tenant: str, private: bool = True, regions: bool = False
+            ) -> dict:
                 caches = local_caches(scratch)
-                return measure("torchfarm", name, caches, farm.addr, TOKENS[tenant], private)
+                token = TOKENS[tenant]
+                return measure("torchfarm", name, caches, farm.addr, token, private, regions)
 
             add("farm miss B, empty", farm_miss("B", "bob"), "miss")
+            if args.novel_only:  # the same, another tenant: its blocks as regions
+                add("farm miss B, empty, regions", farm_miss("B", "alice", regions=True), "miss")
+                continue
             add("farm miss A", farm_miss("A", "alice"), "miss")
             add("farm miss B after A", farm_miss("B", "alice"), "miss")
             print("  worker:", *reuse_lines(farm), sep="\n    ")
@@ -187,6 +204,14 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
     print("| case | seconds |\n|---|---|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds:.1f} |")
+    if args.novel_only:
+        for row in ("farm miss B, empty", "farm miss B, empty, regions"):
+            print(f"\n{row} / local cold B: {medians[row] / medians['local cold B']:.2f}", end="")
+        print()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(medians, f, indent=1)
+        return
     after, cold = medians["farm miss B after A"], medians["local cold B"]
     print(f"\nfarm miss B after A / local cold B: {after / cold:.2f}")
     print(f"farm miss B after A / local B after A: {after / medians['local B after A']:.2f}")

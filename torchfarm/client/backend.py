@@ -191,7 +191,7 @@ def _whole_or_regions(
         return _compile_locally(gm, inputs, options, label, started, why=why)
     before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
     fetch = functools.partial(_fetch, request, ask, settings, inputs, before)
-    lookup: Job[Fetched] = Job(functools.partial(fetch, compile=False))
+    lookup: Job[Fetched] = Job(functools.partial(fetch, compile_on_miss=False))
     lookup.run()  # one Hit call: the entry, or a miss that compiles nothing
     if lookup.future.exception() is None:
         return DeferredGraph(gm, lookup, options, label, started)
@@ -591,13 +591,13 @@ def _fetch(
     inputs: list,
     before: dict[str, float],
     heard: Callable[[pb.Progress], None] | None = None,
-    compile: bool = True,
+    compile_on_miss: bool = True,
 ) -> Fetched:
     """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
     the signature check. The farm's part, network and protobuf only (safe on a pool thread);
     the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
     payload_s and key_s). `heard` sees every progress event (no-wait mode tells a hit,
-    DOWNLOADING, from a compile, QUEUED on `missing`, by the first). Without `compile` a
+    DOWNLOADING, from a compile, QUEUED on `missing`, by the first). Without `compile_on_miss` a
     miss compiles nothing and raises FarmError."""
     prefetched = _prefetched(ask, inputs)
     if prefetched is not None:
@@ -619,7 +619,7 @@ def _fetch(
     try:
         received = remote.get(
             ask,
-            request if compile else None,
+            request if compile_on_miss else None,
             settings,
             on_progress=on_progress,
             request_id=request_id,
