@@ -181,15 +181,10 @@ def _whole_or_regions(
     that the steady state runs code with no block boundary in it (a local compile's)."""
     inputs = serialize.example_inputs(gm)
     try:
-        request = _request(gm, settings, options, label)
-        for observe in request_observers:
-            observe(gm, request)
-        payload_s = time.monotonic() - started
-        ask = _ask(gm, request, inputs)
+        request, ask, before = _asked(gm, settings, options, label, started)
     except Exception as e:  # the farm must never break training
         why = _farm_failed(e, label, started)
         return _compile_locally(gm, inputs, options, label, started, why=why)
-    before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
     fetch = functools.partial(_fetch, request, ask, settings, inputs, before)
     lookup: Job[Fetched] = Job(functools.partial(fetch, compile_on_miss=False))
     lookup.run()  # one Hit call: the entry, or a miss that compiles nothing
@@ -261,13 +256,7 @@ def _compile_graph(
     caller built it already (a region's)."""
     inputs = serialize.example_inputs(gm)
     try:
-        if request is None:
-            request = _request(gm, settings, farm_options, label)
-            for observe in request_observers:
-                observe(gm, request)
-        payload_s = time.monotonic() - started
-        ask = _ask(gm, request, inputs)
-        before = {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
+        request, ask, before = _asked(gm, settings, farm_options, label, started, request)
         if not settings.wait:
             request.label = f"{label} (eager while compiling)"  # what the progress line shows
             answer = switching.FarmAnswer()
@@ -566,6 +555,25 @@ def _request(gm, settings, options, label, target: pb.Target | None = None) -> p
         private=settings.private,
         size_hints=serialize.size_hints(gm),
     )
+
+
+def _asked(
+    gm: torch.fx.GraphModule,
+    settings: ClientSettings,
+    options: pb.Options,
+    label: str,
+    started: float,
+    request: pb.CompileRequest | None = None,
+) -> tuple[pb.CompileRequest, pb.Ask, dict[str, float]]:
+    """The graph's request (built here and shown to `request_observers`, unless the caller
+    built it: a region's), its Ask, and what they cost (payload_s, key_s since `started`)."""
+    if request is None:
+        request = _request(gm, settings, options, label)
+        for observe in request_observers:
+            observe(gm, request)
+    payload_s = time.monotonic() - started
+    ask = _ask(gm, request, serialize.example_inputs(gm))
+    return request, ask, {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
 
 
 def _ask(gm: torch.fx.GraphModule, request: pb.CompileRequest, inputs: list) -> pb.Ask:
