@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client import make_step, rel_err, step_ms  # noqa: E402
+from client import make_step, rel_err, settle, step_ms  # noqa: E402
 from models import build  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def main(name: str, rounds: int = 12) -> None:
         "local": make_step(torch.compile(model, backend="inductor"), model, spec),
     }
     results = {k: step(*xs) for k, step in steps.items()}  # compiles both
+    settle_s = settle(steps["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
     errors = {
         k: max(
             rel_err(a, b)
@@ -61,6 +62,7 @@ def main(name: str, rounds: int = 12) -> None:
                 "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
                 "speedup_vs_eager": round(eager / farm, 3),
                 "farm_vs_local_rel_err": errors["farm"],
+                "settle_s": round(settle_s, 2),
                 "graphs": [r.source for r in history],
                 "rounds_ms": times,
             }

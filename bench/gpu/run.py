@@ -191,9 +191,17 @@ class Runner:
         farm's step time is the hit's, a process later: the same artifact, timed while the
         worker is idle (during the miss's own steps it warms the child that replaces the
         one the miss took, on the same GPU)."""
-        cold = self.run(model, mode, "local", "local cold", tempfile.mkdtemp(prefix="local-"))
-        miss = self.run(model, mode, "farm", "farm miss", tempfile.mkdtemp(prefix="miss-"))
-        hit = self.run(model, mode, "farm", "farm hit", tempfile.mkdtemp(prefix="hit-"))
+        rows = {}
+        for backend, case, prefix in (
+            ("local", "local cold", "local-"),
+            ("farm", "farm miss", "miss-"),
+            ("farm", "farm hit", "hit-"),
+        ):
+            quiet_after_s = wait_quiet()  # the previous row's farm work (its whole graph,
+            # the pool's kernel builds, a replaced child's warm-up) never runs beside this one
+            rows[case] = self.run(model, mode, backend, case, tempfile.mkdtemp(prefix=prefix))
+            rows[case]["quiet_after_s"] = round(quiet_after_s, 1)
+        cold, miss, hit = rows["local cold"], rows["farm miss"], rows["farm hit"]
         self.compare(model, mode, "farm miss", "local cold")
         ratio = miss.get("first_step_s", float("nan")) / cold.get("first_step_s", float("nan"))
         row = {"model": model, "mode": mode, "case": "miss_over_cold", "value": ratio}
@@ -531,6 +539,26 @@ def kernel_cache_lines(log_dir: str) -> list[str]:
             with open(os.path.join(log_dir, name), errors="replace") as f:
                 found += [line.strip()[-200:] for line in f if "kernel cache: " in line]
     return found
+
+
+def wait_quiet(busy_cores: float = 1.0, timeout_s: float = 180.0) -> float:
+    """Until the machine's processes together used less than `busy_cores` CPUs over a second
+    (/proc/stat), at most `timeout_s`; the seconds waited."""
+
+    def busy_idle() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return sum(ticks) - idle, idle
+
+    started = time.monotonic()
+    hz = os.sysconf("SC_CLK_TCK")
+    while time.monotonic() - started < timeout_s:
+        busy, _ = busy_idle()
+        time.sleep(1.0)
+        if (busy_idle()[0] - busy) / hz < busy_cores:
+            break
+    return time.monotonic() - started
 
 
 def wait_for_pool_builds(log_dir: str, timeout_s: float = 420.0) -> dict:

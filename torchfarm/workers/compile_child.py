@@ -14,7 +14,8 @@ cache.
 
 A child is started ahead of need (workers/child_pool.py): it first warms up with nothing of a
 tenant's (torch, Inductor, Triton and the operator's TORCHFARM_OP_LIBRARIES imported, on CUDA
-the context made and Triton's driver stubs built), reports `ready`, and only then reads its
+the context made, Triton's driver stubs built and a throwaway graph compiled: warm_compile.py),
+reports `ready`, and only then reads its
 one request. It compiles that one and exits, so no two tenants ever share a process.
 
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
@@ -85,13 +86,17 @@ def _on_stage(stage: pb.Progress.Stage.ValueType) -> None:
     report(pb.CompileChildReport(stage=stage))
 
 
-def warm_up(device: str, op_libraries: list[str], isa_checks: str = "") -> None:
-    """Everything a compile needs that no request decides, done before the request exists."""
+def warm_up(
+    device: str, op_libraries: list[str], isa_checks: str = "", throwaway: bool = False
+) -> None:
+    """Everything a compile needs that no request decides, done before the request exists;
+    with `throwaway`, a compile of the farm's own small graph too (warm_compile.py)."""
     import torch
     import torch._inductor.codecache
     import torch._inductor.compile_fx  # noqa: F401  (the standalone_compile path)
 
     import torchfarm.compiler.inductor  # noqa: F401
+    from torchfarm.workers import warm_compile
 
     for module in op_libraries:
         importlib.import_module(module)
@@ -104,6 +109,8 @@ def warm_up(device: str, op_libraries: list[str], isa_checks: str = "") -> None:
         from torchfarm.torch_adapter import compile_workers
 
         driver.active.utils  # noqa: B018  (compiles Triton's C driver stubs into its cache dir)
+        if throwaway:  # before the compile workers start: none inherits its cache dirs
+            warm_compile.compile_once(device)
         compile_workers.start_and_wait()  # Inductor's Triton compile workers, answering
     else:
         from torch._inductor import cpu_vec_isa
@@ -118,6 +125,8 @@ def warm_up(device: str, op_libraries: list[str], isa_checks: str = "") -> None:
             isa_probe.vouched_checks(isa_checks),
         ):
             cpu_vec_isa.pick_vec_isa()
+        if throwaway:
+            warm_compile.compile_once(device)
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -154,7 +163,8 @@ def _warm_up(args: argparse.Namespace) -> None:
 
             staged = os.path.join(args.kernels, kernel_cache.TRITON)
             os.environ.update(triton_cache.environment(staged))
-    warm_up(args.device, [m for m in args.op_libraries.split(",") if m], args.isa_checks)
+    op_libraries = [m for m in args.op_libraries.split(",") if m]
+    warm_up(args.device, op_libraries, args.isa_checks, throwaway=True)
     if args.kernel_names == "content":
         from torchfarm.torch_adapter import standalone
 
