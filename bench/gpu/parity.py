@@ -2,11 +2,11 @@
 alternating rounds on the same weights and inputs; prints one JSON line.
 
 The figure is the median over rounds of farm/local measured back to back within a round,
-which cancels the drift of clocks and of the host between rounds. The input is larger than
+which cancels the drift of clocks and of the host between rounds. GPT's input is larger than
 the warm-start rows' (32 x 512 tokens) so that the GPU, not the Python launch loop, sets the
-step time.
+step time; a `coverage:NAME` architecture (client.py) takes its own inputs.
 
-    parity.py MODEL      (TORCHFARM_ADDR from the env)
+    parity.py MODEL      (TORCHFARM_ADDR from the env; PARITY_ROUNDS, default 12)
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client import make_step, rel_err, settle, step_ms  # noqa: E402
-from models import build  # noqa: E402
+from client import build, make_step, rel_err, settle, step_ms  # noqa: E402
 
 
-def main(name: str, rounds: int = 12) -> None:
-    model, (x,), spec = build(name)
-    xs = (x.repeat(2, 2),)  # step_ms calls step(*xs)
+def main(name: str, rounds: int) -> None:
+    model, xs, spec = build(name)
+    if name.startswith("gpt"):
+        xs = (xs[0].repeat(2, 2),)  # step_ms calls step(*xs)
     steps = {
         "eager": make_step(model, model, spec),
         "farm": make_step(torch.compile(model, backend="torchfarm"), model, spec),
@@ -71,4 +71,4 @@ def main(name: str, rounds: int = 12) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(os.environ.get("PARITY_ROUNDS", "12")))

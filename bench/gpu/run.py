@@ -23,6 +23,8 @@ sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and i
           SIBLING_ROWS=local runs the local rows only and keeps them in /tmp; a next call on
           the same warm machine with SIBLING_ROWS=farm runs the farm's and takes those (a
           max-autotune pair with the pool's builds does not fit one call).
+parity:   the farm's steady-state step beside a local compile's in one process (parity.py), for
+          each model of PARITY (default gpt), one process each.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
           MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
@@ -613,6 +615,7 @@ def main() -> None:
             "skipcheck",
             "prepare",
             "spread",
+            "parity",
         ),
         required=True,
     )
@@ -690,6 +693,9 @@ def main() -> None:
             rows = os.environ.get("SPREAD_ROWS", "check,local,farm,ranks").split(",")
             for model in os.environ.get("MODELS", "gpt").split(","):
                 runner.spread(model, mode, rows)
+        elif args.part == "parity":  # PARITY (default gpt): farm vs local steps, one process each
+            for model in os.environ.get("PARITY", "gpt").split(","):
+                runner.parity(model)
         elif args.part == "profile":
             with plain_redis() as redis_port:
                 runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)
