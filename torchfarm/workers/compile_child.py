@@ -15,8 +15,8 @@ cache.
 A child is started ahead of need (workers/child_pool.py): it first warms up with nothing of a
 tenant's (torch, Inductor, Triton and the operator's TORCHFARM_OP_LIBRARIES imported, on CUDA
 the context made, Triton's driver stubs built and a throwaway graph compiled: warm_compile.py),
-reports `ready`, and only then reads its
-one request. It compiles that one and exits, so no two tenants ever share a process.
+reports `ready`, and only then reads its one request. It compiles that one and exits, so no
+two tenants ever share a process.
 
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
 `--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
