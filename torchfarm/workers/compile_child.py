@@ -90,7 +90,7 @@ def warm_up(
     device: str, op_libraries: list[str], isa_checks: str = "", throwaway: bool = False
 ) -> None:
     """Everything a compile needs that no request decides, done before the request exists;
-    with `throwaway`, a compile of the farm's own small graph too (warm_compile.py)."""
+    on CUDA with `throwaway`, a compile of the farm's own small graph too (warm_compile.py)."""
     import torch
     import torch._inductor.codecache
     import torch._inductor.compile_fx  # noqa: F401  (the standalone_compile path)
@@ -125,8 +125,6 @@ def warm_up(
             isa_probe.vouched_checks(isa_checks),
         ):
             cpu_vec_isa.pick_vec_isa()
-        if throwaway:
-            warm_compile.compile_once(device)
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:

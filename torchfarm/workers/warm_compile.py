@@ -1,4 +1,4 @@
-"""One throwaway compile in a warm compile child, before its request exists.
+"""One throwaway compile in a warm GPU compile child, before its request exists.
 
 Inductor does much of its work once per process, at its first compile: it imports its code
 generators and passes lazily, registers its pattern-matcher replacements (traced on first
@@ -14,9 +14,10 @@ is left for the request to find: Inductor's and Triton's caches point to a tempo
 directory, removed afterwards (Inductor's `fresh_cache`); Inductor's in-memory caches are
 cleared and Dynamo is reset after it; its Triton kernels are compiled in this process
 (`compile_threads` 1) before the compile-worker pool starts, so no pool worker inherits the
-temporary environment. A CPU fork server's (paid once for all its requests) is matmuls only:
-no C++ kernel, which would take seconds without the worker's precompiled headers; on the
-2-core box it spares each compile about 0.5 s of ~6.4 s.
+temporary environment. Not on CPU pools: their children are forked from a warm parent, and a
+child forked after the parent traced a backward cannot run autograd ("Unable to handle
+autograd's threading in combination with fork-based multiprocessing", torch 2.11); a
+matmul-only one there spared a compile about 0.5 s of ~6.4 s on the 2-core box.
 
 Uses `torch._inductor.utils.fresh_cache` and `clear_caches`, and `config.compile_threads`.
 Verified (source read): torch 2.11.0, 2.13.0, 2.15.0.
@@ -59,8 +60,6 @@ def _traced(device: str) -> tuple[torch.fx.GraphModule, pb.Options]:
         return gm.forward
 
     def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if device == "cpu":  # matmuls only: no C++ kernel to build
-            return x @ w
         return torch.nn.functional.gelu(x @ w).sum(dim=-1)
 
     x = torch.randn(16, 32, device=device)

@@ -29,7 +29,10 @@ def test_the_throwaway_compile_runs_a_requests_path_and_leaves_no_file(tmp_path,
     assert len(compiled) == 1 and compiled[0].inductor  # a whole artifact, forward and backward
     assert "backward" in compiled[0].inductor.decode("latin-1")
     assert os.listdir(cache) == [] and os.listdir(triton) == []
-    assert dict(os.environ) == environment
+    # (Inductor's C++ wrapper records a pointer of its own in the environment at any compile)
+    inductors_own = {"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+    after = {k: v for k, v in os.environ.items() if k not in inductors_own}
+    assert after == {k: v for k, v in environment.items() if k not in inductors_own}
 
 
 def test_a_request_compiled_after_it_equals_eager(monkeypatch):
