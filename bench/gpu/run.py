@@ -547,18 +547,17 @@ def wait_quiet(busy_cores: float = 1.0, timeout_s: float = 180.0) -> float:
     """Until the machine's processes together used less than `busy_cores` CPUs over a second
     (/proc/stat), at most `timeout_s`; the seconds waited."""
 
-    def busy_idle() -> tuple[int, int]:
+    def busy_ticks() -> int:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:]]
-        idle = ticks[3] + ticks[4]  # idle, iowait
-        return sum(ticks) - idle, idle
+        return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
 
     started = time.monotonic()
     hz = os.sysconf("SC_CLK_TCK")
     while time.monotonic() - started < timeout_s:
-        busy, _ = busy_idle()
+        busy = busy_ticks()
         time.sleep(1.0)
-        if (busy_idle()[0] - busy) / hz < busy_cores:
+        if (busy_ticks() - busy) / hz < busy_cores:
             break
     return time.monotonic() - started
 

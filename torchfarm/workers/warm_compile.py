@@ -64,6 +64,5 @@ def _traced(device: str) -> tuple[torch.fx.GraphModule, pb.Options]:
 
     x = torch.randn(16, 32, device=device)
     w = torch.randn(32, 32, device=device, requires_grad=True)
-    torch.compile(step, backend=backend, fullgraph=True)(x, w)
-    torch._dynamo.reset()
+    torch.compile(step, backend=backend, fullgraph=True)(x, w)  # compile_once resets Dynamo
     return captured[0]
