@@ -48,7 +48,10 @@ def build(name: str):
     return model.train(), inputs, {"train": True, "bf16": False}
 
 
-def make_step(fn, model, spec):
+def make_step(fn, model, spec, keep: bool = True):
+    """One step of `fn` (forward, and for training the loss's backward); it returns copies of
+    the output and gradients, or None without `keep` (a step timed as a training step is)."""
+
     def step(*xs):
         x = xs[0]
         if spec["train"]:
@@ -66,6 +69,8 @@ def make_step(fn, model, spec):
                 loss = out.float().square().mean()
             if spec["train"]:
                 loss.backward()
+        if not keep:
+            return None
         out = out.detach().float().clone()  # CUDA graphs reuse their output buffers
         grads = [p.grad.float().clone() for p in model.parameters()] if spec["train"] else []
         return out, grads

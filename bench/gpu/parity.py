@@ -1,38 +1,195 @@
-"""Runtime parity in one process: the farm-compiled and the locally compiled model, timed in
-alternating rounds on the same weights and inputs; prints one JSON line.
+"""Runtime parity in one process: the farm-compiled and the locally compiled model, on the
+same weights and inputs, with the kernels each compile generated; prints one JSON line.
 
-The figure is the median over rounds of farm/local measured back to back within a round,
-which cancels the drift of clocks and of the host between rounds. GPT's input is larger than
-the warm-start rows' (32 x 512 tokens) so that the GPU, not the Python launch loop, sets the
-step time; a `coverage:NAME` architecture (client.py) takes its own inputs.
+Timing: once the farm's split graphs run their whole graph's code (`settle`) and the machine
+is quiet (the farm's replaced children warm up after a miss, on the same CPUs and GPU), the
+farm's and the local step alternate in PAIRS rounds of one step each (bench/step_parity.py:
+F L, L F), each step timed alone by CUDA events, Python's collector off; the eager step is
+timed apart. Interleaving single steps cancels the drift of clocks and of the host that the
+means of longer rounds caught; the figure is the ratio of the median steps, with a bootstrap
+95% interval over the rounds. A timed step is a training step (forward, loss, backward) without
+the copies of the outputs that the correctness check takes.
 
-    parity.py MODEL      (TORCHFARM_ADDR from the env; PARITY_ROUNDS, default 12)
+Code: the Triton kernels that the local compile's code runs and those of the farm's artifacts
+(their wrappers, in Inductor's cache dir; the farm's load under <cache dir>/torchfarm/),
+compared by their bodies from `@triton.jit` on with the kernel's name taken out:
+`kernels_local_not_farm` 0 says every kernel the local code runs is in the farm's code, the
+same source (the farm's count includes its split graphs' regions, which ran until it settled).
+
+GPT's input is larger than the warm-start rows' (32 x 512 tokens) so that the GPU, not the
+Python launch loop, sets the step time; a `coverage:NAME` architecture (client.py) takes its
+own inputs.
+
+    parity.py MODEL    (TORCHFARM_ADDR and TORCHINDUCTOR_CACHE_DIR from the env)
+
+PARITY_PAIRS (default 300), PARITY_MODE (default "default"), PARITY_ORDER (default "pairs";
+"pairs,rotate3" times in each order, the figure the first's), PARITY_QUIET=0 (no wait for a
+quiet machine), PARITY_CODE=0 (no comparison of the code, no profiles).
 """
 
 from __future__ import annotations
 
+import collections
+import cProfile
+import gc
+import glob
+import hashlib
 import json
 import os
+import pstats
+import re
 import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client import build, make_step, rel_err, settle, step_ms  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from client import build, make_step, rel_err, settle  # noqa: E402
+from step_parity import timed_figures, wait_quiet  # noqa: E402
+
+_KERNEL = re.compile(r"async_compile\.triton\(\s*'(\w+)',\s*'''(.*?)'''", re.DOTALL)
 
 
-def main(name: str, rounds: int) -> None:
-    model, xs, spec = build(name)
-    if name.startswith("gpt"):
-        xs = (xs[0].repeat(2, 2),)  # step_ms calls step(*xs)
-    steps = {
-        "eager": make_step(model, model, spec),
-        "farm": make_step(torch.compile(model, backend="torchfarm"), model, spec),
-        "local": make_step(torch.compile(model, backend="inductor"), model, spec),
+def kernel_bodies(cache_dir: str) -> dict[str, set[str]]:
+    """Hashes of the Triton kernels that the compiled code runs (the sources its wrappers
+    hold, not the candidates max-autotune only benchmarked), each from `@triton.jit` on with
+    its name taken out: the local compile's, and the farm's (its artifacts load under
+    <cache_dir>/torchfarm/)."""
+    found: dict[str, set[str]] = {"local": set(), "farm": set()}
+    for path in glob.glob(os.path.join(cache_dir, "**", "*.py"), recursive=True):
+        with open(path, errors="replace") as f:
+            text = f.read()
+        farm = os.path.relpath(path, cache_dir).startswith("torchfarm" + os.sep)
+        for name, source in _KERNEL.findall(text):
+            body = source[source.find("@triton.jit") :].replace(name, "KERNEL")
+            found["farm" if farm else "local"].add(hashlib.sha256(body.encode()).hexdigest())
+    return found
+
+
+def chosen_configs(cache_dir: str) -> dict[str, dict[str, str]]:
+    """The launch config each live Triton kernel runs with, by the hash of its body (the
+    function's source, its name taken out): the local compile's (from `cache_dir`), and the
+    farm's (any other path: the worker's, or the artifact's dir under torchfarm/)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    found: dict[str, dict[str, str]] = {"local": {}, "farm": {}}
+    for kernel in gc.get_objects():
+        # type(), not isinstance: the collector also holds proxies that raise on __class__
+        if not issubclass(type(kernel), CachingAutotuner) or len(kernel.launchers) != 1:
+            continue
+        name, source = kernel.inductor_meta.get("kernel_name"), getattr(kernel.fn, "src", None)
+        if name and source:
+            where = os.path.relpath(kernel.filename or "/", cache_dir)  # the farm's: its worker's
+            side = "local" if not where.startswith(("..", "torchfarm" + os.sep)) else "farm"
+            key = hashlib.sha256(source.replace(name, "KERNEL").encode()).hexdigest()
+            runner = kernel.launchers[0].__globals__.get("runner")
+            launch = type(getattr(runner, "__self__", runner)).__name__  # static or Triton's
+            found[side][key] = f"{name}: {kernel.launchers[0].config} [{launch}]"
+    return found
+
+
+def device_ms(step, xs: tuple, steps: int = 20) -> float:
+    """GPU time of one step: the sum of its kernels' (and copies') device time, profiled."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(*xs)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / steps
+
+
+_OUTPUT_CODE = re.compile(r"c\w{40,}\.py")
+
+
+def python_profile(steps: dict, xs: tuple, n: int = 100) -> list[list]:
+    """Where the farm's steps spend more host time than the local ones: cProfile over `n`
+    steps of each (backward included), the functions whose own time differs most: [name, ms
+    per step farm - local, local's ms per step]."""
+    own: dict[str, dict[str, float]] = {}
+    for k in ("farm", "local"):  # the backward on this thread, where cProfile sees it
+        profile = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(False):
+            profile.enable()
+            for _ in range(n):
+                steps[k](*xs)
+            torch.cuda.synchronize()
+            profile.disable()
+        own[k] = {}
+        for (path, _, func), (_, _, tottime, _, _) in pstats.Stats(profile).stats.items():
+            generated = _OUTPUT_CODE.fullmatch(os.path.basename(path))  # names differ per side
+            key = f"{'output code' if generated else '/'.join(path.split('/')[-2:])}:{func}"
+            own[k][key] = own[k].get(key, 0.0) + tottime * 1000 / n
+    diff = {
+        f: own["farm"].get(f, 0.0) - own["local"].get(f, 0.0)
+        for f in own["farm"].keys() | own["local"].keys()
     }
-    results = {k: step(*xs) for k, step in steps.items()}  # compiles both
-    settle_s = settle(steps["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
+    top = sorted(diff, key=lambda f: -abs(diff[f]))[:15]
+    return [[f, round(diff[f], 4), round(own["local"].get(f, 0.0), 4)] for f in top]
+
+
+def runtime_calls(steps: dict, xs: tuple, n: int = 20) -> dict[str, list[float]]:
+    """CUDA runtime and driver calls per step (count, host ms), farm and local, where they
+    differ: a synchronization or an allocation the farm's code adds shows here."""
+    per_step: dict[str, dict[str, tuple[float, float]]] = {}
+    for k in ("farm", "local"):
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(n):
+                steps[k](*xs)
+            torch.cuda.synchronize()
+        per_step[k] = {
+            e.key: (e.count / n, e.self_cpu_time_total / 1000 / n)
+            for e in prof.key_averages()
+            if e.key.startswith("cu")
+        }
+    found = {}
+    for name in per_step["farm"].keys() | per_step["local"].keys():
+        farm, local = per_step["farm"].get(name, (0, 0)), per_step["local"].get(name, (0, 0))
+        if farm[0] != local[0] or abs(farm[1] - local[1]) > 0.02:
+            found[name] = [farm[0], local[0], round(farm[1], 4), round(local[1], 4)]
+    return found
+
+
+def code_report(cache_dir: str, steps: dict, xs: tuple) -> dict:
+    """The farm's code beside the local compile's: kernel sources, launch configs, GPU time."""
+    kernels, configs = kernel_bodies(cache_dir), chosen_configs(cache_dir)
+    both = configs["local"].keys() & configs["farm"].keys()
+    gpu_ms: dict[str, list[float]] = {"farm": [], "local": []}
+    for _ in range(2):
+        for k, ms in gpu_ms.items():
+            ms.append(round(device_ms(steps[k], xs), 4))
+    return {
+        "kernels_local": len(kernels["local"]),
+        "kernels_farm": len(kernels["farm"]),
+        "kernels_local_not_farm": len(kernels["local"] - kernels["farm"]),
+        "configs_compared": len(both),
+        "configs_differ": [
+            {"local": configs["local"][k], "farm": configs["farm"][k]}
+            for k in both
+            if configs["local"][k].split(": ", 1)[1] != configs["farm"][k].split(": ", 1)[1]
+        ],
+        "gpu_ms": gpu_ms,
+        "launchers": {
+            side: collections.Counter(c.rsplit("[", 1)[-1] for c in configs[side].values())
+            for side in configs
+        },
+        "runtime_calls_farm_local": runtime_calls(steps, xs),
+        "host_ms_farm_minus_local": python_profile(steps, xs),
+    }
+
+
+def main(name: str, pairs: int, mode: str) -> None:
+    model, xs, spec = build(name)
+    if name.startswith("gpt") and not name.startswith("gpt-small"):
+        xs = (xs[0].repeat(2, 2),)  # a step is step(*xs)
+    compile_mode = None if mode == "default" else mode
+    compiled = {
+        "farm": torch.compile(model, backend="torchfarm", mode=compile_mode),
+        "local": torch.compile(model, backend="inductor", mode=compile_mode),
+    }
+    checked = {k: make_step(fn, model, spec) for k, fn in [("eager", model), *compiled.items()]}
+    results = {k: step(*xs) for k, step in checked.items()}  # compiles both
+    settle_s = settle(checked["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
     errors = {
         k: max(
             rel_err(a, b)
@@ -42,33 +199,44 @@ def main(name: str, rounds: int) -> None:
         )
         for k in ("farm", "eager")
     }
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for i in range(rounds):  # alternate which compiled model runs first
-        for k in ("eager", "farm", "local") if i % 2 else ("eager", "local", "farm"):
-            times[k].append(step_ms(steps[k], xs, iters=30))
+    quiet_after_s = wait_quiet() if os.environ.get("PARITY_QUIET", "1") == "1" else 0.0
+    steps = {
+        k: make_step(fn, model, spec, keep=False) for k, fn in [("eager", model), *compiled.items()]
+    }
+    orders = os.environ.get("PARITY_ORDER", "pairs").split(",")
+    times, figures = timed_figures(steps, xs, pairs, orders, "cuda")
     from torchfarm.client.backend import history
 
-    ratios = sorted(f / loc for f, loc in zip(times["farm"], times["local"]))
-    farm, local, eager = (statistics.median(times[k]) for k in ("farm", "local", "eager"))
+    code: dict = {}
+    try:  # a diagnosis; its failure must not cost the timing
+        if os.environ.get("PARITY_CODE", "1") == "1":
+            code = code_report(os.environ["TORCHINDUCTOR_CACHE_DIR"], steps, xs)
+    except Exception as e:
+        code = {"code_report_error": repr(e)}
     print(
         json.dumps(
             {
                 "model": name,
+                "mode": mode,
                 "case": "parity (one process)",
-                "farm_ms": round(farm, 3),
-                "local_ms": round(local, 3),
-                "eager_ms": round(eager, 3),
-                "farm_over_local": round(statistics.median(ratios), 4),
-                "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
-                "speedup_vs_eager": round(eager / farm, 3),
+                **figures,
                 "farm_vs_local_rel_err": errors["farm"],
+                **code,
+                "eager_vs_local_rel_err": errors["eager"],
                 "settle_s": round(settle_s, 2),
+                "quiet_after_s": round(quiet_after_s, 1),
                 "graphs": [r.source for r in history],
-                "rounds_ms": times,
+                "quartiles_ms": {
+                    k: [round(q, 4) for q in statistics.quantiles(v, n=4)] for k, v in times.items()
+                },
             }
         )
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(os.environ.get("PARITY_ROUNDS", "12")))
+    main(
+        sys.argv[1],
+        int(os.environ.get("PARITY_PAIRS", "300")),
+        os.environ.get("PARITY_MODE", "default"),
+    )

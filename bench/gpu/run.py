@@ -71,6 +71,7 @@ from torchfarm.local_farm import LocalFarm, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from step_parity import wait_quiet  # noqa: E402
 from warm_start import PT_REMOTE, plain_redis  # noqa: E402
 
 from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
@@ -541,25 +542,6 @@ def kernel_cache_lines(log_dir: str) -> list[str]:
             with open(os.path.join(log_dir, name), errors="replace") as f:
                 found += [line.strip()[-200:] for line in f if "kernel cache: " in line]
     return found
-
-
-def wait_quiet(busy_cores: float = 1.0, timeout_s: float = 180.0) -> float:
-    """Until the machine's processes together used less than `busy_cores` CPUs over a second
-    (/proc/stat), at most `timeout_s`; the seconds waited."""
-
-    def busy_ticks() -> int:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-
-    started = time.monotonic()
-    hz = os.sysconf("SC_CLK_TCK")
-    while time.monotonic() - started < timeout_s:
-        busy = busy_ticks()
-        time.sleep(1.0)
-        if (busy_ticks() - busy) / hz < busy_cores:
-            break
-    return time.monotonic() - started
 
 
 def wait_for_pool_builds(log_dir: str, timeout_s: float = 420.0) -> dict:
