@@ -74,7 +74,7 @@ def test_the_farm_still_compiles_after_the_bad_children(limited_farm):
     x = torch.randn(3, 5)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
-    assert [r.source for r in backend.history] == ["miss"]
+    assert [r.source for r in backend.history] == ["miss"], [r.why for r in backend.history]
 
 
 def test_a_running_compile_whose_client_left_is_stopped(limited_farm):
