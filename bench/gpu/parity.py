@@ -67,13 +67,13 @@ def kernel_bodies(cache_dir: str) -> dict[str, set[str]]:
     return found
 
 
-def chosen_configs(cache_dir: str) -> dict[str, dict[str, str]]:
-    """The launch config each live Triton kernel runs with, by the hash of its body (the
-    function's source, its name taken out): the local compile's (from `cache_dir`), and the
-    farm's (any other path: the worker's, or the artifact's dir under torchfarm/)."""
+def chosen_configs(cache_dir: str) -> dict[str, dict[str, tuple[str, str, str]]]:
+    """(name, launch config, launcher class) of each live Triton kernel, by the hash of its
+    body (the function's source, its name taken out): the local compile's (from `cache_dir`),
+    and the farm's (any other path: the worker's, or the artifact's dir under torchfarm/)."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    found: dict[str, dict[str, str]] = {"local": {}, "farm": {}}
+    found: dict[str, dict[str, tuple[str, str, str]]] = {"local": {}, "farm": {}}
     for kernel in gc.get_objects():
         # type(), not isinstance: the collector also holds proxies that raise on __class__
         if not issubclass(type(kernel), CachingAutotuner) or len(kernel.launchers) != 1:
@@ -85,7 +85,7 @@ def chosen_configs(cache_dir: str) -> dict[str, dict[str, str]]:
             key = hashlib.sha256(source.replace(name, "KERNEL").encode()).hexdigest()
             runner = kernel.launchers[0].__globals__.get("runner")
             launch = type(getattr(runner, "__self__", runner)).__name__  # static or Triton's
-            found[side][key] = f"{name}: {kernel.launchers[0].config} [{launch}]"
+            found[side][key] = (name, str(kernel.launchers[0].config), launch)
     return found
 
 
@@ -164,13 +164,17 @@ def code_report(cache_dir: str, steps: dict, xs: tuple) -> dict:
         "kernels_local_not_farm": len(kernels["local"] - kernels["farm"]),
         "configs_compared": len(both),
         "configs_differ": [
-            {"local": configs["local"][k], "farm": configs["farm"][k]}
+            {
+                "kernel": configs["local"][k][0],
+                "local": " ".join(configs["local"][k][1:]),
+                "farm": " ".join(configs["farm"][k][1:]),
+            }
             for k in both
-            if configs["local"][k].split(": ", 1)[1] != configs["farm"][k].split(": ", 1)[1]
+            if configs["local"][k][1:] != configs["farm"][k][1:]  # config or launcher
         ],
         "gpu_ms": gpu_ms,
         "launchers": {
-            side: collections.Counter(c.rsplit("[", 1)[-1] for c in configs[side].values())
+            side: collections.Counter(launcher for _, _, launcher in configs[side].values())
             for side in configs
         },
         "runtime_calls_farm_local": runtime_calls(steps, xs),
