@@ -35,7 +35,7 @@ from typing import IO
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import COMPILE_SHM_MB, WorkerSettings, visible_gpus
-from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.torch_adapter import gpu_benchmark_lock, isa_probe, precompiled_headers
 from torchfarm.workers import child_pool, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
@@ -46,6 +46,7 @@ SANDBOX_UID = 65534  # the child's user and group inside its namespace: nobody
 LIB_DIR = "/run/torchfarm"  # inside the sandbox: holds the torchfarm package, on PYTHONPATH
 WORK_DIR = "/tmp"  # inside the sandbox: the private size-capped tmpfs, its cwd and $HOME
 KERNEL_DIR = "/run/kernels"  # inside the sandbox: staged C++ objects, read-only, not listable
+GPU_LOCK = "/run/gpu.lock"  # inside the sandbox: its GPU's benchmark lock, read-only
 CHILD_USER = "nobody"  # the child's $USER: Inductor names its default cache dir after it
 SHM_BYTES = COMPILE_SHM_MB << 20  # /dev/shm inside the sandbox (Python's semaphores live there)
 _STAGES = (pb.Progress.COMPILING, pb.Progress.AUTOTUNING)  # what a child may report
@@ -200,10 +201,13 @@ def _outermost(paths) -> tuple[str, ...]:
     return tuple(p for p in ordered if not any(q != p and _under(p, q) for q in ordered))
 
 
-def bwrap_args(settings: WorkerSettings, layout: HostLayout, kernels: str = "") -> list[str]:
+def bwrap_args(
+    settings: WorkerSettings, layout: HostLayout, kernels: str = "", gpu_lock: str = ""
+) -> list[str]:
     """The bubblewrap command line (up to the child's own command) for one compile child;
     `kernels`, the child's staging directory for its tenant's C++ objects, is bound read-only
-    on KERNEL_DIR (workers/kernel_cache.py)."""
+    on KERNEL_DIR (workers/kernel_cache.py), `gpu_lock`, its GPU's benchmark lock file, on
+    GPU_LOCK (torch_adapter/gpu_benchmark_lock.py)."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     args += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
@@ -227,6 +231,8 @@ def bwrap_args(settings: WorkerSettings, layout: HostLayout, kernels: str = "") 
         for node in layout.gpu_nodes:
             args += ["--dev-bind", node, node]
         args += ["--ro-bind", "/sys", "/sys"]  # the CUDA driver reads its devices' topology
+    if gpu_lock:
+        args += ["--ro-bind", gpu_lock, GPU_LOCK]
     if kernels:
         args += ["--ro-bind", kernels, KERNEL_DIR]
     args += ["--chdir", WORK_DIR, "--remount-ro", "/"]
@@ -269,7 +275,9 @@ def child_command(
     the kernel cache on, it holds the child's staging directory (`staging_dir`); without a
     sandbox, its library and work directories too."""
     python = [sys.executable, *python_args, *isa_probe.child_arguments()]
-    staging = ""
+    staging = gpu_lock = ""
+    gpus = visible_gpus() if settings.device == "cuda" else ()
+    gpu = gpus[number % len(gpus)] if gpus else ""
     if fork_server:
         python += ["--fork-server"] + (["--in-sandbox"] if settings.sandbox == "bwrap" else [])
     if python_args == _CHILD:
@@ -284,9 +292,12 @@ def child_command(
             staging = staging_dir(private_dir)
             os.makedirs(staging)
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
+        if gpu:
+            gpu_lock = gpu_benchmark_lock.lock_file(gpu)
+            python += ["--gpu-lock", GPU_LOCK if settings.sandbox == "bwrap" else gpu_lock]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
-        cmd = bwrap_args(settings, layout, staging) + python
+        cmd = bwrap_args(settings, layout, staging, gpu_lock) + python
         env, cwd = child_environment(WORK_DIR, LIB_DIR, layout.python_path), "/"
     else:
         # Unconfined: still off the worker's working directory, with only the package
@@ -298,9 +309,8 @@ def child_command(
         cmd, cwd = python, work_dir
         env = child_environment(work_dir, lib_dir, layout.python_path)
     cmd = limits(settings) + cmd
-    gpus = visible_gpus()
-    if settings.device == "cuda" and gpus:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[number % len(gpus)]
+    if gpu:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     return cmd, env, cwd
 
 

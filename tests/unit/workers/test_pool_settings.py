@@ -49,8 +49,9 @@ def test_bad_sizes_are_refused_with_the_variable_named(monkeypatch, name, value,
         WorkerSettings.from_env()
 
 
-def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
+def test_cuda_children_take_the_visible_gpus_in_turn_each_with_its_gpus_lock(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert visible_gpus() == ("2", "5")
     settings = WorkerSettings(device="cuda", sandbox="none", spread_tuning=True)
     gpus = []
@@ -58,12 +59,16 @@ def test_cuda_children_take_the_visible_gpus_in_turn(monkeypatch, tmp_path):
         private_dir = str(tmp_path / str(number))
         cmd, env, _ = sandbox.child_command(settings, private_dir, number=number)
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
-        staging = sandbox.staging_dir(private_dir)  # unconfined: the host path itself
-        assert cmd[-10:] == [
+        staging = sandbox.staging_dir(private_dir)  # unconfined: the host paths themselves
+        lock = str(tmp_path / "home/.cache/torchfarm/gpu-locks" / f"{gpus[-1]}.lock")
+        assert cmd[-12:] == [
             "--device", "cuda", "--op-libraries", "", "--tuning-gpus", "2,5",
-            "--compilers", "inductor,aoti", "--kernels", staging,
+            "--compilers", "inductor,aoti", "--kernels", staging, "--gpu-lock", lock,
         ]  # fmt: skip
+        assert os.path.isfile(lock)
     assert gpus == ["2", "5", "2"]
+    cpu, _, _ = sandbox.child_command(WorkerSettings(sandbox="none"), str(tmp_path / "cpu"))
+    assert "--gpu-lock" not in cpu
 
 
 def test_a_child_benchmarks_on_every_gpu_of_the_worker_where_spreading_is_on(monkeypatch):

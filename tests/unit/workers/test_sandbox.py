@@ -141,6 +141,14 @@ def test_the_staging_dir_is_bound_read_only_and_only_when_asked():
     assert args.index(sandbox.KERNEL_DIR) < args.index("--remount-ro")
 
 
+def test_the_gpus_benchmark_lock_is_bound_read_only_and_only_when_given():
+    assert sandbox.GPU_LOCK not in _binds(sandbox.bwrap_args(WorkerSettings(device="cuda"), LAYOUT))
+    args = sandbox.bwrap_args(WorkerSettings(device="cuda"), LAYOUT, gpu_lock="/home/w/0.lock")
+    assert _binds(args)[sandbox.GPU_LOCK] == "/home/w/0.lock"
+    assert args[args.index(sandbox.GPU_LOCK) - 2] == "--ro-bind"
+    assert args.index(sandbox.GPU_LOCK) < args.index("--remount-ro")
+
+
 def test_each_child_gets_its_own_staging_dir_only_with_the_cache_on(tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox.HostLayout, "probe", classmethod(lambda cls: LAYOUT))
     on, off = tmp_path / "on", tmp_path / "off"

@@ -1,0 +1,127 @@
+"""Take a GPU's autotuning measurements one at a time, across a worker's compile processes.
+
+Max-autotune keeps whichever candidate (GEMM template, Triton config, coordinate-descent step)
+measured fastest on the compiling GPU. A worker compiles several graphs on one GPU at once
+(TORCHFARM_WORKER_CONCURRENCY), and a training graph's backward beside its forward
+(concurrent_backward.py): timings taken while another compile benchmarks on the same GPU pick
+other candidates than a lone compile would. Measured on an H100 (torch 2.11, gpt-small-l4 in
+max-autotune-no-cudagraphs; docs/benchmarks.md, "Step time farm / local"): the farm's steps
+took 1.040-1.045x local's with forward and backward tuned at once, 1.002x with the two tuned
+one after the other.
+
+So each GPU measurement of a compile process holds an exclusive flock on its GPU's lock file,
+which the worker creates (`lock_file`) and binds read-only into the sandbox (an flock needs
+only a descriptor open for reading). Only measurements wait, never compilation, and none waits
+longer than WAIT_S: then it measures anyway, so a stuck holder costs accuracy, never a compile.
+A process that dies holding the lock releases it (the kernel drops an flock with its file).
+
+Uses `torch._inductor.runtime.benchmarking.set_gpu_benchmark_lock_context` where torch has it
+(2.13 on: the hook PyTorch added for harnesses that benchmark from several processes,
+pytorch#184905; it wraps benchmark_gpu, its CUDA-graph variant and do_bench_using_profiling);
+before (2.11, 2.12), the `benchmark_gpu` of each Benchmarker class of that module. Not
+covered: candidates benchmarked in Inductor's subprocess pool (TORCHFARM_SPREAD_TUNING: its
+processes never load this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+WAIT_S = 30.0  # the longest a measurement waits for another process's
+_POLL_S = 0.002
+
+
+def lock_file(gpu: str, directory: str = "") -> str:
+    """The lock file of `gpu` (as CUDA_VISIBLE_DEVICES names it), created if missing, in
+    `directory` (default ~/.cache/torchfarm/gpu-locks): one per GPU for all of a user's
+    workers on the host that name it alike."""
+    directory = directory or os.path.join(
+        os.path.expanduser("~"), ".cache", "torchfarm", "gpu-locks"
+    )
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, re.sub(r"[^A-Za-z0-9._-]", "_", gpu) + ".lock")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+    return path
+
+
+class _Lock:
+    """This process's hold on one lock file: reentrant (Inductor's benchmark helpers call one
+    another), shared by its threads, taken afresh by a forked process (an flock belongs to
+    the open file, which a fork would share)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._threads = threading.RLock()
+        self._depth = 0
+        self._fd = -1
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._threads:
+            if self._depth == 0:
+                self._take()
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._fd >= 0:
+                    os.close(self._fd)  # releases the flock
+                    self._fd = -1
+
+    def _take(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fd = fd
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    print(
+                        f"torchfarm: {self.path} held for more than {WAIT_S:g} s by another "
+                        "compile: this autotuning measurement runs beside it",
+                        file=sys.stderr,
+                    )
+                    return
+                time.sleep(_POLL_S)
+
+
+def install(path: str) -> None:
+    """From here on, every GPU benchmark of this process's Inductor holds `path`'s lock."""
+    from torch._inductor.runtime import benchmarking
+
+    lock = _Lock(path)
+    if hasattr(benchmarking, "set_gpu_benchmark_lock_context"):
+        benchmarking.set_gpu_benchmark_lock_context(lock.held)
+        return
+    for cls in vars(benchmarking).values():
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, benchmarking.Benchmarker)
+            and "benchmark_gpu" in vars(cls)
+        ):
+            setattr(cls, "benchmark_gpu", _holding(lock, vars(cls)["benchmark_gpu"]))  # noqa: B010
+
+
+def _holding(lock: _Lock, method):
+    @functools.wraps(method)
+    def benchmark_gpu(*args, **kwargs):
+        with lock.held():
+            return method(*args, **kwargs)
+
+    return benchmark_gpu
