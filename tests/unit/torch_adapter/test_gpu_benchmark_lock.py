@@ -15,6 +15,8 @@ import pytest
 
 from torchfarm.torch_adapter import gpu_benchmark_lock
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 
 def _taken_elsewhere(path: str) -> bool:
     """Whether another open file holds `path`'s flock (an flock belongs to the open file, so
@@ -90,19 +92,10 @@ def test_a_measurement_waits_at_most_the_bound_then_runs_beside_the_holder(
 
 
 _INSTALLED = """
-import fcntl, json, os, sys
+import json, sys
 from torch._inductor.runtime import benchmarking
 from torchfarm.torch_adapter import gpu_benchmark_lock
-
-def taken(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+from tests.unit.torch_adapter.test_gpu_benchmark_lock import _taken_elsewhere as taken
 
 path, way = sys.argv[1:]
 seen = []
@@ -143,6 +136,7 @@ def test_once_installed_inductors_gpu_benchmarks_hold_the_lock(tmp_path, way):
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,  # where `tests` imports from
     )
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
