@@ -18,9 +18,11 @@ A process that dies holding the lock releases it (the kernel drops an flock with
 Uses `torch._inductor.runtime.benchmarking.set_gpu_benchmark_lock_context` where torch has it
 (2.13 on: the hook PyTorch added for harnesses that benchmark from several processes,
 pytorch#184905; it wraps benchmark_gpu, its CUDA-graph variant and do_bench_using_profiling);
-before (2.11, 2.12), the `benchmark_gpu` of each Benchmarker class of that module. Not
-covered: candidates benchmarked in Inductor's subprocess pool (TORCHFARM_SPREAD_TUNING: its
-processes never load this).
+before (2.11, 2.12), the `benchmark_gpu` of each Benchmarker class of that module, which
+autotuning, coordinate descent and pad_mm call (there `do_bench_using_profiling`, used only
+under Inductor's profiling options, is not covered). Not covered either: candidates
+benchmarked in Inductor's subprocess pool (TORCHFARM_SPREAD_TUNING: its processes never
+load this).
 """
 
 from __future__ import annotations
