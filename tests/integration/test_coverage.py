@@ -3,7 +3,7 @@ then a hit in a fresh process, each equal to eager. The farm may add no failure 
 
 CI runs one architecture for each mechanism the farm must carry (a custom operator, in-place
 buffer updates, graph breaks, an RNN), at the suite's "tiny" scale (one transformer layer,
-4 RNN steps: the same mechanisms, fewer kernels), and compares the farm with eager only: local
+2 RNN steps: the same mechanisms, fewer kernels), and compares the farm with eager only: local
 torch.compile would double each one's compiles. `TORCHFARM_COVERAGE=all` runs all 20 here
 against local torch.compile too, and `make coverage` runs all 20 into docs/coverage.md.
 torch.cond and a custom autograd.Function, whose graphs PyTorch cannot save (the suite's
