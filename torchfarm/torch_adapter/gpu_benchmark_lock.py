@@ -30,12 +30,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import logging
 import os
 import re
 import sys
 import threading
 import time
 from collections.abc import Iterator
+
+log = logging.getLogger("torchfarm.worker")
 
 WAIT_S = 30.0  # the longest a measurement waits for another process's
 _POLL_S = 0.002
@@ -44,13 +47,18 @@ _POLL_S = 0.002
 def lock_file(gpu: str, directory: str = "") -> str:
     """The lock file of `gpu` (as CUDA_VISIBLE_DEVICES names it), created if missing, in
     `directory` (default ~/.cache/torchfarm/gpu-locks): one per GPU for all of a user's
-    workers on the host that name it alike."""
+    workers on the host that name it alike. "" where it cannot be made: compiles then measure
+    unlocked, as they did before, rather than not start."""
     directory = directory or os.path.join(
         os.path.expanduser("~"), ".cache", "torchfarm", "gpu-locks"
     )
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, re.sub(r"[^A-Za-z0-9._-]", "_", gpu) + ".lock")
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as e:
+        log.warning("no benchmark lock for GPU %s (%s): its compiles measure unlocked", gpu, e)
+        return ""
     return path
 
 

@@ -292,8 +292,7 @@ def child_command(
             staging = staging_dir(private_dir)
             os.makedirs(staging)
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
-        if gpu:
-            gpu_lock = gpu_benchmark_lock.lock_file(gpu)
+        if gpu and (gpu_lock := gpu_benchmark_lock.lock_file(gpu)):
             python += ["--gpu-lock", GPU_LOCK if settings.sandbox == "bwrap" else gpu_lock]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":

@@ -38,6 +38,13 @@ def test_a_gpu_gets_one_lock_file_of_a_safe_name(tmp_path):
     assert gpu_benchmark_lock.lock_file("GPU-1f2e/../x", str(tmp_path)) == path
 
 
+def test_a_lock_that_cannot_be_made_is_none_and_says_so(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert gpu_benchmark_lock.lock_file("0", str(blocker / "gpu-locks")) == ""
+    assert "measure unlocked" in caplog.text
+
+
 _MEASURE = """
 import json, sys, time
 from torchfarm.torch_adapter import gpu_benchmark_lock

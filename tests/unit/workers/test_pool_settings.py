@@ -71,6 +71,15 @@ def test_cuda_children_take_the_visible_gpus_in_turn_each_with_its_gpus_lock(mon
     assert "--gpu-lock" not in cpu
 
 
+def test_a_child_starts_without_the_lock_where_it_cannot_be_made(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    (tmp_path / "home").write_text("")  # a file: nothing can be made under it
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    settings = WorkerSettings(device="cuda", sandbox="none")
+    cmd, env, _ = sandbox.child_command(settings, str(tmp_path / "0"))
+    assert "--gpu-lock" not in cmd and env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
 def test_a_child_benchmarks_on_every_gpu_of_the_worker_where_spreading_is_on(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     monkeypatch.delenv("TORCHFARM_SPREAD_TUNING", raising=False)
