@@ -145,14 +145,17 @@ def measure(gemm: pb.GemmProblem, device: str) -> None:
 
 
 def main() -> None:
-    """`python -m torchfarm.torch_adapter.gemm_problems DEVICE`: measure the GemmProblem on
-    stdin, with the worker's Inductor config (a pool builder's fresh interpreter)."""
+    """`python -m torchfarm.torch_adapter.gemm_problems DEVICE [GPU_LOCK]`: measure the
+    GemmProblem on stdin, with the worker's Inductor config (a pool builder's fresh
+    interpreter), each measurement holding GPU_LOCK's flock (gpu_benchmark_lock.py)."""
     import sys
 
     from torchfarm.compiler.inductor import WORKER_CONFIG
-    from torchfarm.torch_adapter import standalone
+    from torchfarm.torch_adapter import gpu_benchmark_lock, standalone
 
     gemm = pb.GemmProblem.FromString(sys.stdin.buffer.read())  # protobuf parse: no code runs
+    if len(sys.argv) > 2 and sys.argv[2]:
+        gpu_benchmark_lock.install(sys.argv[2])
     with standalone.inductor_config.patch(WORKER_CONFIG):
         measure(gemm, sys.argv[1])
 

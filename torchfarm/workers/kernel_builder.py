@@ -5,9 +5,10 @@ A compile child runs a tenant's code, so the objects it reports could be anythin
 name. What a shared job's child reports for the pool is therefore only sources: one
 `KernelSource` per C++ library (Inductor's load_async arguments) and, on a GPU pool, one
 `TritonSource` per Triton kernel (its module as Inductor wrote it). After the job has ended,
-the worker builds each source it has not built before, one at a time and at niceness 10
-(compiles go first), in a builder child of its own: the compile sandbox (no network, no
-secrets, a private tmpfs, nothing staged), given sources and nothing else.
+the worker builds each source it has not built before, one at a time and (but for GEMM
+measurements) at niceness 10, so compiles go first, in a builder child of its own: the
+compile sandbox (no network, no secrets, a private tmpfs, nothing staged), given sources and
+nothing else.
 - A C++ library: the builder calls Inductor's own load_async, which names the objects after
   the source and the pool's compile command and runs g++ on them; it never loads them.
 - A Triton kernel: the builder first checks that the module is one Inductor writes
@@ -18,6 +19,10 @@ secrets, a private tmpfs, nothing staged), given sources and nothing else.
 - A GEMM whose candidates a compile benchmarked (max-autotune): the builder makes operands of
   the recorded layouts on the pool's device and lets Inductor benchmark every candidate and
   file the timings (torch_adapter/gemm_problems.py); the worker merges them into the pool's.
+  On a GPU its measurements hold the GPU's benchmark lock, as compiles' do
+  (torch_adapter/gpu_benchmark_lock.py), and run at the compiles' priority: every later
+  compile on the pool takes these timings, so none may be taken beside another measurement
+  or behind a busy host.
 It reports what it built. So what lies under a name is what the pool's compilers make of the
 one source that name hashes; a hostile payload can at most make the pool build, correctly,
 kernels whose sources it names.
@@ -66,10 +71,13 @@ REFUSED = 3  # a build's exit status: a Triton module that is not one Inductor w
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
 
 
-def build(request: pb.KernelBuild, cache_dir: str, device: str = "cpu") -> pb.KernelFiles:
+def build(
+    request: pb.KernelBuild, cache_dir: str, device: str = "cpu", gpu_lock: str = ""
+) -> pb.KernelFiles:
     """Builder child: build what `request` names into the empty `cache_dir` (and, for a Triton
     kernel, Triton's empty TRITON_CACHE_DIR) as a compile would, without loading or launching
-    anything built; report it. A GEMM problem is measured instead, on `device` (the pool's)."""
+    anything built; report it. A GEMM problem is measured instead, on `device` (the pool's),
+    its measurements holding `gpu_lock` (torch_adapter/gpu_benchmark_lock.py) where given."""
     from torchfarm.compiler.inductor import WORKER_CONFIG
     from torchfarm.torch_adapter import standalone
 
@@ -77,12 +85,14 @@ def build(request: pb.KernelBuild, cache_dir: str, device: str = "cpu") -> pb.Ke
         if request.HasField("triton"):
             return _build_triton(request.triton, cache_dir)
         if request.HasField("gemm"):
-            return _measure_gemm(request.gemm, cache_dir, device)
+            return _measure_gemm(request.gemm, cache_dir, device, gpu_lock)
         _build_cpp(request.cpp)
     return kernel_cache.report(cache_dir, "")
 
 
-def _measure_gemm(gemm: pb.GemmProblem, cache_dir: str, device: str) -> pb.KernelFiles:
+def _measure_gemm(
+    gemm: pb.GemmProblem, cache_dir: str, device: str, gpu_lock: str
+) -> pb.KernelFiles:
     """The timings Inductor filed for the problem's candidates, and nothing else the
     measurement compiled. It runs in a fresh interpreter (in this sandbox, with this cache
     dir): CUDA does not start in a process forked from one that asked for the device count
@@ -91,7 +101,7 @@ def _measure_gemm(gemm: pb.GemmProblem, cache_dir: str, device: str) -> pb.Kerne
 
     gemm_problems.check(gemm)  # refused before anything starts
     subprocess.run(
-        [sys.executable, "-m", "torchfarm.torch_adapter.gemm_problems", device],
+        [sys.executable, "-m", "torchfarm.torch_adapter.gemm_problems", device, gpu_lock],
         input=gemm.SerializeToString(),
         stdout=sys.stderr,  # the measurement's output: the error text, never the reply
         check=True,
@@ -221,7 +231,7 @@ class PoolBuilds:
 
 
 class _Builder:
-    """A sandboxed builder child at the lowest priority, started on first use and fed one
+    """A sandboxed builder child, started on first use and fed one
     source at a time; one whose build fails or times out is ended, and the next source
     starts another."""
 
@@ -325,7 +335,9 @@ def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple[int, bytes]:
+def _build_in_fork(
+    source: pb.KernelBuild, cache_dir: str, device: str, gpu_lock: str
+) -> tuple[int, bytes]:
     """Build `source` in a child forked from this process, whose state no build has touched:
     each build sees only its own source."""
     read_end, write_end = os.pipe()
@@ -333,8 +345,10 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple
     def build_here() -> int:  # the build's own process
         os.close(read_end)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
+        if not source.HasField("gemm"):  # builds yield to the compiles waiting on the cores;
+            os.nice(10)  # a GEMM's timings are the pool's, so not measured behind them
         try:
-            data, status = build(source, cache_dir, device).SerializeToString(), 0
+            data, status = build(source, cache_dir, device, gpu_lock).SerializeToString(), 0
         except Refused as e:  # the reply is why
             data, status = str(e)[:500].encode(), REFUSED
         with os.fdopen(write_end, "wb") as out:
@@ -349,7 +363,6 @@ def _build_in_fork(source: pb.KernelBuild, cache_dir: str, device: str) -> tuple
 
 
 def main() -> int:
-    os.nice(10)  # builds yield to the compiles that wait on the same cores
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the replies
     # What every build needs, once: the imports, and the ISA probe with its build checks
@@ -359,6 +372,7 @@ def main() -> int:
     parser.add_argument("--in-sandbox", action="store_true")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
+    parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_benchmark_lock.py)")
     args = parser.parse_args()
     compile_child.warm_up("cpu", [], args.isa_checks)
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
@@ -369,7 +383,7 @@ def main() -> int:
     while head := requests.read(FRAME.size):
         source = pb.KernelBuild.FromString(requests.read(FRAME.unpack(head)[0]))
         warm.as_if_new()
-        status, data = _build_in_fork(source, cache_dir, args.device)
+        status, data = _build_in_fork(source, cache_dir, args.device, args.gpu_lock)
         replies.write(REPLY.pack(status, len(data)) + data)
         replies.flush()
     return 0

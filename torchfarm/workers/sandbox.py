@@ -292,8 +292,8 @@ def child_command(
             staging = staging_dir(private_dir)
             os.makedirs(staging)
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
-        if gpu and (gpu_lock := gpu_benchmark_lock.lock_file(gpu)):
-            python += ["--gpu-lock", GPU_LOCK if settings.sandbox == "bwrap" else gpu_lock]
+    if gpu and (gpu_lock := gpu_benchmark_lock.lock_file(gpu)):  # compile or kernel builder
+        python += ["--gpu-lock", GPU_LOCK if settings.sandbox == "bwrap" else gpu_lock]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
         cmd = bwrap_args(settings, layout, staging, gpu_lock) + python

@@ -71,6 +71,16 @@ def test_cuda_children_take_the_visible_gpus_in_turn_each_with_its_gpus_lock(mon
     assert "--gpu-lock" not in cpu
 
 
+def test_the_pools_kernel_builder_measures_under_its_gpus_lock(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    builder = ("-m", "torchfarm.workers.kernel_builder", "--device", "cuda")
+    settings = WorkerSettings(device="cuda", sandbox="none")
+    cmd, env, _ = sandbox.child_command(settings, str(tmp_path / "b"), builder)
+    lock = str(tmp_path / "home/.cache/torchfarm/gpu-locks/3.lock")
+    assert cmd[-2:] == ["--gpu-lock", lock] and env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
 def test_a_child_starts_without_the_lock_where_it_cannot_be_made(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     (tmp_path / "home").write_text("")  # a file: nothing can be made under it
