@@ -1,7 +1,13 @@
 """Runtime parity in one process: the farm-compiled and the locally compiled model, on the
 same weights and inputs, with the kernels each compile generated; prints one JSON line.
 
-Timing: once the farm's split graphs run their whole graph's code (`settle`) and the machine
+Compiles: the farm's first, until its split graphs run their whole graph's code (`settle`)
+and the machine is quiet (the pool builds the farm's kernels and measures its GEMMs), then the
+local one. So neither tunes beside the other on the one GPU: a user's compile has its GPU to
+itself, and a farm's pool GPUs of its own (before 2026-11-28 the farm's whole-graph compile,
+which starts once its regions run, tuned beside the local max-autotune compile).
+
+Timing: once the farm's split graphs run their whole code and the machine
 is quiet (the farm's replaced children warm up after a miss, on the same CPUs and GPU), the
 farm's and the local step alternate in PAIRS rounds of one step each (bench/step_parity.py:
 F L, L F), each step timed alone by CUDA events, Python's collector off; the eager step is
@@ -192,8 +198,11 @@ def main(name: str, pairs: int, mode: str) -> None:
         "local": torch.compile(model, backend="inductor", mode=compile_mode),
     }
     checked = {k: make_step(fn, model, spec) for k, fn in [("eager", model), *compiled.items()]}
-    results = {k: step(*xs) for k, step in checked.items()}  # compiles both
+    quiet = os.environ.get("PARITY_QUIET", "1") == "1"
+    results = {k: checked[k](*xs) for k in ("eager", "farm")}
     settle_s = settle(checked["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
+    waited_s = wait_quiet() if quiet else 0.0  # the pool's builds of the farm's kernels
+    results["local"] = checked["local"](*xs)  # the local compile: alone on the GPU, as a user's
     errors = {
         k: max(
             rel_err(a, b)
@@ -203,7 +212,7 @@ def main(name: str, pairs: int, mode: str) -> None:
         )
         for k in ("farm", "eager")
     }
-    quiet_after_s = wait_quiet() if os.environ.get("PARITY_QUIET", "1") == "1" else 0.0
+    quiet_after_s = waited_s + (wait_quiet() if quiet else 0.0)
     steps = {
         k: make_step(fn, model, spec, keep=False) for k, fn in [("eager", model), *compiled.items()]
     }
