@@ -24,6 +24,7 @@ from torchfarm.torch_adapter import (
     fake_tensors,
     precompiled_headers,
     standalone,
+    static_inputs,
     triton_bundle,
     tuning_devices,
 )
@@ -129,6 +130,7 @@ def compile_payload(
         autotune_progress.reporting(on_stage),
         autotune_results.coordesc_results_kept(),
         tuning_devices.spread_over(tuning_gpus),
+        static_inputs.declared(serialize.static_inputs(gm)),
         AutogradCacheLog() as cache_log,
     ):
         try:

@@ -37,6 +37,10 @@ from torchfarm.torch_adapter.shape_env import NO_SLOC, ShapeEnv, ShapeGuard, Sym
 _KEPT_NODE_META = ("example_value",)
 # A custom operator's schema, kept on its nodes: part of the payload, hence of the key.
 _OP_SCHEMA = "torchfarm_op_schema"
+# On an input Dynamo marked static (a parameter or buffer of the module): Inductor assumes
+# what it saw of it holds at every call (its alignment), as for a local compile's
+# (torch_adapter/static_inputs.py). Part of the payload, hence of the key.
+_STATIC_INPUT = "torchfarm_static_input"
 _PICKLE_OPTIONS = Options(ops_filter=None)
 # How pickle rebuilds an object of a class (copyreg's names, missing from typeshed).
 _NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
@@ -208,6 +212,10 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         new = graph.node_copy(node, lambda n: env[n])
         new.args, new.kwargs = _canonical_arguments(new)
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
+        if node.op == "placeholder" and (node.meta.get("tensor_dict") or {}).get(
+            "_dynamo_static_input_type"
+        ):
+            new.meta[_STATIC_INPUT] = True
         schema = graph_pickler.custom_op_schema(node.target)
         if schema is not None:
             new.meta[_OP_SCHEMA] = schema
@@ -393,6 +401,13 @@ def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.Graph
 def example_inputs(gm: torch.fx.GraphModule) -> list:
     """The placeholders' example values (FakeTensors and SymInts), in call order."""
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def static_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The positions of the inputs the client's Dynamo marked static (its module's
+    parameters and buffers)."""
+    placeholders = (n for n in gm.graph.nodes if n.op == "placeholder")
+    return [i for i, n in enumerate(placeholders) if n.meta.get(_STATIC_INPUT) is True]
 
 
 def op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
