@@ -78,26 +78,6 @@ def config_patches(options: pb.Options) -> dict:
     return patches
 
 
-# What makes Inductor pick kernels by timing candidates on the device (GEMM templates against
-# ATen, Triton configs by coordinate descent), beyond the Triton configs every GPU compile times.
-_TUNING_OPTIONS = (
-    "max_autotune",
-    "max_autotune_gemm",
-    "max_autotune_pointwise",
-    "coordinate_descent_tuning",
-)
-
-
-def tunes_kernels(options: pb.Options) -> bool:
-    """Whether a compile with `options` picks kernels by timing them (max-autotune or one of
-    its parts, in the mode or the user's patches). False for options the compile will refuse."""
-    try:
-        patches = config_patches(options)
-    except ValueError:  # an unknown mode or bad JSON: the compile itself says so
-        return False
-    return any(patches.get(name) for name in _TUNING_OPTIONS)
-
-
 def compile_payload(
     payload: bytes,
     options: pb.Options,

@@ -3,11 +3,12 @@
 Max-autotune keeps whichever candidate (GEMM template, Triton config, coordinate-descent step)
 measured fastest on the compiling GPU. A worker compiles several graphs on one GPU at once
 (TORCHFARM_WORKER_CONCURRENCY), and a training graph's backward beside its forward
-(concurrent_backward.py): timings taken while another compile benchmarks on the same GPU pick
-other candidates than a lone compile would. Measured on an H100 (torch 2.11, gpt-small-l4 in
-max-autotune-no-cudagraphs; docs/benchmarks.md, "Step time farm / local"): the farm's steps
-took 1.040-1.045x local's with forward and backward tuned at once, 1.002x with the two tuned
-one after the other.
+(concurrent_backward.py), and the pool's builder measures GEMMs for the pool
+(gemm_problems.py): a timing taken while another process benchmarks on the same GPU measures
+both. The lock keeps any two from overlapping. It did not by itself bring the farm's
+max-autotune steps to local's: on an H100 (torch 2.11, gpt-small-l4 in
+max-autotune-no-cudagraphs; docs/benchmarks.md, "max-autotune on the GPU") they measured
+1.04-1.18x local's with it, the backward tuned beside the forward or after it.
 
 So each GPU measurement of a compile process holds an exclusive flock on its GPU's lock file,
 which the worker creates (`lock_file`) and binds read-only into the sandbox (an flock needs

@@ -21,8 +21,7 @@ two tenants ever share a process.
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
 `--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
 and compiles the graph's backward while this process compiles the forward
-(torch_adapter/concurrent_backward.py); not where the compile tunes kernels on a GPU
-(`_helper_compiles`). What it compiled reaches the artifact only through the
+(torch_adapter/concurrent_backward.py). What it compiled reaches the artifact only through the
 Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
 itself where that misses); its one report, the GEMM candidates it benchmarked and their
 problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
@@ -251,18 +250,6 @@ def _hand_over(helper: _Helper | None, request: bytes, compiles: bool) -> None:
     threading.Thread(target=write, name="backward-helper-request", daemon=True).start()
 
 
-def _helper_compiles(options: pb.Options, device: str) -> bool:
-    """Whether the backward helper compiles this request's backward. Not where the compile
-    tunes kernels on a GPU: the two processes' timings of one GPU, taken one at a time
-    (gpu_benchmark_lock.py), still picked other GEMM kernels than a lone compile, 1.04-1.18x
-    its steps on an H100 (docs/benchmarks.md, "Tuning needs the GPU to itself")."""
-    if compiler_of(options) != INDUCTOR:
-        return False
-    from torchfarm.compiler import inductor
-
-    return device != "cuda" or not inductor.tunes_kernels(options)
-
-
 def _end(helper: _Helper | None) -> None:
     if helper is not None and helper.poll() is None:
         helper.kill()
@@ -373,7 +360,7 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
     if not data:  # the worker closed the pipe without a request: it is going away
         return 0
     request = pb.CompileChildRequest.FromString(data)
-    helped = helper is not None and _helper_compiles(request.options, args.device)
+    helped = helper is not None and compiler_of(request.options) == INDUCTOR
     _hand_over(helper, data, helped)
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     recorded = pb.KernelFiles()  # for the pool's kernel builds
