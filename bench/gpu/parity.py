@@ -21,6 +21,8 @@ Code: the Triton kernels that the local compile's code runs and those of the far
 compared by their bodies from `@triton.jit` on with the kernel's name taken out:
 `kernels_local_not_farm` 0 says every kernel the local code runs is in the farm's code, the
 same source (the farm's count includes its split graphs' regions, which ran until it settled).
+`gemm_picks`: for each GEMM both sides timed (max-autotune), the candidate each picked, from
+the local compile's timings file and the worker's kept ones.
 
 GPT's input is larger than the warm-start rows' (32 x 512 tokens) so that the GPU, not the
 Python launch loop, sets the step time; a `coverage:NAME` architecture (client.py) takes its
@@ -93,6 +95,56 @@ def chosen_configs(cache_dir: str) -> dict[str, dict[str, tuple[str, str, str]]]
             launch = type(getattr(runner, "__self__", runner)).__name__  # static or Triton's
             found[side][key] = (name, str(kernel.launchers[0].config), launch)
     return found
+
+
+def _timings(paths: list[str]) -> dict[tuple[str, str, str], dict[str, float]]:
+    """Inductor's GEMM timings files (PersistentCache: op -> inputs key -> precision -> choice
+    hash -> ms), merged: the candidates' timings per (op, inputs key, precision)."""
+    found: dict[tuple[str, str, str], dict[str, float]] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for op, by_inputs in cache.items():
+            for inputs, by_precision in by_inputs.items():
+                for precision, by_choice in by_precision.items():
+                    found.setdefault((op, inputs, precision), {}).update(by_choice)
+    return found
+
+
+def _pick(timings: dict[str, float], other: dict[str, float]) -> list:
+    """The fastest candidate ("mm", "bias_addmm", "triton_mm", ...), its ms, and the other
+    side's ms for the same candidate (None where it did not time it)."""
+    choice = min(timings, key=timings.__getitem__)
+    return [choice.split("-")[0], round(timings[choice], 5), other.get(choice)]
+
+
+def gemm_picks(cache_dir: str) -> list[dict]:
+    """Each GEMM that both the local compile and the farm timed: the candidate each picked
+    (ATen's `mm`/`addmm`/`bias_addmm` or a template), its ms there and on the other side. The local
+    timings are the local compile's (`<cache_dir>/cache/`); the farm's are those its worker
+    keeps (TORCHFARM_KERNEL_CACHE, as run.py sets it for both: the pool's builder measurement
+    of a shared job's GEMMs, or a private job's own), so a pick that differs shows whether the
+    two timed the same candidates apart or only ranked near-ties otherwise."""
+    local = _timings(glob.glob(os.path.join(cache_dir, "cache", "*")))
+    kept = os.environ.get("TORCHFARM_KERNEL_CACHE") or os.path.expanduser(
+        "~/.cache/torchfarm/kernels"
+    )
+    farm = _timings(glob.glob(os.path.join(kept, "**", "tuning", "cache", "*"), recursive=True))
+    rows = []
+    for key in sorted(local.keys() & farm.keys()):
+        rows.append(
+            {
+                "op": key[0],
+                "inputs": key[1][:120],
+                "local": _pick(local[key], farm[key]),
+                "farm": _pick(farm[key], local[key]),
+                "candidates": [len(local[key]), len(farm[key])],
+            }
+        )
+    return rows
 
 
 def device_ms(step, xs: tuple, steps: int = 20) -> float:
@@ -183,6 +235,7 @@ def code_report(cache_dir: str, steps: dict, xs: tuple) -> dict:
             side: collections.Counter(launcher for _, _, launcher in configs[side].values())
             for side in configs
         },
+        "gemm_picks": gemm_picks(cache_dir),
         "runtime_calls_farm_local": runtime_calls(steps, xs),
         "host_ms_farm_minus_local": python_profile(steps, xs),
     }

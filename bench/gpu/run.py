@@ -604,13 +604,15 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sandbox = os.environ.get("TORCHFARM_SANDBOX", "bwrap")
+    # each part's farm starts with an empty kernel cache, as a new farm does; its clients see
+    # where (parity.py reads the GEMM timings the worker keeps there)
+    os.environ["TORCHFARM_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="kernels-")
     with LocalFarm(
         device="cuda",
         sandbox=sandbox,
         log_dir=args.out,
         tenants=f"bench:{hash_token(TOKEN)}",
-        # each part's farm starts with an empty kernel cache, as a new farm does
-        extra_env={"TORCHFARM_KERNEL_CACHE": tempfile.mkdtemp(prefix="kernels-")},
+        extra_env={"TORCHFARM_KERNEL_CACHE": os.environ["TORCHFARM_KERNEL_CACHE"]},
     ) as farm:
         runner = Runner(farm, args.out)
         if args.part in ("novel", "sibling"):  # local rows on a quiet machine, not beside
