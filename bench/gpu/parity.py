@@ -98,14 +98,14 @@ def chosen_configs(cache_dir: str) -> dict[str, dict[str, tuple[str, str, str]]]
 
 
 def _timings(paths: list[str]) -> dict[tuple[str, str, str], dict[str, float]]:
-    """Inductor's GEMM timings files (PersistentCache: op -> inputs key -> precision -> choice
-    hash -> ms), merged: the candidates' timings per (op, inputs key, precision)."""
+    """Inductor's GEMM timings files (PersistentCache: {"cache": op -> inputs key -> precision
+    -> choice hash -> ms}), merged: the candidates' timings per (op, inputs key, precision)."""
     found: dict[tuple[str, str, str], dict[str, float]] = {}
     for path in paths:
         try:
             with open(path) as f:
-                cache = json.load(f)
-        except (OSError, ValueError):
+                cache = json.load(f)["cache"]
+        except (OSError, ValueError, KeyError, TypeError):
             continue
         for op, by_inputs in cache.items():
             for inputs, by_precision in by_inputs.items():
