@@ -33,11 +33,17 @@ own inputs.
 PARITY_PAIRS (default 300), PARITY_MODE (default "default"), PARITY_ORDER (default "pairs";
 "pairs,rotate3" times in each order, the figure the first's), PARITY_QUIET=0 (no wait for a
 quiet machine), PARITY_CODE=0 (no comparison of the code, no profiles).
+
+PARITY_CONTROL=1: the control. The "farm" side is a second local compile of its own (Inductor's
+caches off while it compiles, so that neither reads the other's timings or code), compiled
+where the farm's would be: its ratio is how far two local compiles of the one model land apart,
+the spread that max-autotune's own timing noise gives any compile, the farm's included.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import cProfile
 import gc
 import glob
@@ -50,6 +56,7 @@ import statistics
 import sys
 
 import torch
+import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -241,18 +248,32 @@ def code_report(cache_dir: str, steps: dict, xs: tuple) -> dict:
     }
 
 
+class _LocalApart(torch._TorchCompileInductorWrapper):
+    """torch.compile's Inductor backend for the control's second local compile: unequal to the
+    first's, which Dynamo would otherwise reuse for it (it shares the code of equal backends)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
 def main(name: str, pairs: int, mode: str) -> None:
     model, xs, spec = build(name)
     if name.startswith("gpt") and not name.startswith("gpt-small"):
         xs = (xs[0].repeat(2, 2),)  # a step is step(*xs)
     compile_mode = None if mode == "default" else mode
+    control = os.environ.get("PARITY_CONTROL", "0") == "1"
     compiled = {
-        "farm": torch.compile(model, backend="torchfarm", mode=compile_mode),
+        "farm": torch.compile(model, backend=_LocalApart(compile_mode, None, None))
+        if control
+        else torch.compile(model, backend="torchfarm", mode=compile_mode),
         "local": torch.compile(model, backend="inductor", mode=compile_mode),
     }
     checked = {k: make_step(fn, model, spec) for k, fn in [("eager", model), *compiled.items()]}
     quiet = os.environ.get("PARITY_QUIET", "1") == "1"
-    results = {k: checked[k](*xs) for k in ("eager", "farm")}
+    results = {"eager": checked["eager"](*xs)}
+    uncached = inductor_config.patch(force_disable_caches=True, autotune_local_cache=False)
+    with uncached if control else contextlib.nullcontext():
+        results["farm"] = checked["farm"](*xs)
     settle_s = settle(checked["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
     waited_s = wait_quiet() if quiet else 0.0  # the pool's builds of the farm's kernels
     results["local"] = checked["local"](*xs)  # the local compile: alone on the GPU, as a user's
@@ -284,7 +305,7 @@ def main(name: str, pairs: int, mode: str) -> None:
             {
                 "model": name,
                 "mode": mode,
-                "case": "parity (one process)",
+                "case": f"{'control: local vs local' if control else 'parity'} (one process)",
                 **figures,
                 "farm_vs_local_rel_err": errors["farm"],
                 **code,
