@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tests.integration import warm_clients
 from torchfarm.cache import keys
 from torchfarm.gateway.auth import hash_token
 from torchfarm.local_farm import LocalFarm
@@ -62,7 +63,8 @@ def run_client(
     env: dict | None = None,
 ) -> dict:
     """Run tests/integration/clients/SCRIPT in a fresh process with empty local Inductor and
-    Triton caches (removed afterwards: the tier runs hundreds of clients)."""
+    Triton caches (removed afterwards: the tier runs hundreds of clients): a fork of a parent
+    that has imported torch (warm_clients.py), or a new interpreter where that can't be."""
     with tempfile.TemporaryDirectory(prefix="torchfarm-client-") as caches:
         full_env = dict(
             os.environ,
@@ -74,15 +76,19 @@ def run_client(
         )
         if path_prefix:
             full_env["PATH"] = f"{path_prefix}:{full_env['PATH']}"
-        proc = subprocess.run(
-            [sys.executable, os.path.join(HERE, "clients", script), *args],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        argv = [os.path.join(HERE, "clients", script), *args]
+        out, err = os.path.join(caches, "stdout"), os.path.join(caches, "stderr")
+        returncode = warm_clients.run(argv, full_env, out, err, timeout=600)
+        if returncode is None:  # an environment torch reads when it loads: a new interpreter
+            proc = subprocess.run(
+                [sys.executable, *argv], env=full_env, capture_output=True, text=True, timeout=600
+            )
+            returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        else:
+            with open(out) as f_out, open(err) as f_err:
+                stdout, stderr = f_out.read(), f_err.read()
+    assert returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def direct_request(model, *inputs, mode: str = "default"):
