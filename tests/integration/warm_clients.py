@@ -10,9 +10,9 @@ Nothing has traced or compiled before the fork, so to Dynamo, Inductor and the f
 fresh process with empty caches, as before.
 
 What torch reads from the environment when it loads, the parent read from the tier's: a call
-whose environment differs from the parent's in anything but TORCHFARM_* and the two cache
-dirs (which torch reads when it compiles) gets a new interpreter instead (`fits`), as does a
-call while the parent serves another.
+whose environment differs from the parent's in anything but TORCHFARM_* and what torch reads
+only when it compiles (`PER_CLIENT`) gets a new interpreter instead (`fits`: OMP_NUM_THREADS,
+say), as does a call while the parent serves another.
 
 Protocol (the parent's stdin and stdout, one JSON line each): a request {"argv", "env",
 "cwd", "stdout", "stderr"}; the answers {"pid": N} once forked, {"rc": N} once it ended.
@@ -32,7 +32,17 @@ import threading
 import time
 
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "grpc")
-PER_CLIENT = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# What torch reads only when it runs (the cache dirs; PATH, for the C++ compiler; the user's
+# cache home, where torchfarm keeps programs), a client script's own (WAIT_FOR_WHOLE), and
+# pytest's name of the test running now.
+PER_CLIENT = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "PATH",
+    "XDG_CACHE_HOME",
+    "WAIT_FOR_WHOLE",
+    "PYTEST_CURRENT_TEST",
+)
 
 
 def fits(env: dict[str, str], parent_env: dict[str, str]) -> bool:

@@ -391,7 +391,8 @@ class ChildPool:
         keep = cleanly and parent.alive() and self._reuse(parent.private_dir)
         with self._lock:
             self._busy -= 1
-            keep = keep and not self._closed and self.size > 0
+            # one started for a request that found none idle is over the size: ended
+            keep = keep and not self._closed and len(self._idle) + self._busy < self.size
             if keep:
                 self._idle.append(parent)
                 self._report_ready()

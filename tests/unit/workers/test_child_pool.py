@@ -226,3 +226,19 @@ def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
         assert events.taken == ["ready", "ready"] and events.replaced == []
     finally:
         pool.close()
+
+
+def test_a_parent_started_for_a_request_that_found_none_idle_is_ended_after_it():
+    pool = child_pool.ChildPool(1, _fork_server, 300, reuse=lambda d: True)
+    try:
+        _until(lambda: len(_ready(pool)) == 1, timeout_s=300)
+        (parent,) = pool.idle()
+        first = pool.take()
+        second = pool.take()  # none idle: a parent of its own, one over the pool's size
+        assert second.parent is not parent
+        for child in (first, second):
+            assert child.wait_ready() and child.close() == 0
+        # the first comes back over the size, and is ended; the second keeps the pool whole
+        assert pool.idle() == [second.parent] and not parent.alive()
+    finally:
+        pool.close()
