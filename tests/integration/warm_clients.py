@@ -21,6 +21,7 @@ Protocol (the parent's stdin and stdout, one JSON line each): a request {"argv",
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -78,6 +79,10 @@ def _become_client(request: dict) -> None:
 def serve() -> None:
     for module in PRELOAD:
         __import__(module)
+    # What the imports made, out of the collector's sight (CPython's advice for processes that
+    # fork without exec): a fork's collections, and the interpreter's exit, then do not walk
+    # and copy-on-write its pages: ~1 CPU-s a client less, its exit included.
+    gc.freeze()
     _answer({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
