@@ -21,6 +21,7 @@ Protocol (the parent's stdin and stdout, one JSON line each): a request {"argv",
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import os
@@ -143,9 +144,8 @@ class WarmParent:
     def _read(self, deadline: float) -> dict:
         line = b""
         while not line.endswith(b"\n"):
-            if not select.select([self.proc.stdout], [], [], max(0, deadline - time.monotonic()))[
-                0
-            ]:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], left)[0]:
                 raise TimeoutError
             byte = self.proc.stdout.read(1)
             if not byte:
@@ -158,21 +158,21 @@ class WarmParent:
         self.proc.wait(timeout=30)
 
 
-_parent: WarmParent | None = None
-_parent_failed = False
+@functools.cache
+def _warm_parent() -> WarmParent | None:
+    """This process's warm parent, started once; None where it could not start."""
+    try:
+        return WarmParent()
+    except (OSError, RuntimeError, TimeoutError):
+        return None
 
 
 def run(
     argv: list[str], env: dict[str, str], stdout: str, stderr: str, timeout: float
 ) -> int | None:
     """Run `python ARGV` as a fork of this process's warm parent; None where it can't."""
-    global _parent, _parent_failed
-    if _parent is None and not _parent_failed:
-        try:
-            _parent = WarmParent()
-        except (OSError, RuntimeError, TimeoutError):
-            _parent_failed = True
-    return _parent.run(argv, env, stdout, stderr, timeout) if _parent else None
+    parent = _warm_parent()
+    return parent.run(argv, env, stdout, stderr, timeout) if parent else None
 
 
 if __name__ == "__main__":
