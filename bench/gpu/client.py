@@ -96,10 +96,15 @@ def step_ms(step, x, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def settle(step, x, timeout_s: float = 180.0) -> float:
+def settle(step, x, timeout_s: float = 180.0, pause_s: float = 0.25) -> float:
     """Steps until every graph that ran its regions' code (TORCHFARM_REGIONS) has switched to
     its whole graph's, which the farm compiles meanwhile: the steady state is that code.
-    Seconds it took (0 without regions)."""
+    Seconds it took (0 without regions).
+
+    A step, then `pause_s` idle: a graph switches at its first call after the whole code
+    arrived, so a step now and then is enough. Stepping without a pause kept the one GPU busy
+    while the farm's worker, on that same GPU here (a pool's are its own), benchmarked the
+    whole graph's max-autotune candidates: each measured beside a training loop."""
     from torchfarm.client.backend import history
 
     def waiting() -> set[str]:
@@ -110,6 +115,7 @@ def settle(step, x, timeout_s: float = 180.0) -> float:
     while waiting() and time.perf_counter() - started < timeout_s:
         step(*x)
         torch.cuda.synchronize()
+        time.sleep(pause_s)
     return time.perf_counter() - started
 
 
