@@ -5,10 +5,11 @@ measured fastest on the compiling GPU. A worker compiles several graphs on one G
 (TORCHFARM_WORKER_CONCURRENCY), and a training graph's backward beside its forward
 (concurrent_backward.py), and the pool's builder measures GEMMs for the pool
 (gemm_problems.py): a timing taken while another process benchmarks on the same GPU measures
-both. The lock keeps any two from overlapping. It did not by itself bring the farm's
-max-autotune steps to local's: on an H100 (torch 2.11, gpt-small-l4 in
-max-autotune-no-cudagraphs; docs/benchmarks.md, "max-autotune on the GPU") they measured
-1.04-1.18x local's with it, the backward tuned beside the forward or after it.
+both. The lock keeps any two from overlapping. It cannot keep out work that is not the farm's:
+a training job on the same GPU (a one-GPU machine's embedded farm) still runs beside the
+measurements, and on an H200 that made the farm pick cuBLAS GEMMs and its host-bound
+max-autotune step 1.03-1.14x local's, against 0.93-1.01x on a quiet GPU (docs/benchmarks.md,
+"max-autotune on the GPU: the bench's own steps").
 
 So each GPU measurement of a compile process holds an exclusive flock on its GPU's lock file,
 which the worker creates (`lock_file`) and binds read-only into the sandbox (an flock needs
