@@ -76,7 +76,7 @@ $(OTHER_VENVS): .venv-%/.installed: requirements/torch-%.txt pyproject.toml
 	python3 -m venv .venv-$*
 	.venv-$*/bin/pip install -q --upgrade pip
 	.venv-$*/bin/pip install -q --no-compile -r requirements/torch-$*.txt
-	.venv-$*/bin/pip install -q -c requirements/torch-$*.txt -e '.[server,dev]'
+	.venv-$*/bin/pip install -q --no-compile -c requirements/torch-$*.txt -e '.[server,dev]'
 	touch $@
 
 test-versions: $(VERSION_RUNS)
@@ -87,7 +87,9 @@ test-versions: $(VERSION_RUNS)
 KEEP_VENV_FREE_GB := 40
 
 # The venvs are installed without byte-compiling (--no-compile: the install is on the way to
-# the first release's tests), so their runs write the .pyc of what they import: with
+# the first release's tests, and byte-compiling the project's extras, transformers and mypy
+# among them, cost 23 of its 47 CPU-s, for modules these runs never import), so their runs
+# write the .pyc of what they import: with
 # PYTHONDONTWRITEBYTECODE set (as on these machines) every process of a run (pytest, the
 # farm's, each client and compile child) compiled torch's and Inductor's sources again, ~6
 # CPU-s each: a 2.11 run took 206 CPU-s, and 113 writing its own .pyc (cpuacct cgroup).

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +35,14 @@ PHASES = ("infer", "train")
 OP_LIBRARIES = "transformers.integrations.moe"
 
 
+def new_interpreter(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
+    """`python ARGV` in a new interpreter: (exit status, stdout, stderr)."""
+    proc = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def run_architecture(
     name: str,
     addr: str,
@@ -42,10 +51,12 @@ def run_architecture(
     scale: str = "small",
     timeout_s: float = 1200,
     local: bool = True,
+    python: Callable[[list[str], dict[str, str], float], tuple[int, str, str]] = new_interpreter,
 ) -> dict:
     """Both processes of one architecture; {"name", "first", "second"} (their reports), or an
     "error" where a process itself failed. `local=False` leaves out local torch.compile (the
-    farm is compared with eager only): half the compiles, for CI."""
+    farm is compared with eager only): half the compiles, for CI. `python` runs each process
+    (CI's forks a parent that has imported torch: tests/integration/warm_clients.py)."""
     row = {"name": name}
     for run in ("first", "second"):
         with tempfile.TemporaryDirectory(prefix="torchfarm-coverage-") as caches:
@@ -57,24 +68,13 @@ def run_architecture(
                 TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
                 TRITON_CACHE_DIR=os.path.join(caches, "triton"),
             )
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    os.path.join(HERE, "client.py"),
-                    name,
-                    run,
-                    device,
-                    scale,
-                    *(["local"] if local else []),
-                ],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
+            argv = [os.path.join(HERE, "client.py"), name, run, device, scale]
+            returncode, stdout, stderr = python(
+                [*argv, *(["local"] if local else [])], env, timeout_s
             )
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            row["error"] = f"{run} process failed ({proc.returncode}): {proc.stderr[-3000:]}"
+        lines = stdout.strip().splitlines()
+        if returncode != 0 or not lines:
+            row["error"] = f"{run} process failed ({returncode}): {stderr[-3000:]}"
             return row
         row[run] = json.loads(lines[-1])
     return row

@@ -77,18 +77,25 @@ def run_client(
         if path_prefix:
             full_env["PATH"] = f"{path_prefix}:{full_env['PATH']}"
         argv = [os.path.join(HERE, "clients", script), *args]
-        out, err = os.path.join(caches, "stdout"), os.path.join(caches, "stderr")
-        returncode = warm_clients.run(argv, full_env, out, err, timeout=600)
-        if returncode is None:  # an environment torch reads when it loads: a new interpreter
-            proc = subprocess.run(
-                [sys.executable, *argv], env=full_env, capture_output=True, text=True, timeout=600
-            )
-            returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-        else:
-            with open(out) as f_out, open(err) as f_err:
-                stdout, stderr = f_out.read(), f_err.read()
+        returncode, stdout, stderr = run_python(argv, full_env, 600)
     assert returncode == 0, stderr[-3000:]
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_python(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
+    """`python ARGV` as a fork of a parent that has imported torch (warm_clients.py), or a new
+    interpreter where the environment is one torch reads when it loads: (exit status, stdout,
+    stderr)."""
+    with tempfile.TemporaryDirectory(prefix="torchfarm-output-") as outputs:
+        out, err = os.path.join(outputs, "stdout"), os.path.join(outputs, "stderr")
+        returncode = warm_clients.run(argv, env, out, err, timeout=timeout_s)
+        if returncode is None:
+            proc = subprocess.run(
+                [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout_s
+            )
+            return proc.returncode, proc.stdout, proc.stderr
+        with open(out) as f_out, open(err) as f_err:
+            return returncode, f_out.read(), f_err.read()
 
 
 def direct_request(model, *inputs, mode: str = "default"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchfarm
-from tests.integration.helpers import HERE, OP_LIBRARIES, TOKENS, session_farm
+from tests.integration.helpers import HERE, OP_LIBRARIES, TOKENS, run_python, session_farm
 from torchfarm.client import backend
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "coverage"))
@@ -44,7 +44,9 @@ def farm():
     ],
 )
 def test_the_farm_compiles_it_like_torch_compile(farm, name):
-    row = run_architecture(name, farm.addr, TOKENS["alice"], scale="tiny", local=ALL)
+    row = run_architecture(
+        name, farm.addr, TOKENS["alice"], scale="tiny", local=ALL, python=run_python
+    )
     for phase in PHASES:  # even a fallback must give eager's results
         assert all(run["phases"][phase]["farm"]["ok"] for run in (row["first"], row["second"]))
     assert not farm_failures(row), farm_failures(row)
