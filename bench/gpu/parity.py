@@ -5,7 +5,8 @@ Compiles: the farm's first, until its split graphs run their whole graph's code 
 and the machine is quiet (the pool builds the farm's kernels and measures its GEMMs), then the
 local one. So neither tunes beside the other on the one GPU: a user's compile has its GPU to
 itself, and a farm's pool GPUs of its own (before 2026-11-28 the farm's whole-graph compile,
-which starts once its regions run, tuned beside the local max-autotune compile).
+which starts once its regions run, tuned beside the local max-autotune compile; until 423dac2
+it tuned beside `settle`'s back-to-back training steps, which now come one every 0.25 s).
 
 Timing: once the farm's split graphs run their whole code and the machine
 is quiet (the farm's replaced children warm up after a miss, on the same CPUs and GPU), the
