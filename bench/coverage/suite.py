@@ -69,9 +69,9 @@ def run_architecture(
                 TRITON_CACHE_DIR=os.path.join(caches, "triton"),
             )
             argv = [os.path.join(HERE, "client.py"), name, run, device, scale]
-            returncode, stdout, stderr = python(
-                [*argv, *(["local"] if local else [])], env, timeout_s
-            )
+            if local:
+                argv.append("local")
+            returncode, stdout, stderr = python(argv, env, timeout_s)
         lines = stdout.strip().splitlines()
         if returncode != 0 or not lines:
             row["error"] = f"{run} process failed ({returncode}): {stderr[-3000:]}"
