@@ -120,7 +120,7 @@ def main() -> None:
             TORCHINDUCTOR_REDIS_PORT=str(redis_port),
         )
         on_farm = dict(TORCHFARM_ADDR=farm.addr, TORCHFARM_TOKEN=TOKEN, TORCHFARM_SKIP_TRACING="0")
-        skip = dict(on_farm, TORCHFARM_SKIP_TRACING="1")  # the default
+        skip = dict(on_farm, TORCHFARM_SKIP_TRACING="1")
         warm = tempfile.mkdtemp()
         measure("inductor", args.model, warm)  # fills the local cache
         measure("inductor", args.model, tempfile.mkdtemp(), env=remote)  # fills the remote caches

@@ -17,6 +17,11 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _flag(value: str) -> bool | None:
+    """A yes/no variable that may be unset (None: the code's own default decides)."""
+    return None if value == "" else value.lower() not in ("0", "false", "no")
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
     # TORCHFARM_ADDR host:port, or several gateways: ip:port,ip:port or a DNS name resolving to
@@ -43,9 +48,11 @@ class ClientSettings:
     # TORCHFARM_WAIT=0: on a miss, run the graph eagerly while the farm compiles it, then switch
     # to its compiled code between two calls (client/switching.py); a hit is served as with 1
     wait: bool = True
-    # TORCHFARM_SKIP_TRACING=0 turns off keeping Dynamo's output on the farm (per tenant) for a
-    # later process to install instead of tracing (client/packages.py); needs a token
-    skip_tracing: bool = True
+    # TORCHFARM_SKIP_TRACING=1 keeps Dynamo's output on the farm (per tenant) for a later
+    # process to install instead of tracing (client/packages.py); needs a token. Unset (None):
+    # on only for the torch releases whose third-party zoo passed with it
+    # (dynamo_package.DEFAULT_ON); 0 turns it off everywhere
+    skip_tracing: bool | None = None
     # TORCHFARM_REGIONS=1: a static graph of repeated blocks (a ModuleList's children) goes to
     # the farm as one graph per block, so blocks of one shape compile once, for this model and
     # its siblings (torch_adapter/regions.py); such a graph's Dynamo package is not kept
@@ -69,7 +76,7 @@ class ClientSettings:
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
             parallel_graphs=int(_env("TORCHFARM_PARALLEL_GRAPHS", "8")),
             wait=_env("TORCHFARM_WAIT", "1") not in ("0", "false", "no"),
-            skip_tracing=_env("TORCHFARM_SKIP_TRACING", "1") not in ("0", "false", "no"),
+            skip_tracing=_flag(_env("TORCHFARM_SKIP_TRACING", "")),
             regions=_env("TORCHFARM_REGIONS", "0") in ("1", "true", "yes"),
             package_key=_env("TORCHFARM_PACKAGE_KEY", ""),
         )

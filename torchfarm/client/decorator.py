@@ -1,8 +1,9 @@
 """`@torchfarm.compile(...)`: torch.compile through the farm, on a function, a module or a
 module class.
 
-With a token, on a torch that torch_adapter/dynamo_package.py verified, and unless
-TORCHFARM_SKIP_TRACING=0, a function or module instance also gets a Dynamo package
+With a token, on a torch that torch_adapter/dynamo_package.py verified, and with
+TORCHFARM_SKIP_TRACING=1 (unset: on only where the release is in dynamo_package.DEFAULT_ON),
+a function or module instance also gets a Dynamo package
 (client/packages.py): a later process skips Dynamo's tracing where the farm holds one. A module
 class and `torch.compile(m, backend="torchfarm")` trace as always (Dynamo's package must be
 handed to Dynamo when the compiled function is made, which only this decorator does; see
@@ -71,8 +72,11 @@ def _skips_tracing(settings: ClientSettings) -> bool:
     from torchfarm import torch_adapter
     from torchfarm.torch_adapter import dynamo_package
 
+    wanted = settings.skip_tracing
+    if wanted is None:
+        wanted = dynamo_package.on_by_default()
     return bool(
-        settings.skip_tracing
+        wanted
         and settings.addr
         and settings.token
         and not torch_adapter.UNVERIFIED

@@ -45,6 +45,10 @@ from torchfarm.torch_adapter.gate import release
 log = logging.getLogger("torchfarm")
 
 VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
+# The releases where the skip is on by default (TORCHFARM_SKIP_TRACING unset): those whose
+# third-party zoo passed with it in a training loop (issue 49). None yet: on transformers'
+# decoder LMs the identity checks failed on every call and Dynamo recompiled to its limit.
+DEFAULT_ON: tuple[str, ...] = ()
 # Guards on an object's identity (a module, function, class, closure cell, dict version) and
 # guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
 # bypasses the whole frame), and loading the second raised AttributeError out of
@@ -55,6 +59,10 @@ _IDENTITY_GUARDS = frozenset(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUAR
 
 def supported() -> bool:
     return release(torch.__version__) in VERIFIED
+
+
+def on_by_default() -> bool:
+    return release(torch.__version__) in DEFAULT_ON
 
 
 # The saved frames' format (identity checks, dispatch state), in the package key: a frame saved
