@@ -3,9 +3,13 @@
 Starts an embedded farm for the device, then for each model runs, each in a fresh process
 with an empty Inductor cache:
   local       torch._inductor.aoti_compile_and_package (what users run today), load, run;
-  farm miss   torchfarm.aoti_compile_and_package (weights not sent), load with the weights;
+  farm miss   torchfarm.aoti_compile_and_package (weights not sent): the farm's package, the
+              program's weights written into it here;
   farm hit    the same, another process: the same package, signed;
-  farm sent   weights=True: a self-contained package torch's loader runs as it is.
+  farm sent   weights=True: the weights built into the .so on the farm.
+Every package is self-contained and loaded by torch's loader as it is. Farm rows also give
+the bytes the farm stores for the entry (`entry_bytes`, the Artifact, weights left out unless
+sent) and the client's time to write the weights into the package (`write_s`).
 Each row: the package call's seconds (export excluded), its load and first call, the step time of
 the package, the package's bytes and its largest difference from eager (relative to eager's
 largest value); a row's package is built in one fresh process and loaded in another, as a
@@ -71,17 +75,31 @@ def package_row(name: str, row: str, device: str, path: str) -> dict:
     """Build one row's package at `path` in this (fresh) process: the package call's time."""
     import torch._inductor.package  # noqa: F401  (the loader's imports: not the package's cost)
 
-    import torchfarm
+    from torchfarm.client import exported
+    from torchfarm.compiler import aoti
 
     model, inputs = build(name, device)
     with torch.no_grad():
         program = torch.export.export(model, inputs)
+
     started = time.perf_counter()
+    stored = {}
     if row == "local":
         torch._inductor.aoti_compile_and_package(program, package_path=path)
     else:
-        torchfarm.aoti_compile_and_package(program, path, weights=row == "farm sent")
-    return {"model": name, "row": row, "package_s": round(time.perf_counter() - started, 2)}
+        artifact, _ = exported.package_artifact(program, weights=row == "farm sent")
+        writing = time.perf_counter()
+        aoti.write_package(path, artifact, program)
+        stored = {
+            "entry_bytes": artifact.ByteSize(),
+            "write_s": round(time.perf_counter() - writing, 3),
+        }
+    return {
+        "model": name,
+        "row": row,
+        "package_s": round(time.perf_counter() - started, 2),
+        **stored,
+    }
 
 
 def load_row(name: str, row: str, device: str, path: str) -> dict:
@@ -95,11 +113,9 @@ def load_row(name: str, row: str, device: str, path: str) -> dict:
 
     model, inputs = build(name, device)
     with torch.no_grad():
-        program = torch.export.export(model, inputs)
         eager = model(*inputs).float()
     started = time.perf_counter()
-    weights = None if row in ("local", "farm sent") else program  # packages built without them
-    compiled = torchfarm.aoti_load_package(path, weights)
+    compiled = torchfarm.aoti_load_package(path)  # every row's package holds its weights
     load_s = time.perf_counter() - started
     with torch.no_grad():
         started = time.perf_counter()

@@ -277,20 +277,22 @@ def export(
         [], help="an Inductor config KEY=JSON_VALUE (repeatable), e.g. max_autotune=true"
     ),
     weights: bool = typer.Option(
-        False, help="send the weights too: a self-contained package (default: none sent)"
+        False, help="send the weights too (default: none sent; written into the package here)"
     ),
     addr: str = typer.Option(None, help="[TORCHFARM_ADDR] gateway host:port"),
     token: str = typer.Option(None, help="[TORCHFARM_TOKEN] this tenant's token"),
 ) -> None:
-    """Build an AOTInductor package of PROGRAM on the farm, for the target's pool. Without
-    --weights the package holds no weights: load it with
-    torchfarm.aoti_load_package(path, exported_program). Exits 1 if the farm gave none."""
+    """Build an AOTInductor package of PROGRAM on the farm, for the target's pool: a
+    self-contained package with PROGRAM's weights, which torch's loaders run as it is. Without
+    --weights they never leave this machine: the farm builds it without them and they are
+    written into it here. Exits 1 if the farm gave none."""
     import json
     import time
 
     import torch
 
     from torchfarm.client import exported, remote
+    from torchfarm.compiler import aoti
     from torchfarm.settings import ClientSettings
 
     configs = {}
@@ -304,20 +306,21 @@ def export(
     settings = ClientSettings.from_env(addr=addr, token=token)
     started = time.monotonic()
     try:
-        package, source = exported.package_bytes(
-            torch.export.load(program),
+        loaded = torch.export.load(program)
+        artifact, source = exported.package_artifact(
+            loaded,
             target=target_file or None,
             mode=mode,
             inductor_configs=configs,
             weights=weights,
             settings=settings,
         )
+        aoti.write_package(output, artifact, loaded)
     except (remote.FarmError, ValueError) as e:
         typer.echo(f"torchfarm export: {e}", err=True)
         raise typer.Exit(1) from None
-    with open(output, "wb") as f:
-        f.write(package)
-    print(f"{output}: {len(package) / 1e6:.1f} MB, {source}, {time.monotonic() - started:.1f} s")
+    size = os.path.getsize(output)
+    print(f"{output}: {size / 1e6:.1f} MB, {source}, {time.monotonic() - started:.1f} s")
 
 
 def main() -> None:

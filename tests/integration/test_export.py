@@ -1,16 +1,19 @@
-"""torch.export programs through AOTInductor on a real farm (issue 30): the package comes
-back signed, loads with torch's loader, equals eager at the exported dynamic sizes, and a
-second request for the program (another tenant, other weights, the CLI) is a hit on the same
-package; weights sent give a self-contained package; a compiler the pool does not run and a
-malformed program are refused clearly, and the farm goes on serving; without a farm the
-package is built locally; a program whose JSON runs code when read (its symbolic expressions
-go through sympify) runs it in the sandbox, where it reaches nothing."""
+"""torch.export programs through AOTInductor on a real farm (issues 30, 52): the package comes
+back signed, the client writes its own weights into it, and torch's loaders (Python and C++)
+run it as it is, equal to eager at the exported dynamic sizes; no weight's bytes reach the
+farm; a second request for the program (another tenant, other weights, the CLI) is a hit on
+the same package, run with that tenant's weights; weights sent give a self-contained
+package; a compiler the pool does not run and a malformed program are refused clearly, and
+the farm goes on serving; without a farm the package is built locally; a program whose JSON
+runs code when read (its symbolic expressions go through sympify) runs it in the sandbox,
+where it reaches nothing."""
 
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import zipfile
 
 import pytest
 import torch
@@ -31,16 +34,61 @@ def _settings(farm, tenant: str) -> ClientSettings:
     )
 
 
-def test_a_program_compiles_once_and_every_later_request_hits_the_same_package(farm, tmp_path):
+def _run_by_torchs_cpp_loader(path, model) -> float:
+    """The package run by torch's C++ AOTIModelPackageLoader (what a C++ serving process
+    links), its largest difference from `model` relative to the model's largest value."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        eager = model(x)
+    return ((loader.run([x])[0] - eager).abs().max() / eager.abs().max()).item()
+
+
+def _entries(path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+def test_the_default_package_runs_under_torchs_loaders_and_no_weight_leaves_the_client(
+    farm, tmp_path, monkeypatch
+):
     model, program = exported_block(seed=0)
-    package, source = exported.package_bytes(program, settings=_settings(farm, "alice"))
-    assert source == "miss"
-    path = tmp_path / "alice.pt2"
-    path.write_bytes(package)
-    assert relative_diff(exported.aoti_load_package(path, program), model) < 1e-5
+    sent = []
+    real_get = remote.get
+
+    def recording_get(ask, request, *args, **kwargs):  # the real call, its request kept
+        sent.append((ask, request))
+        return real_get(ask, request, *args, **kwargs)
+
+    monkeypatch.setattr(remote, "get", recording_get)
+    path = exported.aoti_compile_and_package(
+        program, tmp_path / "alice.pt2", settings=_settings(farm, "alice")
+    )
+    # torch's own loaders run it as it is, equal to eager
+    assert relative_diff(torch._inductor.aoti_load_package(path), model) < 1e-5
+    assert _run_by_torchs_cpp_loader(path, model) < 1e-5
+
+    # What went to the farm, and what it stored, hold none of the weights' bytes
+    ((ask, request),) = sent
+    on_the_wire = ask.SerializeToString() + request.SerializeToString()
+    artifact, source = exported.package_artifact(program, settings=_settings(farm, "alice"))
+    assert source == "hit" and artifact.package_weights.weights
+    for name, tensor in {**program.state_dict, **program.constants}.items():
+        values = tensor.detach().numpy().tobytes()
+        for start in range(0, len(values), 16):
+            assert values[start : start + 16] not in on_the_wire, name
+            assert values[start : start + 16] not in artifact.package, name
+        assert values in _entries(path)[artifact.package_weights.path], name
+
+
+def test_another_tenant_with_other_weights_hits_and_gets_its_own_results(farm, tmp_path):
+    _, program = exported_block(seed=1)
+    first = exported.aoti_compile_and_package(
+        program, tmp_path / "alice.pt2", settings=_settings(farm, "alice")
+    )
 
     # Another tenant's model of the same program, other weights, from the CLI: a hit
-    other_model, other_program = exported_block(seed=1)
+    other_model, other_program = exported_block(seed=7)
     saved, output = tmp_path / "program.pt2", tmp_path / "bob.pt2"
     torch.export.save(other_program, saved)
     cli = subprocess.run(
@@ -57,8 +105,16 @@ def test_a_program_compiles_once_and_every_later_request_hits_the_same_package(f
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert ", hit, " in cli.stdout, cli.stdout
-    assert output.read_bytes() == package
-    assert relative_diff(exported.aoti_load_package(output, other_program), other_model) < 1e-5
+    mine, theirs = _entries(first), _entries(output)
+    blob = next(name for name in mine if name.endswith("_weights.blob"))
+    assert mine.keys() == theirs.keys() and mine[blob] != theirs[blob]
+    assert {n: b for n, b in mine.items() if n != blob} == {
+        n: b for n, b in theirs.items() if n != blob
+    }
+    assert relative_diff(torch._inductor.aoti_load_package(output), other_model) < 1e-5
+    # torchfarm's loader feeds a package other weights: the first tenant's, into Bob's
+    model, program = exported_block(seed=1)
+    assert relative_diff(exported.aoti_load_package(output, program), model) < 1e-5
 
 
 def test_weights_sent_give_a_package_torch_runs_as_it_is(farm, tmp_path):
@@ -72,7 +128,7 @@ def test_weights_sent_give_a_package_torch_runs_as_it_is(farm, tmp_path):
 def test_a_compiler_the_pool_does_not_run_is_refused_and_the_farm_serves_on(farm):
     _, program = exported_block(seed=3)
     with pytest.raises(remote.FarmError, match="does not run the compiler 'tensorrt'"):
-        exported.package_bytes(program, "tensorrt", settings=_settings(farm, "alice"))
+        exported.package_artifact(program, "tensorrt", settings=_settings(farm, "alice"))
 
     # A payload that is no ExportedProgram: the child's error, then the next request served
     settings = _settings(farm, "alice")

@@ -9,6 +9,7 @@ import torch
 from tests.integration.helpers import TOKENS, run_client
 from tests.models import exported_block, relative_diff
 from torchfarm.client import exported
+from torchfarm.compiler import aoti
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter import gate
 
@@ -38,9 +39,9 @@ def test_an_exported_program_through_aoti_on_this_torch(farm, tmp_path):
     model, program = exported_block(seed=0, max_batch=256)  # not test_export's programs
     sources = []
     for name in ("first", "second"):
-        package, source = exported.package_bytes(program, settings=settings)
+        artifact, source = exported.package_artifact(program, settings=settings)
         sources.append(source)
         path = tmp_path / f"{name}.pt2"
-        path.write_bytes(package)
-        assert relative_diff(exported.aoti_load_package(path, program), model) < 1e-5
+        aoti.write_package(str(path), artifact, program)
+        assert relative_diff(exported.aoti_load_package(path), model) < 1e-5
     assert sources == ["miss", "hit"]

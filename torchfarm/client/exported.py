@@ -3,9 +3,11 @@
 The program goes to the pool of its target as an ExportedProgram payload
 (compiler/exported.py), weights left home unless asked, and comes back as the package the
 pool's compiler built (AOTInductor's .pt2), signed by a worker and verified here before it is
-written. It is keyed, cached and single-flighted as a Dynamo graph is: the key hashes the
-payload, target and options (the compiler's name among them), so a second request for the
-same program, from anyone whose weights differ or not, is a hit on the same package.
+written. Built without the weights, the package comes without its weight blob: this process
+writes the program's own weights into it (compiler/aoti.write_package), so what lands on disk
+is self-contained. It is keyed, cached and single-flighted as a Dynamo graph is: the key
+hashes the payload, target and options (the compiler's name among them), so a second request
+for the same program, from anyone whose weights differ or not, is a hit on the same package.
 
 A farm that cannot answer (none configured, unreachable, failing) leaves the package to a
 local AOTInductor compile, with one warning, where the target is this machine's; a package
@@ -29,6 +31,7 @@ from google.protobuf import json_format
 from torchfarm.client import remote
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import aoti, exported
+from torchfarm.compiler.exported import BLOB, SENT
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import public_key
 from torchfarm.contract.options import AOTI, canonical_options
@@ -58,7 +61,7 @@ def _target(target: pb.Target | str | None, program: torch.export.ExportedProgra
     return local_target(_device_of(program))
 
 
-def package_bytes(
+def package_artifact(
     program: torch.export.ExportedProgram,
     compiler: str = AOTI,
     *,
@@ -67,10 +70,10 @@ def package_bytes(
     inductor_configs: Mapping[str, Any] | None = None,
     weights: bool = False,
     settings: ClientSettings | None = None,
-) -> tuple[bytes, str]:
-    """The package `compiler` built on the farm for `program` (verified), and how it came
-    ("hit", "miss", "merged"). ValueError for options the compiler refuses; FarmError where
-    the farm could not give one."""
+) -> tuple[pb.Artifact, str]:
+    """The artifact `compiler` built on the farm for `program` (verified), whose `package`
+    is the package, and how it came ("hit", "miss", "merged"). ValueError for options the
+    compiler refuses; FarmError where the farm could not give one."""
     options = canonical_options(
         pb.Options(
             mode=mode,
@@ -79,7 +82,7 @@ def package_bytes(
         )
     )
     if compiler == AOTI:  # what the worker would refuse, refused here
-        aoti.inductor_configs(options, weights)
+        aoti.inductor_configs(options, SENT if weights else BLOB)
     settings = settings or ClientSettings.from_env()
     if not settings.addr:
         raise remote.FarmError("no farm configured (TORCHFARM_ADDR)")
@@ -101,7 +104,12 @@ def package_bytes(
     artifact = remote.verified_artifact(received, key, trusted)
     if not artifact.package:
         raise remote.FarmError(f"the farm's {compiler} entry of key {key[:16]} holds no package")
-    return artifact.package, received.header.source
+    if compiler == AOTI and not weights and not artifact.HasField("package_weights"):
+        raise remote.FarmError(
+            f"the farm's package of key {key[:16]} has no weight blob layout (a worker from "
+            "before issue 52?)"
+        )
+    return artifact, received.header.source
 
 
 def _package_path(package_path: str | os.PathLike | None) -> str:
@@ -128,14 +136,15 @@ def aoti_compile_and_package(
     """torch._inductor.aoti_compile_and_package on the farm: the path of the .pt2 package
     built for `target`'s pool (a pb.Target, a `torchfarm target` file, or this machine's).
 
-    `weights=False` (the default) sends no weights: the package holds none, and
-    `aoti_load_package(path, exported_program)` feeds it the program's own. `weights=True`
-    sends them and gets a self-contained package, which `torch._inductor.aoti_load_package`
-    runs as it is. Dynamic dims the program was exported with (torch.export.Dim) hold."""
+    The package is self-contained either way: `torch._inductor.aoti_load_package(path)`
+    and torch's C++ AOTIModelPackageLoader run it as it is. `weights=False` (the default)
+    sends no weights: the farm builds the package without them and this process writes the
+    program's own into it. `weights=True` sends them (needed for freezing), and the farm
+    builds them in. Dynamic dims the program was exported with (torch.export.Dim) hold."""
     path = _package_path(package_path)
     started = time.monotonic()
     try:
-        package, source = package_bytes(
+        artifact, source = package_artifact(
             exported_program,
             target=target,
             mode=mode,
@@ -155,10 +164,14 @@ def aoti_compile_and_package(
         return torch._inductor.aoti_compile_and_package(
             exported_program, package_path=path, inductor_configs=configs
         )
-    with open(path, "wb") as f:
-        f.write(package)
+    writing = time.monotonic()
+    aoti.write_package(path, artifact, exported_program)
     log.info(
-        "torchfarm: package %s from the farm (%s, %.1f s)", path, source, time.monotonic() - started
+        "torchfarm: package %s from the farm (%s, %.1f s; its weights written in %.2f s)",
+        path,
+        source,
+        time.monotonic() - started,
+        time.monotonic() - writing,
     )
     return path
 
@@ -167,7 +180,7 @@ def aoti_load_package(
     path: str | os.PathLike,
     weights: torch.export.ExportedProgram | Mapping[str, torch.Tensor] | None = None,
 ):
-    """The package at `path`, loaded by torch._inductor.aoti_load_package; with `weights`
-    (the exported program it was built from, or its tensors by name) fed to it, as a package
-    built without them needs."""
+    """The package at `path`, loaded by torch._inductor.aoti_load_package (without
+    Inductor's CPU probe); with `weights` (an exported program of the same architecture, or
+    its tensors by name), fed those in place of the package's own."""
     return aoti.load(os.fspath(path), weights)

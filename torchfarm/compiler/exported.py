@@ -9,7 +9,8 @@ the values sent, or placeholders, never unpickling anything.
 
 Placeholders hold a small non-uniform pattern rather than zeros, so that nothing in the
 compile can take a weight's value for a uniform constant; the compiler keeps every tensor a
-constant fed at run time (compiler/aoti.py), so the package never depends on them.
+constant read at load from the package's weight blob, which the client writes
+(compiler/aoti.py), so the package never depends on them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ _DTYPES = {
     if isinstance(dtype, torch.dtype)
 }
 _DEVICE = re.compile(r"cpu|cuda(:\d{1,2})?")
+# Where a package's weights come from: sent in the payload (built into the .so), a blob the
+# client writes into the package, or fed at load by the client (before issue 52).
+SENT, BLOB, FED = "sent", "blob", "fed"
+
+
+def describe(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
+    """The tensor's spec without its values."""
+    return pb.TensorSpec(
+        name=name,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        sizes=tensor.shape,
+        strides=tensor.stride(),
+        device=str(tensor.device),
+        parameter=isinstance(tensor, torch.nn.Parameter),
+        requires_grad=tensor.requires_grad,
+    )
+
+
+def dtype_of(spec: pb.TensorSpec) -> torch.dtype:
+    """The spec's dtype; ValueError for a name torch does not have."""
+    dtype = _DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"{spec.name}: unknown dtype {spec.dtype!r}")
+    return dtype
 
 
 def _spec(name: str, tensor: torch.Tensor, weights: bool) -> pb.TensorSpec:
@@ -38,15 +63,7 @@ def _spec(name: str, tensor: torch.Tensor, weights: bool) -> pb.TensorSpec:
             f"{name}: the farm takes plain tensors only, not {type(tensor).__name__} "
             "(a script object, tensor subclass or other value)"
         )
-    spec = pb.TensorSpec(
-        name=name,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        sizes=tensor.shape,
-        strides=tensor.stride(),
-        device=str(tensor.device),
-        parameter=isinstance(tensor, torch.nn.Parameter),
-        requires_grad=tensor.requires_grad,
-    )
+    spec = describe(name, tensor)
     if weights:
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         spec.data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
@@ -67,15 +84,14 @@ def dumps(program: torch.export.ExportedProgram, weights: bool = False) -> bytes
         example_inputs=[_spec(f"input {i}", t, False) for i, t in enumerate(leaves)],
         example_inputs_spec=inputs_spec,
         weights=weights,
+        weights_blob=not weights,
     )
     return payload.SerializeToString(deterministic=True)
 
 
 def _tensor(spec: pb.TensorSpec, weights: bool) -> torch.Tensor:
     """The tensor a spec describes: its values (`weights`) or the placeholder pattern."""
-    dtype = _DTYPES.get(spec.dtype)
-    if dtype is None:
-        raise ValueError(f"{spec.name}: unknown dtype {spec.dtype!r}")
+    dtype = dtype_of(spec)
     if not _DEVICE.fullmatch(spec.device):
         raise ValueError(f"{spec.name}: unknown device {spec.device!r}")
     if len(spec.strides) != len(spec.sizes) or min((*spec.sizes, *spec.strides), default=0) < 0:
@@ -103,9 +119,10 @@ def _tensor(spec: pb.TensorSpec, weights: bool) -> torch.Tensor:
     return tensor.requires_grad_(spec.requires_grad)
 
 
-def loads(payload: bytes) -> tuple[torch.export.ExportedProgram, bool]:
-    """The program of a payload over tensors made here, and whether they hold the user's
-    weights. Parses the program's JSON (sympify): compile child only."""
+def loads(payload: bytes) -> tuple[torch.export.ExportedProgram, str]:
+    """The program of a payload over tensors made here, and where the package's weights
+    come from: SENT (the tensors hold the user's), BLOB or FED (placeholders; see the
+    message). Parses the program's JSON (sympify): compile child only."""
     message = pb.ExportedProgram.FromString(payload)
     weights = message.weights
     state_dict = {s.name: _tensor(s, weights) for s in message.state_dict}
@@ -115,4 +132,4 @@ def loads(payload: bytes) -> tuple[torch.export.ExportedProgram, bool]:
     program = export_serde.program_from_json(
         message.program_json, state_dict, constants, example_inputs
     )
-    return program, weights
+    return program, SENT if weights else BLOB if message.weights_blob else FED

@@ -1602,6 +1602,7 @@ class Artifact(_message.Message):
     STRUCTURE_FIELD_NUMBER: _builtins.int
     PACKAGE_FIELD_NUMBER: _builtins.int
     BACKWARD_FIELD_NUMBER: _builtins.int
+    PACKAGE_WEIGHTS_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1641,6 +1642,14 @@ class Artifact(_message.Message):
     def guards(self) -> Global___ShapeGuards:
         """where this artifact is valid (its compile's shape guards)"""
 
+    @_builtins.property
+    def package_weights(self) -> Global___PackageWeights:
+        """An AOTInductor package built without the user's weights keeps them in one file of its
+        archive, left out of what is stored here: where it goes and where each weight lies in it,
+        for the client to write the user's own (compiler/aoti.py). Unset: the package needs none
+        written (weights sent, or built into the .so).
+        """
+
     def __init__(
         self,
         *,
@@ -1656,14 +1665,85 @@ class Artifact(_message.Message):
         structure: _builtins.str = ...,
         package: _builtins.bytes = ...,
         backward: _builtins.str = ...,
+        package_weights: Global___PackageWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards", "package_weights", b"package_weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Artifact: _TypeAlias = Artifact  # noqa: Y015
+
+@_typing.final
+class PackageWeights(_message.Message):
+    """AOTInductor's weight blob (`aot_inductor.package_constants_on_disk_format` "binary_blob"):
+    each weight's storage at its offset, the gaps zero. Holds no values, only the layout.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the blob's name in the package's zip archive"""
+    size: _builtins.int
+    """its bytes"""
+    @_builtins.property
+    def weights(self) -> _containers.RepeatedCompositeFieldContainer[Global___PackageWeight]:
+        """in the blob's order"""
+
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        size: _builtins.int = ...,
+        weights: _abc.Iterable[Global___PackageWeight] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "size", b"size", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackageWeights: _TypeAlias = PackageWeights  # noqa: Y015
+
+@_typing.final
+class PackageWeight(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSOR_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    STORAGE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """sizes, strides; no data
+    where its storage starts in the blob
+    """
+    storage_bytes: _builtins.int
+    """the storage's bytes"""
+    storage_offset: _builtins.int
+    """the tensor's start in its storage, in elements"""
+    @_builtins.property
+    def tensor(self) -> Global___TensorSpec:
+        """name (the program's state_dict or constants key), dtype,"""
+
+    def __init__(
+        self,
+        *,
+        tensor: Global___TensorSpec | None = ...,
+        offset: _builtins.int = ...,
+        storage_bytes: _builtins.int = ...,
+        storage_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "storage_bytes", b"storage_bytes", "storage_offset", b"storage_offset", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackageWeight: _TypeAlias = PackageWeight  # noqa: Y015
 
 @_typing.final
 class ExportedProgram(_message.Message):
@@ -1671,7 +1751,8 @@ class ExportedProgram(_message.Message):
     The program as torch.export's own serializer writes it (JSON; stack traces left out, so
     the same program exported anywhere is the same bytes), and its tensors described. Their
     bytes travel only where the user sends the weights: otherwise the worker compiles on
-    placeholders and the package holds no weights (the client loads its own into it). Nothing
+    placeholders and the package comes without its weight blob (the client writes its own
+    into it: Artifact.package_weights). Nothing
     here is pickled; the JSON is parsed only in a compile child (its symbolic expressions go
     through sympy, i.e. eval).
     """
@@ -1684,11 +1765,17 @@ class ExportedProgram(_message.Message):
     EXAMPLE_INPUTS_FIELD_NUMBER: _builtins.int
     EXAMPLE_INPUTS_SPEC_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BLOB_FIELD_NUMBER: _builtins.int
     program_json: _builtins.bytes
     example_inputs_spec: _builtins.str
     """their pytree structure (torch.utils._pytree JSON)"""
     weights: _builtins.bool
     """state_dict and constants carry their bytes"""
+    weights_blob: _builtins.bool
+    """Without weights: the package keeps them in a blob the client writes
+    (Artifact.package_weights). Unset (clients before issue 52): the package holds none and
+    the client feeds them at load.
+    """
     @_builtins.property
     def state_dict(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """parameters and buffers, by name"""
@@ -1710,10 +1797,11 @@ class ExportedProgram(_message.Message):
         example_inputs: _abc.Iterable[Global___TensorSpec] | None = ...,
         example_inputs_spec: _builtins.str = ...,
         weights: _builtins.bool = ...,
+        weights_blob: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constants", b"constants", "example_inputs", b"example_inputs", "example_inputs_spec", b"example_inputs_spec", "program_json", b"program_json", "state_dict", b"state_dict", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constants", b"constants", "example_inputs", b"example_inputs", "example_inputs_spec", b"example_inputs_spec", "program_json", b"program_json", "state_dict", b"state_dict", "weights", b"weights", "weights_blob", b"weights_blob"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

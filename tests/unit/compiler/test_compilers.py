@@ -6,6 +6,7 @@ import pytest
 
 from torchfarm.compiler import compilers
 from torchfarm.compiler.aoti import AOTInductorCompiler, inductor_configs
+from torchfarm.compiler.exported import BLOB, FED, SENT
 from torchfarm.compiler.inductor import InductorCompiler
 from torchfarm.contract.cache_key import public_key
 from torchfarm.contract.options import canonical_options
@@ -62,12 +63,15 @@ def test_the_compiler_is_part_of_the_key_and_inductor_keys_are_unchanged():
 
 
 def test_aoti_refuses_what_a_package_without_weights_cannot_do():
-    assert inductor_configs(pb.Options(mode="default"), weights=False)[
-        "always_keep_tensor_constants"
-    ]
+    blob = inductor_configs(pb.Options(mode="default"), weights=BLOB)
+    assert blob["always_keep_tensor_constants"]
+    assert blob["aot_inductor.package_constants_on_disk_format"] == "binary_blob"
+    fed = inductor_configs(pb.Options(mode="default"), weights=FED)
+    assert fed["always_keep_tensor_constants"]
+    assert "aot_inductor.package_constants_on_disk_format" not in fed
     with pytest.raises(ValueError, match="reduce-overhead"):
-        inductor_configs(pb.Options(mode="reduce-overhead"), weights=True)
+        inductor_configs(pb.Options(mode="reduce-overhead"), weights=SENT)
     frozen = pb.Options(config_patches_json='{"freezing": true}')
     with pytest.raises(ValueError, match="freezing"):
-        inductor_configs(frozen, weights=False)
-    assert inductor_configs(frozen, weights=True)["freezing"]
+        inductor_configs(frozen, weights=BLOB)
+    assert inductor_configs(frozen, weights=SENT)["freezing"]

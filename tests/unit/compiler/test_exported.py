@@ -17,7 +17,7 @@ def test_the_payload_holds_no_weights_and_names_no_file():
     payload = exported.dumps(program)
     assert payload == exported.dumps(other)  # the weights are not in the key
     message = pb.ExportedProgram.FromString(payload)
-    assert not message.weights
+    assert not message.weights and message.weights_blob  # the client writes them (issue 52)
     assert all(not s.data for s in (*message.state_dict, *message.constants))
     assert [s.name for s in message.state_dict] == sorted(program.state_dict)
     weight = model.up.weight.detach().numpy().tobytes()
@@ -34,7 +34,7 @@ def test_weights_sent_come_back_exact_and_nothing_is_unpickled(monkeypatch):
 
     monkeypatch.setattr(torch, "load", refuse)
     rebuilt, weights = exported.loads(payload)
-    assert weights
+    assert weights == exported.SENT
     for name, tensor in program.state_dict.items():
         assert torch.equal(rebuilt.state_dict[name], tensor), name
         assert isinstance(rebuilt.state_dict[name], torch.nn.Parameter) == isinstance(
@@ -49,7 +49,7 @@ def test_weights_sent_come_back_exact_and_nothing_is_unpickled(monkeypatch):
 def test_placeholders_are_not_uniform():
     _, program = exported_block(seed=0)
     rebuilt, weights = exported.loads(exported.dumps(program))
-    assert not weights
+    assert weights == exported.BLOB
     for name, tensor in rebuilt.state_dict.items():
         assert tensor.shape == program.state_dict[name].shape
         if tensor.numel() > 1:
