@@ -19,6 +19,8 @@ module's `load_guards_state`/`load_guard_manager`, guard sources' classes,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib
 import inspect
 import itertools
@@ -27,6 +29,7 @@ import pickle
 import re
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,8 +71,7 @@ def on_by_default() -> bool:
 # The saved frames' format (identity checks, dispatch state), in the package key: a frame saved
 # bypassed under other rules stays bypassed in every process that restores it, so packages of
 # other rules are not used.
-CHECKS = 3
-_NO_VALUE = object()  # a guard without its object: its live check always fails (a retrace)
+CHECKS = 4
 
 
 def _replaced(entry: Any) -> bool:
@@ -80,98 +82,144 @@ def _replaced(entry: Any) -> bool:
 
 
 class Package(CompilePackage):
-    """A CompilePackage that never fails the step it records, and whose frames keep their
-    identity and defaults guards as identity.Guard checks.
+    """A CompilePackage that never fails the step it records: a frame it cannot save is left
+    out of it (bypassed: traced in a later process), with one log line naming the frame.
+
+    The process that traces keeps every guard Dynamo built, identity guards included: it
+    guards exactly as Dynamo does. Only the saved guards leave out those the package cannot
+    save; each is saved with its path and fingerprint (identity.py) and built again, on the
+    object found in the restoring process, when the package is installed.
 
     It names a property's getter (transformers' `loss_function`: 2.13's _get_code_source
-    cannot, and the cold step failed with PackageError in the issue's probe); a frame it still
-    cannot name, or whose inlined sources it cannot read, is left out of the package
-    (bypassed: traced in a later process)."""
+    cannot, and the cold step failed with PackageError in the issue's probe)."""
 
     def __init__(self) -> None:
         super().__init__(fn=None)
-        self._pending: identity.Guard | None = None  # the frame whose guards are being built
+        self._pending: list[tuple[Any, str]] = []  # the frame's identity guards, fingerprinted
         self._pending_dispatch = _dispatch_state()
+
+    def initialize(self, fn: Any, dynamo: Any = None, ignore_inlined_sources: bool = False) -> None:
+        """As CompilePackage's, with the entry frame's module read from its globals: a
+        `functools.wraps` wrapper (transformers' forwards) names the wrapped function's
+        module, while its code runs in, and Dynamo installs its globals in, its own."""
+        super().initialize(fn, dynamo, ignore_inlined_sources)
+        scope = getattr(
+            getattr(self._innermost_fn, "__func__", self._innermost_fn), "__globals__", {}
+        )
+        if dynamo is None and "__name__" in scope:
+            self._codes[self._innermost_fn.__code__].python_module = scope["__name__"]
 
     def keep_guard(self, entries: Sequence[Any]) -> list[bool]:
-        """Dynamo's guard_filter_fn, called once per compiled frame before its guards are
-        built: each guard it cannot save becomes an identity check (see identity.py). Where
-        the guard's path or object has no fingerprint, the frame is left out of the package
-        (traced on a hit) and this process checks the object's identity by Dynamo's own
-        expression. (Keeping the guard is no way out: 2.13 then fails the compile with
-        "check_fn.guards_state must not be None".)"""
-        checks: list[identity.Check] = []
-        seen: list[Any] = []
-        same: list[tuple[str, Any]] = []
-        for e in entries:
-            if not _replaced(e):
-                continue
-            steps = identity.path(e.orig_guard.originating_source)
-            expected = identity.fingerprint(e.value) if steps and e.has_value else None
-            if steps and expected is not None:
-                checks.append((steps, expected))
-                seen.append(e.value)
-            else:
-                same.append((e.name, e.value if e.has_value else _NO_VALUE))
-                if self._current_entry is not None:
-                    self._bypass(f"the guard on {e.name} has no fingerprint")
-        scope = vars(sys.modules[self._current_entry.python_module]) if self._current_entry else {}
-        self._pending = identity.Guard(checks, scope, seen, same) if checks or same else None
-        self._pending_dispatch = _dispatch_state()
-        return [not _replaced(e) for e in entries]
+        """Dynamo's guard_filter_fn, called once per compiled frame before its guards are built:
+        keeps every guard in this process, and leaves those the package cannot save out of
+        the saved ones only (the caller's `serialize_guards`), each saved with its path and
+        fingerprint. A guard with neither, or on a local that a restoring process cannot
+        name at install, leaves the frame out of the package."""
+        try:
+            self._pending, self._pending_dispatch = [], _dispatch_state()
+            replaced = [e for e in entries if _replaced(e)]
+            known = _known_locals(self._innermost_fn) if self._in_entry_frame() else {}
+            for e in replaced:
+                steps = identity.path(e.orig_guard.originating_source)
+                if not (steps and e.has_value) or (
+                    steps[0][0] == "local" and steps[0][1] not in known
+                ):
+                    return self._left_out(entries, f"the guard on {e.name} has no path")
+                expected = identity.fingerprint(e.value)
+                if expected is None:
+                    return self._left_out(entries, f"the guard on {e.name} has no fingerprint")
+                self._pending.append((_portable(e.orig_guard), expected))
+            pickle.dumps(self._pending)  # saved with the frame: fail here, not at the save
+            manager = sys._getframe(1).f_locals["self"]  # the frame's CheckFunctionManager
+            left_out = {id(e.orig_guard) for e in replaced}
+            manager.serialize_guards = functools.partial(_serialize_without, manager, left_out)
+        except Exception as e:  # never the user's step
+            return self._left_out(entries, f"{type(e).__name__}: {e}")
+        return [True] * len(entries)
+
+    def _left_out(self, entries: Sequence[Any], reason: str) -> list[bool]:
+        self._pending = []
+        if self._current_entry is not None:
+            self._bypass(reason)
+        return [True] * len(entries)
+
+    def _in_entry_frame(self) -> bool:
+        entry = self._codes.get(getattr(self._innermost_fn, "__code__", None))
+        return entry is not None and entry is self._current_entry
 
     def add_guarded_code(self, guards_state: bytes, dynamo_code: types.CodeType) -> None:
-        """Saves the frame's identity checks with its guards and adds them to the guard
-        Dynamo built for this process (the caller's `check_fn`: convert_frame passes only the
-        guards' bytes)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            check_fn = sys._getframe(1).f_locals["check_fn"]
-            _add_guard(check_fn.guard_manager, pending)
+        """Saves the frame's identity guards and dispatch state with its guards."""
         entry = self._current_entry
         saved = len(entry.guarded_codes) if entry else 0
-        super().add_guarded_code(guards_state, dynamo_code)
-        if entry is not None and len(entry.guarded_codes) > saved:  # not a bypassed frame
-            added = entry.guarded_codes[-1]
-            added.torchfarm_checks = pending.checks if pending else []  # type: ignore[attr-defined]
-            added.torchfarm_dispatch = self._pending_dispatch  # type: ignore[attr-defined]
+        with self._or_bypass("its guards"):
+            super().add_guarded_code(guards_state, dynamo_code)
+            if entry is not None and len(entry.guarded_codes) > saved:  # not bypassed
+                added = entry.guarded_codes[-1]
+                added.torchfarm_checks = self._pending  # type: ignore[attr-defined]
+                added.torchfarm_dispatch = self._pending_dispatch  # type: ignore[attr-defined]
 
     def _add_user_function(self, code: types.CodeType) -> None:
         try:
             super()._add_user_function(code)
-        except PackageError:
+        except Exception:
             module = inspect.getmodule(code) or inspect.getmodule(self._innermost_fn)
-            assert module is not None
-            getter = _property_getter(module, code)
-            if getter:
+            getter = _property_getter(module, code) if module else None
+            if getter and module:
                 self._add_function(
                     code, module.__name__, _FunctionId(getter), code_source="fget.__code__"
                 )
-            else:
-                self._add_function(code, module.__name__)
-                self._codes[code].bypassed = True
-                log.info("dynamo package: %s traces on every hit: no name", _name(code))
+                return
+            self._add_function(code, module.__name__ if module else "")
+            self._codes[code].bypassed = True
+            log.info("dynamo package: %s traces on every hit: no name", _name(code))
 
     def add_inlined_source(self, sources: list[types.CodeType]) -> None:
-        try:
+        with self._or_bypass("an inlined function's source"):
             super().add_inlined_source(sources)
-        except Exception as e:  # e.g. OSError: no source for a code object
-            self._bypass(f"an inlined function's source is unreadable ({e})")
+
+    def add_resume_function(self, *args: Any, **kwargs: Any) -> None:
+        with self._or_bypass("a resume function"):
+            super().add_resume_function(*args, **kwargs)
+
+    def add_import_source(self, alias: str, module_name: str) -> None:
+        with self._or_bypass(f"the import of {module_name}"):
+            super().add_import_source(alias, module_name)
+
+    def add_backend_id(self, backend_id: str, backend: Any | None = None) -> None:
+        with self._or_bypass(f"graph {backend_id}"):
+            super().add_backend_id(backend_id, backend)
+
+    @contextlib.contextmanager
+    def _or_bypass(self, what: str) -> Iterator[None]:
+        """Any exception while recording leaves the current frame out of the package instead
+        of reaching the user's code (2.11 raised TypeError on a ScriptFunction)."""
+        try:
+            yield
+        except Exception as e:
+            if self._current_entry is None:
+                log.info("dynamo package: not saved: %s (%s: %s)", what, type(e).__name__, e)
+                self._broken = True
+            else:
+                self._bypass(f"{what} cannot be saved ({type(e).__name__}: {e})")
+
+    _broken = False  # a failure outside any frame: the package is not saved
 
     def _bypass(self, reason: str) -> None:
         """Leaves the current frame out of the package, saying why (a hit will trace it)."""
         assert self._current_entry is not None
-        self.bypass_current_entry()
-        log.info("dynamo package: %s traces on every hit: %s", self._current_name(), reason)
+        if not self._current_entry.bypassed:
+            self.bypass_current_entry()
+            log.info("dynamo package: %s traces on every hit: %s", self._current_name(), reason)
 
     def _current_name(self) -> str:
         code = next((c for c, e in self._codes.items() if e is self._current_entry), None)
         return _name(code) if code is not None else "a frame"
 
     def install(self, backends: dict[_BackendId, Any]) -> None:
-        """CompilePackage.install, each frame's guard extended by its identity checks and
-        built in the dispatch state its frame was traced in (the package module's two guard
-        loaders, wrapped for the call: install builds the guards inline).
+        """CompilePackage.install, each frame's guards built in the dispatch state its frame
+        was traced in, with its identity guards built again on this process's objects (the
+        package module's two guard loaders, wrapped for the call: install builds the guards
+        inline).
 
         A tensor guard expects the tensor's dispatch keys as modified by the thread's
         dispatch state when the guard is built: built outside the caller's autocast, it
@@ -189,25 +237,108 @@ class Package(CompilePackage):
             package_module.load_guards_state,
             package_module.load_guard_manager,
         )
+        entry_code = getattr(self._innermost_fn, "__code__", None)
 
         def guards_state(state: bytes) -> Any:
             loading[:] = [saved[id(state)]]
             return load_state(state)
 
         def guard_manager(state: Any, code: types.CodeType, scope: dict) -> Any:
-            ((found, dispatch),) = loading
-            if found is None or dispatch is None:  # saved by another version of this module
+            ((checks, dispatch),) = loading
+            if checks is None or dispatch is None:  # saved by another version of this module
                 raise PackageError("a frame saved without its identity checks or dispatch state")
+            known = _known_locals(self._innermost_fn) if code is entry_code else {}
+            missing = _add_identity_guards(state, checks, known, scope)
             with _in_dispatch_state(dispatch):
                 manager = load_manager(state, code, scope)
-            if found:
-                _add_guard(manager, identity.Guard(found, scope))
+            if missing:  # not the traced objects: this frame is traced again
+                log.info("dynamo package: %s traced: %s", _name(code), missing)
+                manager.root.add_lambda_guard(_never, [repr(missing)], None)
             return manager
 
         with _replaced_in(
             package_module, load_guards_state=guards_state, load_guard_manager=guard_manager
         ):
             super().install(backends)
+
+
+def _never(frame_locals: Any) -> bool:
+    return False
+
+
+def _known_locals(fn: Any) -> dict[str, Any]:
+    """The entry frame's locals a restoring process knows before any call: the module a
+    method is bound to (`self`) and the function's closure."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return {}
+    known = {}
+    if hasattr(fn, "__self__") and code.co_argcount:
+        known[code.co_varnames[0]] = fn.__self__
+    for name, cell in zip(code.co_freevars, func.__closure__ or ()):
+        with contextlib.suppress(ValueError):  # an empty cell
+            known[name] = cell.cell_contents
+    return known
+
+
+def _portable(guard: Any) -> Any:
+    """A guard as the package saves it (serialize_guards' own treatment): no weak references."""
+    create_fn = guard.create_fn
+    if isinstance(create_fn, functools.partial):
+        deref = lambda x: x() if isinstance(x, weakref.ref) else x  # noqa: E731
+        create_fn = functools.partial(
+            create_fn.func,
+            *map(deref, create_fn.args),
+            **{k: deref(v) for k, v in create_fn.keywords.items()},
+        )
+    return dataclasses.replace(
+        guard, obj_weakref=None, guarded_class_weakref=None, create_fn=create_fn
+    )
+
+
+def _serialize_without(manager: Any, left_out: set[int], builder: Any, guards: list, graph: Any):
+    """CheckFunctionManager.serialize_guards without the guards the package cannot save; any
+    error is a PackageError, which Dynamo turns into a frame left out of the package."""
+    try:
+        kept = [g for g in guards if id(g) not in left_out]
+        return CheckFunctionManager.serialize_guards(manager, builder, kept, graph)
+    except PackageError:
+        raise
+    except Exception as e:
+        raise PackageError(f"guards not saved ({type(e).__name__}: {e})") from e
+
+
+def _add_identity_guards(
+    state: Any, checks: list[tuple[Any, str]], known: dict[str, Any], scope: dict
+) -> str:
+    """Adds each saved identity guard to the frame's guards, built by Dynamo's own builder on
+    the object its path reaches in this process (resolved once, here), if that object has the
+    traced one's fingerprint; else returns which one does not."""
+    guards = state.output_graph._guards.inner
+    for guard, expected in checks:
+        steps = identity.path(guard.originating_source)
+        try:
+            found = identity.fingerprint(identity.resolve(steps, known, scope))
+        except Exception:  # the path is gone
+            found = None
+        if found != expected:
+            return f"{guard.name} is not the traced object"
+        create_fn = functools.partial(_in_scope, known, scope, guard.create_fn)
+        guards.add(dataclasses.replace(guard, create_fn=create_fn))
+    return ""
+
+
+def _in_scope(local: dict, scope: dict, create_fn: Callable, builder: Any, guard: Any) -> None:
+    """Builds `guard` with Dynamo's own builder function, reading values from this process's
+    objects instead of the package's stand-ins (copies, by value, of what the trace saw)."""
+    saved = builder.scope, builder.src_get_value_cache
+    builder.scope = {**saved[0], "L": local, "G": scope}
+    builder.src_get_value_cache = {}
+    try:
+        create_fn(builder, guard)
+    finally:
+        builder.scope, builder.src_get_value_cache = saved
 
 
 def _name(code: types.CodeType) -> str:
@@ -237,10 +368,6 @@ def _dispatch_state() -> tuple[int, int]:
 def _in_dispatch_state(state: tuple[int, int]) -> Any:
     include, exclude = (torch._C.DispatchKeySet.from_raw_repr(raw) for raw in state)
     return torch._C._ForceDispatchKeyGuard(include, exclude)
-
-
-def _add_guard(manager: Any, guard: identity.Guard) -> None:
-    manager.root.add_lambda_guard(guard, guard.describe(), None)
 
 
 def _property_getter(module: types.ModuleType, code: types.CodeType) -> str | None:
@@ -325,6 +452,8 @@ def dumps(package: CompilePackage) -> bytes:
     """The package's entry, and the modules its bytecode reads through globals that Dynamo
     named by object id (`___module_collections_<id>_c3`): CompilePackage does not save them,
     and a restored frame failed with NameError on transformers' GPT-2 without them."""
+    if getattr(package, "_broken", False):
+        raise PackageError("a step of the recording failed outside any frame (logged)")
     entry = package.cache_entry()
     modules: dict[str, dict[str, str]] = {}
     for code in entry.codes:

@@ -1,16 +1,18 @@
 """Dynamo's guards on an object's identity (ID_MATCH on a global function, a module attribute,
-a class; a closure cell) and on default arguments, as checks that hold across processes.
+a class; CLOSURE_MATCH on a function's code) and on default arguments, carried across
+processes.
 
 Dynamo's package cannot save those guards (torch_adapter/dynamo_package.py), and dropping them
-served stale code: a global function rebound after the compile still ran the old graph. So each
-becomes a check: the guard's path (from the frame's locals or its module's globals, through
-attributes, items and defaults) and a fingerprint of the object it found there (a module or a
-class by qualified name; a function by module, qualified name, a hash of its code, constants,
-defaults and closure; a constant by its repr). The check runs as a guard of the frame, in the
-process that traced it and in every process that restores it: an object that does not match
-fails the guard, so Dynamo traces the frame again. A guard whose path or object has no
-fingerprint is not replaced: Dynamo then leaves that frame out of the package (it traces on a
-hit), and no other frame.
+served stale code: a global function rebound after the compile still ran the old graph. The
+process that traces keeps Dynamo's own guards; the package saves each such guard with its
+path from the frame (its locals or its module's globals, through attributes, items and
+defaults) and a fingerprint of the object found there: a module or a class by qualified
+name, a function by module, qualified name and a hash of its code, a constant by its repr. A
+process that restores the frame resolves each path once, checks the fingerprint, and builds
+Dynamo's own guard on the object it found, so every later call compares identities in
+Dynamo's guard code. A function's closure contents and defaults are not part of its
+fingerprint: Dynamo guards those it reads with guards of their own (saved, or carried here),
+and contents it does not read (a library's caches and counters) must not fail the guard.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
-import operator
-import threading
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -30,8 +30,7 @@ from torch._dynamo import source as sources
 # One step of a path: ("local" | "global" | "attr" | "item" | "key_at" | "defaults" |
 # "kwdefaults" | "type", name or index)
 Step = tuple[str, Any]
-Check = tuple[tuple[Step, ...], str]  # a path and the fingerprint of what it must reach
-_DEPTH = 24  # nested closures / containers a fingerprint follows before it gives up
+_DEPTH = 24  # nested containers a fingerprint follows before it gives up
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _ATTRIBUTES = {  # sources that read one attribute
     sources.TypeDictSource: "__dict__",
@@ -115,7 +114,7 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
         parts = [fingerprint(v, depth + 1) for v in value]
         return None if None in parts else f"{type(value).__name__}({','.join(parts)})"  # type: ignore[arg-type]
     if isinstance(value, types.FunctionType):
-        return _function(value, depth)
+        return _function(value)
     if isinstance(value, types.CodeType):
         return f"code:{hashlib.sha256(_code(value).encode()).hexdigest()[:32]}"
     if isinstance(value, types.MethodType):
@@ -142,38 +141,11 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
     return None
 
 
-def _function(fn: types.FunctionType, depth: int) -> str | None:
-    within = _local.__dict__.setdefault("within", [])  # being fingerprinted, on this thread
-    if fn in within:  # a closure that reaches itself (a recursive inner function)
-        return f"recursion:{fn.__qualname__}"
-    within.append(fn)
-    try:
-        return _function_parts(fn, depth)
-    finally:
-        within.pop()
-
-
-_local = threading.local()
-
-
-def _function_parts(fn: types.FunctionType, depth: int) -> str | None:
-    cells = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
-    parts = [
-        fingerprint(fn.__defaults__, depth + 1),
-        fingerprint(fn.__kwdefaults__, depth + 1),
-        fingerprint(cells, depth + 1),
-    ]
-    if None in parts:
-        return None
+def _function(fn: types.FunctionType) -> str:
     digest = hashlib.sha256(_code(fn.__code__).encode()).hexdigest()[:32]
-    return f"function:{fn.__module__}.{fn.__qualname__}:{digest}:{parts}"
-
-
-def _filled(cell: types.CellType) -> bool:
-    try:
-        return cell.cell_contents is not _filled  # reading it is the test
-    except ValueError:  # an empty cell (a name not bound yet)
-        return False
+    module = fn.__globals__.get("__name__", fn.__module__)
+    qualname = getattr(fn.__code__, "co_qualname", fn.__qualname__)  # Python >= 3.11
+    return f"function:{module}.{qualname}:{digest}"
 
 
 def _code(code: types.CodeType) -> str:
@@ -181,57 +153,3 @@ def _code(code: types.CodeType) -> str:
     line numbers: the same function read from another checkout is the same function."""
     consts = [_code(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
     return repr((code.co_code, code.co_names, code.co_varnames, code.co_freevars, consts))
-
-
-def _state(value: Any) -> tuple:
-    """What a later call compares by identity once `value` matched: the object, and for a
-    function what can change in place (its defaults, its closure's contents)."""
-    if not isinstance(value, types.FunctionType):
-        return (value,)
-    cells = tuple(c.cell_contents if _filled(c) else None for c in value.__closure__ or ())
-    return (value, value.__defaults__, value.__kwdefaults__, *cells)
-
-
-class Guard:
-    """The checks of one compiled frame, run by Dynamo as a guard with the frame's locals. An
-    object that matched once is remembered, so a later call compares identities only."""
-
-    def __init__(
-        self,
-        checks: list[Check],
-        scope: Mapping,
-        matched: list | None = None,
-        same: list[tuple[str, Any]] | None = None,
-    ):
-        self.checks, self.scope = checks, scope
-        self.matched: dict[int, tuple] = {i: _state(v) for i, v in enumerate(matched or [])}
-        # in the tracing process only, never saved: Dynamo's own guard expressions (`G[...]`,
-        # `L[...]`) whose object has no fingerprint, and that object (an identity guard)
-        self.same = [(compile(expr, "<guard>", "eval"), value) for expr, value in same or []]
-
-    def __call__(self, frame_locals: Mapping) -> bool:
-        names = {"G": self.scope, "L": frame_locals}
-        for expr, value in self.same:
-            try:
-                if eval(expr, names) is not value:  # Dynamo's expression, of this process
-                    return False
-            except Exception:
-                return False
-        for index, (steps, expected) in enumerate(self.checks):
-            try:
-                value = resolve(steps, frame_locals, self.scope)
-            except Exception:  # the path is gone: not the traced program
-                return False
-            state = _state(value)
-            known = self.matched.get(index)
-            if known and len(known) == len(state) and all(map(operator.is_, known, state)):
-                continue
-            if fingerprint(value) != expected:
-                return False
-            self.matched[index] = state
-        return True
-
-    def describe(self) -> list[str]:
-        """Dynamo evaluates these when the guard fails, to say why it recompiles: a literal."""
-        paths = ", ".join(".".join(str(name) for _, name in steps) for steps, _ in self.checks)
-        return [repr(f"torchfarm identity checks (one no longer matches): {paths}")]

@@ -119,22 +119,54 @@ def _source(name: str) -> types.FunctionType:
 
 def test_fingerprints_name_what_a_fresh_process_can_find_again():
     fingerprint = identity.fingerprint
-    # the same source read twice (two processes) is the same function; other defaults are not
+    # the same source read twice (two processes) is the same function; other code is not
     assert fingerprint(_source("a")) == fingerprint(_source("a"))
-    assert fingerprint(_source("a")) != fingerprint(_source("bb"))
+    assert fingerprint(_source("a")) != fingerprint(_closure(2.0))
     assert fingerprint(torch.nn.functional) == "module:torch.nn.functional"
     assert fingerprint(torch.nn.Linear) == "class:torch.nn.modules.linear.Linear"
     assert fingerprint(torch.relu) == fingerprint(torch.relu) is not None
     # a pybind11 function (bound to its function record, not to an instance)
     assert fingerprint(torch._C._get_tracing_state) == "builtin:torch._C._get_tracing_state"
-    # closures: their cells' values count; a tensor or an instance has no fingerprint
-    assert fingerprint(_closure(2.0)) != fingerprint(_closure(3.0))
-    assert fingerprint(_closure(torch.ones(1))) is None
+    # a function's defaults and closure contents are not part of it: Dynamo guards those it
+    # reads with guards of their own, and the rest (a library's caches) may change freely
+    assert fingerprint(_source("a")) == fingerprint(_source("bb"))
+    assert fingerprint(_closure(2.0)) == fingerprint(_closure(torch.ones(1))) is not None
     assert fingerprint(object()) is None
 
 
 def _closure(k):
     return lambda x: x * k
+
+
+def _scaler(k):
+    seen = []  # what a library updates on every call, outside the compiled code
+
+    def scale(x, record=False):
+        if record:
+            seen.append(1)
+        return x * k
+
+    return scale
+
+
+scale = _scaler(2.0)
+
+
+def scaled_step(x):
+    return scale(x).relu()
+
+
+def test_a_closure_is_guarded_on_what_dynamo_reads_of_it(monkeypatch):
+    x = torch.randn(4, 8)
+    compiled = _restore(scaled_step, x)
+    for _ in range(3):  # contents Dynamo does not read change between calls: no retrace
+        assert torch.equal(compiled(x), scaled_step(x))
+        scale(x, record=True)
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setitem(globals(), "scale", _scaler(3.0))  # the same code, another k
+    assert torch.equal(compiled(x), scaled_step(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_sized_symints_carry_their_sizes():
