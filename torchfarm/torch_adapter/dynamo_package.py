@@ -96,18 +96,17 @@ class Package(CompilePackage):
     def __init__(self) -> None:
         super().__init__(fn=None)
         self._pending: list[tuple[Any, str]] = []  # the frame's identity guards, fingerprinted
-        self._pending_dispatch = _dispatch_state()
+        self._pending_dispatch: tuple[int, int] | None = None
 
     def initialize(self, fn: Any, dynamo: Any = None, ignore_inlined_sources: bool = False) -> None:
         """As CompilePackage's, with the entry frame's module read from its globals: a
         `functools.wraps` wrapper (transformers' forwards) names the wrapped function's
         module, while its code runs in, and Dynamo installs its globals in, its own."""
         super().initialize(fn, dynamo, ignore_inlined_sources)
-        scope = getattr(
-            getattr(self._innermost_fn, "__func__", self._innermost_fn), "__globals__", {}
-        )
+        inner: Any = self._innermost_fn
+        scope = getattr(getattr(inner, "__func__", inner), "__globals__", {})
         if dynamo is None and "__name__" in scope:
-            self._codes[self._innermost_fn.__code__].python_module = scope["__name__"]
+            self._codes[inner.__code__].python_module = scope["__name__"]
 
     def keep_guard(self, entries: Sequence[Any]) -> list[bool]:
         """Dynamo's guard_filter_fn, called once per compiled frame before its guards are built:
@@ -115,9 +114,14 @@ class Package(CompilePackage):
         the saved ones only (the caller's `serialize_guards`), each saved with its path and
         fingerprint. A guard with neither, or on a local that a restoring process cannot
         name at install, leaves the frame out of the package."""
+        replaced = [e for e in entries if _replaced(e)]
+        # first, so that the frame's guards save in any case (else 2.13 fails the compile)
+        manager = sys._getframe(1).f_locals["self"]  # the frame's CheckFunctionManager
+        left_out = {id(e.orig_guard) for e in replaced}
+        manager.serialize_guards = functools.partial(self._serialize, manager, left_out)
+        self._pending = []
         try:
-            self._pending, self._pending_dispatch = [], _dispatch_state()
-            replaced = [e for e in entries if _replaced(e)]
+            self._pending_dispatch = _dispatch_state()
             known = _known_locals(self._innermost_fn) if self._in_entry_frame() else {}
             for e in replaced:
                 steps = identity.path(e.orig_guard.originating_source)
@@ -130,12 +134,22 @@ class Package(CompilePackage):
                     return self._left_out(entries, f"the guard on {e.name} has no fingerprint")
                 self._pending.append((_portable(e.orig_guard), expected))
             pickle.dumps(self._pending)  # saved with the frame: fail here, not at the save
-            manager = sys._getframe(1).f_locals["self"]  # the frame's CheckFunctionManager
-            left_out = {id(e.orig_guard) for e in replaced}
-            manager.serialize_guards = functools.partial(_serialize_without, manager, left_out)
         except Exception as e:  # never the user's step
             return self._left_out(entries, f"{type(e).__name__}: {e}")
         return [True] * len(entries)
+
+    def _serialize(self, manager: Any, left_out: set[int], builder: Any, guards: list, graph: Any):
+        """CheckFunctionManager.serialize_guards without the guards the package cannot save.
+        A guard it still cannot save (a ScriptFunction's global: TypeError) leaves the frame
+        out of the package here: Dynamo's own handling, a PackageError, failed the compile
+        with "check_fn.guards_state must not be None" in 2.13."""
+        try:
+            kept = [g for g in guards if id(g) not in left_out]
+            return CheckFunctionManager.serialize_guards(manager, builder, kept, graph)
+        except Exception as e:
+            if self._current_entry is not None:
+                self._bypass(f"its guards cannot be saved ({type(e).__name__}: {e})")
+            return b""  # a bypassed frame's guards are never read
 
     def _left_out(self, entries: Sequence[Any], reason: str) -> list[bool]:
         self._pending = []
@@ -144,7 +158,7 @@ class Package(CompilePackage):
         return [True] * len(entries)
 
     def _in_entry_frame(self) -> bool:
-        entry = self._codes.get(getattr(self._innermost_fn, "__code__", None))
+        entry = self._codes.get(getattr(self._innermost_fn, "__code__", None))  # type: ignore[arg-type]
         return entry is not None and entry is self._current_entry
 
     def add_guarded_code(self, guards_state: bytes, dynamo_code: types.CodeType) -> None:
@@ -297,18 +311,6 @@ def _portable(guard: Any) -> Any:
     )
 
 
-def _serialize_without(manager: Any, left_out: set[int], builder: Any, guards: list, graph: Any):
-    """CheckFunctionManager.serialize_guards without the guards the package cannot save; any
-    error is a PackageError, which Dynamo turns into a frame left out of the package."""
-    try:
-        kept = [g for g in guards if id(g) not in left_out]
-        return CheckFunctionManager.serialize_guards(manager, builder, kept, graph)
-    except PackageError:
-        raise
-    except Exception as e:
-        raise PackageError(f"guards not saved ({type(e).__name__}: {e})") from e
-
-
 def _add_identity_guards(
     state: Any, checks: list[tuple[Any, str]], known: dict[str, Any], scope: dict
 ) -> str:
@@ -319,7 +321,7 @@ def _add_identity_guards(
     for guard, expected in checks:
         steps = identity.path(guard.originating_source)
         try:
-            found = identity.fingerprint(identity.resolve(steps, known, scope))
+            found = identity.fingerprint(identity.resolve(steps or (), known, scope))
         except Exception:  # the path is gone
             found = None
         if found != expected:
@@ -421,12 +423,19 @@ def install(
         for name, imported in names.items():
             vars(sys.modules[module]).setdefault(name, importlib.import_module(imported))
     package.initialize(entry_function(target), entry)
+    modules = {code.python_module for code in entry.codes}
+    before = {name: set(vars(sys.modules[name])) for name in modules if name in sys.modules}
     try:
         package.install({_BackendId(bid): _Installed(fn) for bid, fn in backends.items()})
+        _skip_installed_ids(modules)
     except BaseException:
         package.uninstall()
+        for name, names in before.items():  # install adds builtins dicts uninstall leaves,
+            scope = vars(sys.modules[name])  # whose names a fresh trace would clash with
+            for key in set(scope) - names:
+                if key.startswith("__builtins_dict__"):
+                    del scope[key]
         raise
-    _skip_installed_ids({code.python_module for code in entry.codes})
 
 
 # The names Dynamo numbers with its process-wide unique_id counter and installs as globals.
