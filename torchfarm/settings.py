@@ -153,9 +153,10 @@ class GatewaySettings:
     recheck_s: float = 10.0
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
-    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once under
-    # one token id (tokens of `torchfarm token`; other tokens share one id, "legacy"); then
-    # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
+    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once, per
+    # kind of token (made by `torchfarm token`, or legacy); then one more per second (a token
+    # bucket; over it: RESOURCE_EXHAUSTED, yet a valid made token, or a legacy one on a
+    # connection that proved it, is served: gateway/auth.py)
     auth_failures: int = 10
     # TORCHFARM_LEGACY_TOKENS=0: only tokens made by `torchfarm token` (a 256-bit secret)
     # authenticate; 1 = others too (each tenant using one is logged once)
