@@ -198,6 +198,12 @@ class GatewaySettings:
                 f"{self.message_timeout_s:g}"
             )
 
+    @property
+    def unauthenticated_streams(self) -> int:
+        """Streams without a token (health Watch, reflection) open at once: a pool of their
+        own beside the tenants' streams, a quarter of the threads those leave (at least 1)."""
+        return max(1, (self.threads - self.max_streams) // 4)
+
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
         values: dict[str, Any] = dict(

@@ -583,7 +583,10 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
         interceptors=[
             metrics.MetricsInterceptor(),
             UndecodableRequests(),
-            StreamsWithoutToken(slots, without_token),
+            StreamsWithoutToken(
+                StreamSlots(settings.unauthenticated_streams, settings.unauthenticated_streams),
+                without_token,
+            ),
         ],
         options=[
             ("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20)),
