@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -554,12 +555,30 @@ class AdminServicer(pb_grpc.AdminServicer):
             yield pb.BundleChunk(data=data[i : i + step])
 
     def Import(self, requests: Iterator[pb.BundleChunk], context) -> pb.ImportReply:
+        """The upload goes to a temporary file as it arrives (never whole in memory), up to
+        admin.MAX_BUNDLE_BYTES, and is decoded up to admin.decoded_limit: past either,
+        RESOURCE_EXHAUSTED, nothing stored."""
         name = self._authorize(context)
-        data = b"".join(chunk.data for chunk in requests)
-        trusted = signing.Verifier(self.verify_keys)
-        reply = self._run(
-            context, lambda: self.cache.import_bundle(data, trusted, self.verify_keys)
-        )
+        with tempfile.TemporaryFile(prefix="torchfarm-import-") as spool:
+            uploaded = 0
+            for chunk in requests:
+                uploaded += len(chunk.data)
+                if uploaded > admin.MAX_BUNDLE_BYTES:
+                    _abort(
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the bundle is over {admin.MAX_BUNDLE_BYTES} bytes; nothing imported "
+                        "(direct mode, --redis, takes any size)",
+                    )
+                spool.write(chunk.data)
+            spool.seek(0)
+            trusted = signing.Verifier(self.verify_keys)
+            reply = self._run(
+                context,
+                lambda: self.cache.import_bundle(
+                    spool, trusted, self.verify_keys, max_decoded=admin.decoded_limit(uploaded)
+                ),
+            )
         log.info("admin %s imported %d entries", name, reply.entries)
         return reply
 
@@ -568,6 +587,7 @@ _PROBLEMS = {
     admin.Problem.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     admin.Problem.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     admin.Problem.UNTRUSTED: grpc.StatusCode.FAILED_PRECONDITION,
+    admin.Problem.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
