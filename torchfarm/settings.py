@@ -170,6 +170,9 @@ class GatewaySettings:
     tenant_package_mb: int = 64
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
+    # TORCHFARM_GATEWAY_INSECURE=1 (`--insecure`): listen in plaintext beyond loopback (behind
+    # a proxy that terminates TLS); without it such a gateway refuses to start without TLS
+    insecure: bool = False
     # TORCHFARM_VERIFY_KEYS: the public keys of the workers' signing keys (comma-separated
     # base64), served to clients by Farm.Info; only entries they verify are offered or served
     verify_keys: str = ""
@@ -231,6 +234,7 @@ class GatewaySettings:
             tenant_package_mb=_whole("TORCHFARM_TENANT_PACKAGE_MB", str(cls.tenant_package_mb)),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
+            insecure=_env("TORCHFARM_GATEWAY_INSECURE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -647,6 +647,19 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     return server, port
 
 
+def plaintext_refusal(host: str, tls: bool, insecure: bool) -> str:
+    """Why a gateway on `host` must not start ('' if it may): beyond loopback, tokens and
+    artifacts cross the network, so plaintext needs the operator's word (`--insecure`)."""
+    if tls or insecure or _loopback(host):
+        return ""
+    return (
+        f"refusing to listen on {host} in plaintext: give the gateway a certificate "
+        "(TORCHFARM_TLS_CERT and TORCHFARM_TLS_KEY; `torchfarm up --tls-cert --tls-key`), "
+        "listen on 127.0.0.1, or say --insecure (TORCHFARM_GATEWAY_INSECURE=1) behind a proxy "
+        "that terminates TLS"
+    )
+
+
 def warn_if_open(settings: GatewaySettings) -> bool:
     """Log a loud warning (and say so) for a gateway without tenants that other machines
     can reach."""
@@ -672,6 +685,11 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
     import signal
 
+    refusal = plaintext_refusal(settings.host, bool(settings.tls_cert), settings.insecure)
+    if refusal:
+        raise SystemExit(f"torchfarm gateway: {refusal}")
+    if settings.insecure and not settings.tls_cert and not _loopback(settings.host):
+        log.warning("PLAINTEXT GATEWAY on %s (--insecure): tokens cross the network", settings.host)
     store = Store.from_url(settings.redis_url, settings.broker_url, settings.blob_url)
     try:  # read through another store, every hit would drop its entry as corrupt
         store.artifacts.check_store()
