@@ -174,11 +174,16 @@ def _parse(key: str, digest: bytes, value: bytes) -> pb.EntryMeta | None:
         return None
 
 
-def _names_its_blob(field: bytes, entry: pb.EntryMeta) -> bool:
-    """Whether an index entry is as `put` writes it: under its digest, a sha256's hex. Any
-    other entry was planted by whoever writes the cache's Redis: it is never offered, and
-    the name it holds never reaches the blob store (it may name anyone's file)."""
-    return keys.DIGEST.fullmatch(entry.digest) is not None and field == entry.digest.encode()
+def _as_put_wrote_it(field: bytes, entry: pb.EntryMeta) -> bool:
+    """Whether an index entry is as `put` writes it: under its digest (a sha256's hex), with
+    a stored size (what bounds its blob's read). Any other entry was planted by whoever
+    writes the cache's Redis: it is never offered, and the name it holds never reaches the
+    blob store (it may name anyone's file)."""
+    return (
+        keys.DIGEST.fullmatch(entry.digest) is not None
+        and field == entry.digest.encode()
+        and entry.stored_bytes > 0
+    )
 
 
 def _split(entry: pb.EntryMeta) -> tuple[pb.EntryMeta, pb.EntryMeta]:
@@ -271,14 +276,14 @@ class ArtifactCache:
     def entries(self, key: str, usage: bool = True) -> list[pb.EntryMeta]:
         """Entries for a key, newest first, with their usage filled in (unless `usage` is
         False: one Redis round trip less, for a hit that only serves one). An entry that does
-        not decode or name its own blob is dropped (and counted) as it is read."""
+        not decode or is not as `put` wrote it is dropped (and counted) as it is read."""
         raw = self.redis.hgetall(keys.index(key))
         used = self.redis.hgetall(keys.usage(key)) if usage else {}
         counts = {k.decode(): float(v) for k, v in used.items()}
         found, bad = [], []
         for digest, value in raw.items():
             meta = _parse(key, digest, value)
-            if meta is None or not _names_its_blob(digest, meta):
+            if meta is None or not _as_put_wrote_it(digest, meta):
                 bad.append(digest)
                 continue
             meta.hits = int(counts.get(f"{meta.digest}:hits", 0))
@@ -415,9 +420,9 @@ class ArtifactCache:
 
     def drop(self, key: str, digests: Sequence[str | bytes] | None = None) -> int:
         """Remove entries of `key` (all if `digests` is None), then their blobs and details;
-        the number removed. The key leaves the LRU order once it has none. Entries that do
-        not name their own blob (see _names_its_blob) leave the index only, and are counted
-        as `bad_entries`: never counted in the totals, their names never reach the store."""
+        the number removed. The key leaves the LRU order once it has none. Entries not as
+        `put` wrote them (_as_put_wrote_it) leave the index only, and are counted as
+        `bad_entries`: never counted in the totals, their names never reach the store."""
         left, found = self._drop(
             keys=[keys.index(key), keys.usage(key)],
             args=["all" if digests is None else "these", *(digests or [])],
@@ -425,7 +430,7 @@ class ArtifactCache:
         removed = [
             meta
             for digest, value in zip(found[::2], found[1::2], strict=True)
-            if (meta := _parse(key, digest, value)) is not None and _names_its_blob(digest, meta)
+            if (meta := _parse(key, digest, value)) is not None and _as_put_wrote_it(digest, meta)
         ]
         bad = len(found) // 2 - len(removed)
         pipe = self.redis.pipeline(transaction=False)

@@ -91,11 +91,16 @@ def test_a_bad_digest_never_becomes_a_path(client, tmp_path, kind):
     name = _planted_names(str(victim), root)[kind]
     _plant(store, name, name)  # field and digest alike: the entry the old code unlinked
     _plant(store, keys.blob_name(digest_of(b"x")), name)  # a good field naming a bad digest
+    unbounded = digest_of(b"y")  # a good name whose read would have no bound
+    _plant(store, unbounded, unbounded, stored_bytes=-1)
+    os.makedirs(os.path.dirname(store.artifacts.blobs.path(unbounded)), exist_ok=True)
+    with open(store.artifacts.blobs.path(unbounded), "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB that reads as zeros
     assert _served_after(store)
     assert victim.read_bytes() == VICTIM and (tmp_path / "victim.details").read_bytes() == VICTIM
     assert store.artifacts.entries(KEY) == []
     assert client.hlen(keys.index(KEY)) == 0  # dropped as read
-    assert store.summary()["bad_entries"] == 2
+    assert store.summary()["bad_entries"] == 3
     with pytest.raises(keys.BadBlobName):
         store.artifacts.blobs.get(name, 64)  # the one function refuses it, whoever asks
 
