@@ -323,7 +323,7 @@ def test_index_entries_planted_in_redis_touch_no_host_file_through_the_gateway(
     assert _admin(farm, "Drop", pb.DropRequest(key=bad_key)).entries == len(planted)
     request = pb.CompileRequest(graph=_real_payload(), target=local_target())
     header = _header(_compile(farm, request))
-    blob = store.artifacts.blobs.path(header.digest)
+    blob = os.path.join(root, keys.blob_object(header.digest))
     os.unlink(blob)
     os.mkfifo(blob)
     past_gateway_memory()  # the blob as the gateway verified it is read again

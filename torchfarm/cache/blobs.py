@@ -118,9 +118,6 @@ class FileBlobs:
         self.root = root
         self.where = f"file://{root}"
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.root, keys.blob_object(name))
-
     @contextlib.contextmanager
     def _directory(self, name: str, create: bool = False) -> Iterator[tuple[int, str]]:
         """(an open descriptor of the blob's directory, the blob's file name there): reached

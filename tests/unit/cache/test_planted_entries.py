@@ -48,6 +48,11 @@ def client(redis_url):
     client.flushdb()
 
 
+def _path(store: Store, name: str) -> str:
+    """Where the directory store keeps blob `name`."""
+    return os.path.join(store.artifacts.blobs.root, keys.blob_object(name))
+
+
 def _plant(store: Store, field: str, digest: str, stored_bytes: int = 64) -> None:
     """An index entry as a Redis writer writes it: under `field`, naming `digest`."""
     meta = pb.EntryMeta(digest=digest, size=stored_bytes, stored_bytes=stored_bytes, created=1)
@@ -93,8 +98,8 @@ def test_a_bad_digest_never_becomes_a_path(client, tmp_path, kind):
     _plant(store, keys.blob_name(digest_of(b"x")), name)  # a good field naming a bad digest
     unbounded = digest_of(b"y")  # a good name whose read would have no bound
     _plant(store, unbounded, unbounded, stored_bytes=-1)
-    os.makedirs(os.path.dirname(store.artifacts.blobs.path(unbounded)), exist_ok=True)
-    with open(store.artifacts.blobs.path(unbounded), "wb") as f:
+    os.makedirs(os.path.dirname(_path(store, unbounded)), exist_ok=True)
+    with open(_path(store, unbounded), "wb") as f:
         f.truncate(1 << 30)  # sparse: 1 GiB that reads as zeros
     assert _served_after(store)
     assert victim.read_bytes() == VICTIM and (tmp_path / "victim.details").read_bytes() == VICTIM
@@ -143,8 +148,8 @@ def test_a_planted_file_at_a_good_name_is_never_followed_waited_on_or_read_past_
     store = Store.from_clients(client, blobs=FileBlobs(root))
     store.artifacts.put(HONEST_KEY, HONEST, pb.EntryMeta())
     entry = _valid_entry(store)
-    path = store.artifacts.blobs.path(entry.digest)
-    details = store.artifacts.blobs.path(details_name(entry.digest))
+    path = _path(store, entry.digest)
+    details = _path(store, details_name(entry.digest))
     outside = tmp_path / "outside"
     if kind == "linked directory":  # the fan-out directory is a link to another one
         outside.mkdir()
