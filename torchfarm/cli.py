@@ -39,13 +39,26 @@ def up(
         "", envvar="TORCHFARM_TENANTS", help="tenant:sha256(token),... (empty: an open farm)"
     ),
     admins: str = typer.Option("", envvar="TORCHFARM_ADMINS", help="admin:sha256(token),..."),
+    tls_cert: str = typer.Option("", envvar="TORCHFARM_TLS_CERT", help="gateway's PEM chain"),
+    tls_key: str = typer.Option("", envvar="TORCHFARM_TLS_KEY", help="its PEM private key"),
+    insecure: bool = typer.Option(
+        False, envvar="TORCHFARM_GATEWAY_INSECURE", help="plaintext beyond loopback"
+    ),
 ) -> None:
     """Start an embedded local farm. Once every worker has compiled its canary it prints one
     block for the operator (TORCHFARM_ADDR, an admin token it made unless TORCHFARM_ADMINS was
     given, the recovery command), or exits 1 with the reason (a worker's own error)."""
     from torchfarm.gateway import auth
+    from torchfarm.gateway.server import plaintext_refusal
     from torchfarm.local_farm import FarmNotReady, LocalFarm
 
+    if bool(tls_cert) != bool(tls_key):
+        typer.echo("torchfarm up: --tls-cert and --tls-key go together", err=True)
+        raise typer.Exit(2)
+    refusal = plaintext_refusal(host, bool(tls_cert), insecure)
+    if refusal:
+        typer.echo(f"torchfarm up: {refusal}", err=True)
+        raise typer.Exit(2)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -62,6 +75,8 @@ def up(
         # Celery's queues and the job board on a redis-server of their own: a cache at its
         # memory limit then never refuses the broker's writes (which ends a Celery worker)
         separate_broker=True,
+        tls=(tls_cert, tls_key) if tls_cert else None,
+        insecure=insecure,
     )
     try:
         with farm:
@@ -111,14 +126,18 @@ def gateway(
     host: str = typer.Option(None, help="[TORCHFARM_GATEWAY_HOST]"),
     port: int = typer.Option(None, help="[TORCHFARM_GATEWAY_PORT]"),
     redis_url: str = typer.Option(None, help="[TORCHFARM_REDIS_URL]"),
+    insecure: bool = typer.Option(
+        None, "--insecure", help="[TORCHFARM_GATEWAY_INSECURE] plaintext beyond loopback"
+    ),
     log_level: str = "info",
 ) -> None:
-    """Run the gRPC gateway."""
+    """Run the gRPC gateway: TLS (TORCHFARM_TLS_CERT/_KEY) unless it listens on loopback or
+    is told --insecure."""
     from torchfarm.gateway.server import serve
     from torchfarm.settings import GatewaySettings
 
     _logging(log_level)
-    serve(GatewaySettings.from_env(host=host, port=port, redis_url=redis_url))
+    serve(GatewaySettings.from_env(host=host, port=port, redis_url=redis_url, insecure=insecure))
 
 
 @app.command()

@@ -55,6 +55,7 @@ class LocalFarm:
         extra_env: dict | None = None,
         device: str = "cpu",
         tls: tuple[str, str] | None = None,
+        insecure: bool = False,
         separate_broker: bool = False,
         gateways: int = 1,
         blob_url: str = "",
@@ -79,6 +80,7 @@ class LocalFarm:
         self.redis_password = secrets.token_hex(16)
         self.device = device  # what the workers compile for: cpu or cuda
         self.tls = tls  # (certificate, key) PEM paths: the gateway serves TLS
+        self.insecure = insecure  # plaintext beyond loopback (TORCHFARM_GATEWAY_INSECURE)
         self.workdir = tempfile.mkdtemp(prefix="torchfarm-up-")
         # Blobs: a content-addressed directory of the farm's own (cache/blobs.py) unless told
         # otherwise: every process of an embedded farm is on this host, so a directory keeps
@@ -237,6 +239,7 @@ class LocalFarm:
                 "TORCHFARM_METRICS_PORT": str(metrics_port),
                 "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
                 "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else "",
+                "TORCHFARM_GATEWAY_INSECURE": "1" if self.insecure else "0",
                 "TORCHFARM_VERIFY_KEYS": self.verify_keys,
             },
         )

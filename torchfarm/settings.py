@@ -153,9 +153,10 @@ class GatewaySettings:
     recheck_s: float = 10.0
     metrics_port: int = 9470  # TORCHFARM_METRICS_PORT: Prometheus /metrics, 0 = off
     metrics_host: str = ""  # TORCHFARM_METRICS_HOST: /metrics listens here; "" = gateway host
-    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once under
-    # one token id (tokens of `torchfarm token`; other tokens share one id, "legacy"); then
-    # one more per second (a token bucket; over it: RESOURCE_EXHAUSTED, token not checked)
+    # TORCHFARM_AUTH_FAILURES: failed authentications a peer address may make at once, per
+    # kind of token (made by `torchfarm token`, or legacy); then one more per second (a token
+    # bucket; over it: RESOURCE_EXHAUSTED, yet a valid made token, or a legacy one on a
+    # connection that proved it, is served: gateway/auth.py)
     auth_failures: int = 10
     # TORCHFARM_LEGACY_TOKENS=0: only tokens made by `torchfarm token` (a 256-bit secret)
     # authenticate; 1 = others too (each tenant using one is logged once)
@@ -169,6 +170,9 @@ class GatewaySettings:
     tenant_package_mb: int = 64
     tls_cert: str = ""  # TORCHFARM_TLS_CERT: PEM certificate chain; with _KEY = TLS
     tls_key: str = ""  # TORCHFARM_TLS_KEY: PEM private key
+    # TORCHFARM_GATEWAY_INSECURE=1 (`--insecure`): listen in plaintext beyond loopback (behind
+    # a proxy that terminates TLS); without it such a gateway refuses to start without TLS
+    insecure: bool = False
     # TORCHFARM_VERIFY_KEYS: the public keys of the workers' signing keys (comma-separated
     # base64), served to clients by Farm.Info; only entries they verify are offered or served
     verify_keys: str = ""
@@ -197,6 +201,12 @@ class GatewaySettings:
                 f"{self.message_timeout_s:g}"
             )
 
+    @property
+    def unauthenticated_streams(self) -> int:
+        """Streams without a token (health Watch, reflection) open at once: a pool of their
+        own beside the tenants' streams, a quarter of the threads those leave (at least 1)."""
+        return max(1, (self.threads - self.max_streams) // 4)
+
     @classmethod
     def from_env(cls, **overrides) -> GatewaySettings:
         values: dict[str, Any] = dict(
@@ -224,6 +234,7 @@ class GatewaySettings:
             tenant_package_mb=_whole("TORCHFARM_TENANT_PACKAGE_MB", str(cls.tenant_package_mb)),
             tls_cert=_env("TORCHFARM_TLS_CERT", ""),
             tls_key=_env("TORCHFARM_TLS_KEY", ""),
+            insecure=_env("TORCHFARM_GATEWAY_INSECURE", "0") in ("1", "true", "yes"),
             verify_keys=_env("TORCHFARM_VERIFY_KEYS", ""),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import torchfarm
-from tests.integration.helpers import TOKENS, direct_request
+from tests.integration.helpers import ADMIN_TOKEN, TOKENS, direct_request, past_gateway_memory
+from torchfarm.cache import keys
+from torchfarm.cache.artifacts import index_value
 from torchfarm.client import backend
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import cache_key
@@ -181,8 +183,6 @@ def test_malformed_payloads_get_precise_errors(farm):
 
 
 def test_admin_rpcs_need_an_admin_token(farm, store):
-    from tests.integration.helpers import ADMIN_TOKEN
-
     def admin(method: str, request, token: str | None):
         with grpc.insecure_channel(farm.addr) as channel:
             metadata = [("authorization", f"Bearer {token}")] if token else []
@@ -276,3 +276,68 @@ def test_a_graph_with_thousands_of_nodes_compiles_and_matches_eager(farm, store)
     record = backend.history[-1]
     assert record.source == "miss", record  # compiled by the farm, not a fallback
     assert max(r.get("nodes", 0) for r in store.rows()) >= 2100
+
+
+def test_index_entries_planted_in_redis_touch_no_host_file_through_the_gateway(
+    farm, store, tmp_path
+):
+    """Issue 50's FAIL row, on the real farm (its gateway runs as root here, as under
+    `torchfarm up`): whoever writes the farm's Redis plants index entries whose digests are
+    paths (a traversal to a file of the test's and to its `.details`, an absolute path,
+    /dev/zero), and a FIFO at a real entry's blob. A tenant's plain Get, an admin's Export
+    and Drop touch none of them and wait on nothing; each bad entry is dropped and counted;
+    the real entry's key then compiles again on the farm (a miss)."""
+    victim = tmp_path / "victim"
+    for path in (victim, tmp_path / "victim.details"):
+        path.write_bytes(b"a host file")
+    root = store.artifacts.blobs.root  # the farm's blob directory (the session farm's own)
+    planted = [os.path.relpath(victim, os.path.join(root, keys.FORMAT)), str(victim)]
+    planted.append(os.path.relpath("/dev/zero", os.path.join(root, keys.FORMAT)))
+    bad_key = "e" * 64
+    before = json.loads(_admin(farm, "Stats", pb.StatsRequest()).json)["bad_entries"]
+
+    def plant() -> None:
+        for name in planted:
+            meta = pb.EntryMeta(digest=name, size=64, stored_bytes=64, created=1)
+            store.artifacts.redis.hset(
+                keys.index(bad_key), name, index_value(meta.SerializeToString())
+            )
+        store.artifacts.redis.zadd(keys.RECENT, {bad_key: 1})
+
+    def get(key: str) -> str:
+        with grpc.insecure_channel(farm.addr) as channel:
+            events = pb_grpc.FarmStub(channel).Get(
+                iter([pb.GetRequest(ask=pb.Ask(key=key))]),
+                metadata=[("authorization", f"Bearer {TOKENS['alice']}")],
+                timeout=60,  # a read waiting on the FIFO: DEADLINE_EXCEEDED, a failure
+            )
+            first = next(events)
+            events.cancel()
+        return first.WhichOneof("event")
+
+    plant()
+    assert get(bad_key) == "missing"
+    plant()
+    assert _admin(farm, "Export", pb.ExportRequest())  # every entry read, bad ones dropped
+    plant()
+    assert _admin(farm, "Drop", pb.DropRequest(key=bad_key)).entries == len(planted)
+    request = pb.CompileRequest(graph=_real_payload(), target=local_target())
+    header = _header(_compile(farm, request))
+    blob = os.path.join(root, keys.blob_object(header.digest))
+    os.unlink(blob)
+    os.mkfifo(blob)
+    past_gateway_memory()  # the blob as the gateway verified it is read again
+    assert get(header.key) == "missing"  # the FIFO is no blob: the entry dropped, not waited on
+    assert not os.path.lexists(blob)
+    assert victim.read_bytes() == (tmp_path / "victim.details").read_bytes() == b"a host file"
+    stats = json.loads(_admin(farm, "Stats", pb.StatsRequest()).json)
+    assert stats["bad_entries"] - before == 3 * len(planted)  # by Get, Export and Drop
+    assert _header(_compile(farm, request)).source == "miss"  # compiled again, honestly
+
+
+def _admin(farm, method: str, request):
+    with grpc.insecure_channel(farm.addr) as channel:
+        reply = getattr(pb_grpc.AdminStub(channel), method)(
+            request, metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")], timeout=120
+        )
+        return list(reply) if method == "Export" else reply

@@ -1,6 +1,8 @@
-"""Availability (issue 27, finding 1): one tenant's idle streams never stall another
-tenant's calls. A real gateway and redis-server with small caps; no worker (nothing here
-compiles)."""
+"""Availability (issue 27, finding 1; issue 50, item 2): one tenant's idle streams never stall
+another tenant's calls; strangers' streams (no token) hold a small pool of their own; while
+strangers and two tenants hold every stream they can, another tenant's first ask is served;
+a client refused because others hold the gateway's streams compiles locally at once. A real
+gateway and redis-server with small caps; no worker (nothing here compiles)."""
 
 import os
 import subprocess
@@ -11,6 +13,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from torchfarm.contract import busy
 from torchfarm.contract.cache_key import cache_key
@@ -18,9 +21,11 @@ from torchfarm.gateway import auth
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
+from torchfarm.settings import GatewaySettings
 
-A, B = auth.make_token(), auth.make_token()
+A, B, C, D, E = (auth.make_token() for _ in range(5))
 THREADS, TENANT_STREAMS, MESSAGE_TIMEOUT_S = 16, 4, 15
+SETTINGS = GatewaySettings(threads=THREADS, tenant_max_streams=TENANT_STREAMS)
 IDLE = 64  # four times the gateway's threads
 TARGET = pb.Target(device="cpu", torch_version="2.13.0", python_version="3.11")
 KEY = cache_key(b"a graph", TARGET, pb.Options())
@@ -34,7 +39,9 @@ CHUNK_BYTES = 1024
 def farm():
     with LocalFarm(
         workers=0,
-        tenants=f"a:{auth.hash_token(A)},b:{auth.hash_token(B)}",
+        tenants=",".join(
+            f"{name}:{auth.hash_token(token)}" for name, token in zip("abcde", (A, B, C, D, E))
+        ),
         admins="",
         extra_env={
             "TORCHFARM_GATEWAY_THREADS": str(THREADS),
@@ -105,13 +112,15 @@ def test_a_stream_silent_after_missing_is_cancelled(farm):
     assert e.value.code() is grpc.StatusCode.CANCELLED
 
 
-def test_health_watches_hold_capped_slots_too(farm):
-    """Health and reflection take no token: their streams share one owner's cap."""
+def test_health_watches_hold_a_small_pool_of_their_own(farm):
+    """Health and reflection take no token: their streams share a pool apart from the
+    tenants' (a quarter of the threads those leave)."""
+    pool = SETTINGS.unauthenticated_streams
     with grpc.insecure_channel(farm.addr) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         watches = [
             health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
-            for _ in range(2 * TENANT_STREAMS)
+            for _ in range(pool + TENANT_STREAMS)
         ]
         firsts = []
         for watch in watches:
@@ -124,9 +133,74 @@ def test_health_watches_hold_capped_slots_too(farm):
         )
         for watch in watches:
             watch.cancel()
-    assert firsts.count(health_pb2.HealthCheckResponse.SERVING) == TENANT_STREAMS
+    assert firsts.count(health_pb2.HealthCheckResponse.SERVING) == pool
     assert firsts.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == TENANT_STREAMS
     assert len(reply.candidates) == 1
+
+
+def _hold_every_stream(channel: grpc.Channel, token: str, silent: Silent) -> list:
+    """Twice a tenant's share of idle Get streams: it holds what it may, the rest are
+    refused at once (waited for here)."""
+    calls = [
+        pb_grpc.FarmStub(channel).Get(iter(silent), metadata=_metadata(token), timeout=120)
+        for _ in range(2 * TENANT_STREAMS)
+    ]
+    while sum(call.done() for call in calls) < TENANT_STREAMS:
+        time.sleep(0.05)
+    return calls
+
+
+def _strangers(channel: grpc.Channel, silent: Silent) -> list:
+    """Health watches and reflection streams, four times the gateway's threads: no token."""
+    health = health_pb2_grpc.HealthStub(channel)
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    calls = [health.Watch(health_pb2.HealthCheckRequest(), timeout=120) for _ in range(THREADS)]
+    calls += [reflection.ServerReflectionInfo(iter(silent), timeout=120) for _ in range(THREADS)]
+    while sum(call.done() for call in calls) < len(calls) - SETTINGS.unauthenticated_streams:
+        time.sleep(0.05)
+    return calls
+
+
+def _get(channel: grpc.Channel, token: str, key: str) -> list[pb.CompileEvent]:
+    return list(
+        pb_grpc.FarmStub(channel).Get(
+            iter([pb.GetRequest(ask=pb.Ask(key=key))]), metadata=_metadata(token), timeout=60
+        )
+    )
+
+
+def test_another_tenants_first_ask_is_served_while_strangers_and_two_tenants_hold_all(farm):
+    """The re-probe's partial row: strangers (health watches, reflection) and two tenants
+    hold every stream they can; a third tenant's first Get (a hit streamed in chunks: it
+    needs a stream slot) is answered. bench/fair_streams.py times it."""
+    silent = Silent()
+    with grpc.insecure_channel(farm.addr) as channel, grpc.insecure_channel(farm.addr) as b:
+        held = _strangers(channel, silent)
+        held += _hold_every_stream(channel, A, silent) + _hold_every_stream(channel, C, silent)
+        events = _get(b, B, LARGE_KEY)
+        silent.release.set()
+        for call in held:
+            call.cancel()
+    assert events[0].header.source == "hit" and events[-1].WhichOneof("event") == "chunk"
+    assert b"".join(e.chunk for e in events if e.WhichOneof("event") == "chunk")
+
+
+def test_a_client_refused_for_the_gateways_streams_compiles_locally_at_once(farm):
+    """Four tenants hold all the gateway's streams (the third and fourth take the slots kept
+    for a tenant's first stream): the fifth is refused with the gateway's scope, and its
+    client does not ask again (that is for its own tenant's streams): FarmError, so the
+    step compiles locally, never waiting its compile timeout on others' streams."""
+    silent = Silent()
+    with grpc.insecure_channel(farm.addr) as channel:
+        held = [call for t in (A, C, D, E) for call in _hold_every_stream(channel, t, silent)]
+        asking = _ask_for(farm, LARGE_KEY)
+        out, err = asking.communicate(timeout=120)
+        silent.release.set()
+        for call in held:
+            call.cancel()
+    assert asking.returncode != 0 and not out
+    assert "RESOURCE_EXHAUSTED: the gateway has no stream free for b" in err, err[-2000:]
+    assert "the farm is busy" not in err  # not asked again
 
 
 def test_a_client_refused_a_slot_asks_again_and_gets_its_hit(farm):

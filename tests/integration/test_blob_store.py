@@ -59,7 +59,7 @@ def test_a_miss_keeps_its_artifact_in_the_object_store_and_redis_only_small_valu
     [entry] = store.artifacts.entries(key)
     named = f"{PREFIX}/{keys.blob_object(entry.digest)}"
     assert sorted(s3.objects()) == [named, f"{named}.details"]  # the artifact, its details
-    assert not list(store.artifacts.redis.scan_iter(match=keys.blob("*")))
+    assert not list(store.artifacts.redis.scan_iter(match=keys.BLOB_PATTERN))
     assert _redis_bytes(store, _entry_keys(key)) <= ENTRY_REDIS_BYTES
     hit = run_client(farm, "model_client.py", "mlp", "infer")
     assert hit["sources"] == ["hit"] and hit["out_err"] < 1e-5

@@ -1,4 +1,5 @@
-"""TLS between clients and the gateway, with certificates the test makes with openssl."""
+"""TLS between clients and the gateway, with certificates the test makes with openssl; a
+gateway beyond loopback serves TLS unless the operator says --insecure (issue 50, item 5)."""
 
 import os
 import subprocess
@@ -7,10 +8,12 @@ import tempfile
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import torchfarm
+from torchfarm.cli import app
 from torchfarm.client import backend, remote
-from torchfarm.local_farm import LocalFarm
+from torchfarm.local_farm import FarmNotReady, LocalFarm
 from torchfarm.settings import ClientSettings
 
 pytestmark = pytest.mark.integration
@@ -35,7 +38,7 @@ def _self_signed(directory) -> tuple[str, str]:
             "-subj",
             "/CN=localhost",
             "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "subjectAltName=IP:127.0.0.1,IP:0.0.0.0,DNS:localhost",
         ],
         check=True,
         capture_output=True,
@@ -87,3 +90,26 @@ def test_doctor_reports_tls(tls_farm):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TLS, trusting" in proc.stdout and "output equals eager" in proc.stdout
+
+
+PLAINTEXT_REFUSED = "refusing to listen on 0.0.0.0 in plaintext"
+
+
+def test_a_gateway_beyond_loopback_serves_tls_or_plaintext_only_when_told(tmp_path):
+    """Without a certificate a gateway on 0.0.0.0 does not start (nor does `up`, before it
+    starts anything); --insecure starts it in plaintext; with a certificate it serves TLS,
+    which a client trusting the CA reaches and one trusting nothing does not."""
+    with pytest.raises(FarmNotReady, match="gateway exited"):
+        with LocalFarm(workers=0, host="0.0.0.0", log_dir=str(tmp_path)):
+            pass
+    assert PLAINTEXT_REFUSED in (tmp_path / "gateway.log").read_text()
+    refused = CliRunner().invoke(app, ["up", "--host", "0.0.0.0"])
+    assert refused.exit_code == 2 and PLAINTEXT_REFUSED in refused.output
+    with LocalFarm(workers=0, host="0.0.0.0", insecure=True) as farm:
+        assert remote.lookup("0" * 64, ClientSettings(addr=farm.addr)) == []
+    cert, key = _self_signed(tmp_path)
+    with LocalFarm(workers=0, host="0.0.0.0", tls=(cert, key)) as farm:
+        assert remote.lookup("0" * 64, ClientSettings(addr=farm.addr, tls_ca=cert)) == []
+        plaintext = ClientSettings(addr=farm.addr, connect_timeout_s=1)
+        with pytest.raises(remote.FarmError, match="unreachable"):
+            remote.lookup("0" * 64, plaintext)

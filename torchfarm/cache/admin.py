@@ -13,6 +13,7 @@ import enum
 import json
 import re
 import time
+from typing import BinaryIO
 
 import zstandard
 from google.protobuf.message import DecodeError
@@ -23,6 +24,10 @@ from torchfarm.cache.store import Store, entry_dict, entry_from_dict
 from torchfarm.proto import torchfarm_pb2 as pb
 
 BUNDLE_FORMAT = "torchfarm-bundle-v1"
+# What the gateway's Import takes (direct mode, the operator's own process, takes any size):
+MAX_BUNDLE_BYTES = 256 << 20  # a bundle as uploaded (zstd), spooled to disk as it arrives
+MAX_BUNDLE_RATIO = 16  # the bytes it may decode to, per byte uploaded
+MAX_BUNDLE_DECODED = 1 << 30  # and at most this: it is parsed in memory
 BULKY = DETAIL_FIELDS  # fields `ls` leaves out (kept beside the blob, not in the index)
 MIN_PREFIX = 4  # hex digits a `show`/`rm` prefix needs
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -39,6 +44,7 @@ class Problem(enum.Enum):
     INVALID = "invalid"  # a bad request or bundle (INVALID_ARGUMENT)
     NOT_FOUND = "not found"  # no key matches (NOT_FOUND)
     UNTRUSTED = "untrusted"  # a bundle entry no trusted key signed (FAILED_PRECONDITION)
+    TOO_LARGE = "too large"  # a bundle past the gateway's bounds (RESOURCE_EXHAUSTED)
 
 
 class Refused(Exception):
@@ -152,17 +158,19 @@ class CacheAdmin:
 
     def import_bundle(
         self,
-        data: bytes,
+        source: BinaryIO,
         trusted: signing.Verifier,
         served: tuple[str, ...] | list[str],
         unsigned: bool = False,
+        max_decoded: int = 0,
     ) -> pb.ImportReply:
-        """Load a bundle's entries once each one's digest, format and signature are checked:
+        """Load a bundle's entries (read from `source`, decoded up to `max_decoded` bytes, 0:
+        any) once each one's digest, format and signature are checked:
         an entry that no key of `trusted` signed refuses the whole bundle unless `unsigned`.
         Entries keep the signature they came with (never re-signed), recording its key
         (`signed_by`); entries private to a tenant are dropped and counted. `served`: the keys
         the gateway serves clients (the reply names other signers)."""
-        bundle = parse_bundle(data)
+        bundle = parse_bundle(source, max_decoded)
         entries, untrusted, private = [], [], 0
         now = time.time()
         for item in bundle.entries:
@@ -200,9 +208,27 @@ class CacheAdmin:
         )
 
 
-def parse_bundle(data: bytes) -> pb.CacheBundle:
+def decoded_limit(uploaded: int) -> int:
+    """The most a bundle of `uploaded` bytes may decode to through the gateway."""
+    return min(MAX_BUNDLE_DECODED, MAX_BUNDLE_RATIO * uploaded)
+
+
+def parse_bundle(source: BinaryIO, max_decoded: int = 0) -> pb.CacheBundle:
+    """The bundle in `source`, decoded a chunk at a time: past `max_decoded` bytes (0: no
+    limit) it is refused (TOO_LARGE) before more is held."""
+    decoded = bytearray()
     try:
-        bundle = pb.CacheBundle.FromString(zstandard.ZstdDecompressor().decompress(data))
+        reader = zstandard.ZstdDecompressor().stream_reader(source)
+        while piece := reader.read(1 << 20):
+            decoded += piece
+            if max_decoded and len(decoded) > max_decoded:
+                raise Refused(
+                    Problem.TOO_LARGE,
+                    f"the bundle decodes to more than {max_decoded} bytes "
+                    f"({MAX_BUNDLE_RATIO} per byte sent, at most {MAX_BUNDLE_DECODED}); "
+                    "nothing imported (direct mode, --redis, takes any size)",
+                )
+        bundle = pb.CacheBundle.FromString(bytes(decoded))
     except (zstandard.ZstdError, ValueError, DecodeError) as e:
         raise Refused(Problem.INVALID, f"not a torchfarm bundle ({e})") from e
     if bundle.format != BUNDLE_FORMAT:

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import zstandard
@@ -34,6 +34,7 @@ from torchfarm.cache.blobs import (
     OutOfMemoryError,
     RedisBlobs,
 )
+from torchfarm.cache.counters import Counters
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
@@ -146,6 +147,7 @@ class VerifiedBlobs:
 DetailField = Literal["graph_code", "op_counts", "kernels", "objects"]
 DETAIL_FIELDS: tuple[DetailField, ...] = ("graph_code", "op_counts", "kernels", "objects")
 MAX_INDEX_VALUE = 1 << 20  # an index entry decodes to no more than this
+MAX_DETAILS_BYTES = 16 << 20  # an entry's details are read up to this (they have no size)
 
 
 def details_name(digest: str) -> str:
@@ -170,6 +172,18 @@ def _parse(key: str, digest: bytes, value: bytes) -> pb.EntryMeta | None:
     except (DecodeError, ValueError, zstandard.ZstdError):
         log.warning("ignoring undecodable index entry %s of %s", digest.decode()[:16], key[:16])
         return None
+
+
+def _as_put_wrote_it(field: bytes, entry: pb.EntryMeta) -> bool:
+    """Whether an index entry is as `put` writes it: under its digest (a sha256's hex), with
+    a stored size (what bounds its blob's read). Any other entry was planted by whoever
+    writes the cache's Redis: it is never offered, and the name it holds never reaches the
+    blob store (it may name anyone's file)."""
+    return (
+        keys.DIGEST.fullmatch(entry.digest) is not None
+        and field == entry.digest.encode()
+        and entry.stored_bytes > 0
+    )
 
 
 def _split(entry: pb.EntryMeta) -> tuple[pb.EntryMeta, pb.EntryMeta]:
@@ -226,8 +240,10 @@ class ArtifactCache:
         blobs: BlobBackend | None = None,
         codec=None,
         verified: VerifiedBlobs | None = None,
+        counters: Counters | None = None,
     ):
         self.redis = client
+        self.counters = counters if counters is not None else Counters(client)
         self.blobs: BlobBackend = blobs if blobs is not None else RedisBlobs(client)
         self.codec: Codec = codec or Codec()
         self.verified = verified if verified is not None else VerifiedBlobs()
@@ -259,18 +275,22 @@ class ArtifactCache:
 
     def entries(self, key: str, usage: bool = True) -> list[pb.EntryMeta]:
         """Entries for a key, newest first, with their usage filled in (unless `usage` is
-        False: one Redis round trip less, for a hit that only serves one)."""
+        False: one Redis round trip less, for a hit that only serves one). An entry that does
+        not decode or is not as `put` wrote it is dropped (and counted) as it is read."""
         raw = self.redis.hgetall(keys.index(key))
         used = self.redis.hgetall(keys.usage(key)) if usage else {}
         counts = {k.decode(): float(v) for k, v in used.items()}
-        found = []
+        found, bad = [], []
         for digest, value in raw.items():
             meta = _parse(key, digest, value)
-            if meta is None:
+            if meta is None or not _as_put_wrote_it(digest, meta):
+                bad.append(digest)
                 continue
             meta.hits = int(counts.get(f"{meta.digest}:hits", 0))
             meta.last_hit = counts.get(f"{meta.digest}:last_hit", 0.0)
             found.append(meta)
+        if bad:
+            self.drop(key, bad)
         return sorted(found, key=lambda e: e.created, reverse=True)
 
     def entry(self, key: str, digest: str) -> pb.EntryMeta | None:
@@ -281,7 +301,7 @@ class ArtifactCache:
         they are gone or do not decode (they are descriptive only: nothing loads them)."""
         full = pb.EntryMeta()
         full.CopyFrom(entry)
-        value = self.blobs.get(details_name(entry.digest))
+        value = self.blobs.get(details_name(entry.digest), MAX_DETAILS_BYTES)
         if value is not None:
             try:
                 full.MergeFrom(pb.EntryMeta.FromString(value))
@@ -302,14 +322,18 @@ class ArtifactCache:
     def stored(self, key: str, entry: pb.EntryMeta) -> bytes | None:
         """The entry's stored (encoded) bytes, verified; None (and the entry dropped) if bad.
         The gateway streams them as stored, or through Codec.chunks, never holding the
-        artifact decoded."""
+        artifact decoded; it reads no more than the entry's recorded stored size."""
         kept = self.verified.fresh(entry.digest)
         if kept is not None:
             return kept
-        stored = self.blobs.get(entry.digest)
+        stored = self.blobs.get(entry.digest, entry.stored_bytes)
         if stored is not None and self.verified.holds(entry.digest, stored):
             return stored
-        if stored is None or not self.codec.verify(stored, entry.digest, entry.size):
+        if (
+            stored is None
+            or len(stored) != entry.stored_bytes
+            or not self.codec.verify(stored, entry.digest, entry.size)
+        ):
             self.verified.forget(entry.digest)
             self.drop(key, [entry.digest])
             return None
@@ -394,17 +418,21 @@ class ArtifactCache:
         except OutOfMemoryError:
             log.warning("the cache's Redis is at its memory limit: hit of %s not recorded", key)
 
-    def drop(self, key: str, digests: list[str] | None = None) -> int:
+    def drop(self, key: str, digests: Sequence[str | bytes] | None = None) -> int:
         """Remove entries of `key` (all if `digests` is None), then their blobs and details;
-        the number removed. The key leaves the LRU order once it has none."""
+        the number removed. The key leaves the LRU order once it has none. Entries not as
+        `put` wrote them (_as_put_wrote_it) leave the index only, and are counted as
+        `bad_entries`: never counted in the totals, their names never reach the store."""
         left, found = self._drop(
             keys=[keys.index(key), keys.usage(key)],
             args=["all" if digests is None else "these", *(digests or [])],
         )
         removed = [
-            _parse(key, digest, value) or pb.EntryMeta(digest=digest.decode())
+            meta
             for digest, value in zip(found[::2], found[1::2], strict=True)
+            if (meta := _parse(key, digest, value)) is not None and _as_put_wrote_it(digest, meta)
         ]
+        bad = len(found) // 2 - len(removed)
         pipe = self.redis.pipeline(transaction=False)
         if removed:
             pipe.hincrbyfloat(keys.TOTALS, "stored_bytes", -sum(e.stored_bytes for e in removed))
@@ -414,10 +442,13 @@ class ArtifactCache:
         pipe.execute()
         if not left and self.redis.exists(keys.index(key)):
             self._use(key, time.time())  # a put stored an entry meanwhile: it keeps its place
+        if bad:
+            log.warning("dropped %d index entries of %s naming no blob of theirs", bad, key[:16])
+            self.counters.count(bad_entries=bad)
         for entry in removed:
             self.verified.forget(entry.digest)
         self.blobs.delete(n for e in removed for n in (e.digest, details_name(e.digest)))
-        return len(removed)
+        return len(found) // 2
 
     def evict(self, max_bytes: int, ttl_s: float = 0, now: float | None = None) -> list[str]:
         """Drop keys unused for `ttl_s` (0: no TTL), then least recently used keys until the

@@ -9,6 +9,7 @@ formats. `--json` on every command prints one JSON document for scripts.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import sys
@@ -188,7 +189,7 @@ class StoreSource:
         except ValueError as e:
             raise CommandFailed(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from None
         try:
-            return self.cache.import_bundle(data, trusted, served, unsigned)
+            return self.cache.import_bundle(io.BytesIO(data), trusted, served, unsigned)
         except admin.Refused as e:
             hint = "; --unsigned imports them anyway (no client loads them)"
             raise CommandFailed(f"{e}{hint if e.problem is admin.Problem.UNTRUSTED else ''}")
@@ -517,7 +518,7 @@ def export(
     data = _run((addr, token, redis_url, direct), lambda s: b"".join(s.export(request)))
     with open(path, "wb") as f:
         f.write(data)
-    bundle = admin.parse_bundle(data)
+    bundle = admin.parse_bundle(io.BytesIO(data))
     count, tuning = len(bundle.entries), sum(len(t.builds) for t in bundle.pool_tuning)
     typer.echo(
         json.dumps({"entries": count, "tuning_builds": tuning, "path": path})
@@ -559,7 +560,7 @@ def import_(
     try:
         with open(path, "rb") as f:
             data = f.read()
-        admin.parse_bundle(data)  # a file that is no bundle is refused before any call
+        admin.parse_bundle(io.BytesIO(data))  # a file that is no bundle is refused before any call
     except (OSError, admin.Refused) as e:
         raise typer.BadParameter(f"{path}: {e}") from e
     reply = _run(

@@ -19,16 +19,34 @@ the LRU order (cache/artifacts.py). The broker's Redis stays one server: Celery'
 the job board's scripts (cache/jobs.py) need it."""
 
 import hashlib
+import re
 
 FORMAT = "tf6"
+DIGEST = re.compile(r"[0-9a-f]{64}")  # sha256, hex: what names an artifact
+_BLOB_NAME = re.compile(rf"{DIGEST.pattern}(\.details)?")
+
+
+class BadBlobName(ValueError):
+    """A blob name that is no sha256 digest: read back from a store that a hostile writer may
+    have changed (an index entry naming `../x`), it never becomes a path or an object name."""
+
+
+def blob_name(name: str) -> str:
+    """`name` if it is a blob's: an artifact's digest (64 lowercase hex digits) or its
+    details' (the digest and `.details`), else BadBlobName. Every blob's Redis key, file path
+    and object name is made from what passed here, and nothing else."""
+    if not isinstance(name, str) or not _BLOB_NAME.fullmatch(name):
+        raise BadBlobName(f"not a blob name: {str(name)[:80]!r}")
+    return name
 
 
 def blob(digest: str) -> str:  # zstd(artifact bytes), content-addressed by sha256
-    return f"{FORMAT}:blob:{digest}"  # where TORCHFARM_BLOB_URL=redis (cache/blobs.py)
+    return f"{FORMAT}:blob:{blob_name(digest)}"  # where TORCHFARM_BLOB_URL=redis (blobs.py)
 
 
 def blob_object(digest: str) -> str:  # the same bytes' name in a file or S3 blob store:
-    return f"{FORMAT}/blob/{digest[:2]}/{digest}"  # a path, fanned out by the digest's start
+    name = blob_name(digest)  # a path, fanned out by the digest's start
+    return f"{FORMAT}/blob/{name[:2]}/{name}"
 
 
 def index(key: str) -> str:  # hash: artifact digest -> EntryMeta bytes
@@ -105,6 +123,7 @@ def pool_tuning(pool: str) -> str:  # set: KernelBuild bytes whose build the poo
     return f"{FORMAT}:pooltuning:{pool}"  # of; rebuilt by each worker of it, never trusted
 
 
+BLOB_PATTERN = f"{FORMAT}:blob:*"
 POOL_PATTERN = f"{FORMAT}:pool:*"
 POOL_TUNING_PATTERN = f"{FORMAT}:pooltuning:*"
 POOL_STATS_PATTERN = f"{FORMAT}:poolstats:*"

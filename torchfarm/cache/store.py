@@ -79,9 +79,10 @@ class Store:
             if not isinstance(cache, redis.Redis):
                 raise ValueError("a Redis Cluster holds the cache only: give the broker's server")
             jobs = cache
+        counters = Counters(cache)
         return cls(
-            ArtifactCache(cache, blobs),
-            Counters(cache),
+            ArtifactCache(cache, blobs, counters=counters),
+            counters,
             JobBoard(jobs),
             PoolRegistry(jobs),
             Structures(cache),
@@ -127,6 +128,8 @@ class Store:
             "compile_seconds": round(counters.get("compile_seconds", 0.0), 3),
             "compile_seconds_saved": round(counters.get("compile_seconds_saved", 0.0), 3),
             "bytes_served": int(counters.get("bytes_served", 0)),
+            # index entries naming no blob of theirs (planted in Redis): dropped as read
+            "bad_entries": int(counters.get("bad_entries", 0)),
             "pools": per_pool,
         }
 

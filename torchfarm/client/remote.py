@@ -65,7 +65,7 @@ class UntrustedEntry(FarmError):
 
 
 class FarmBusy(FarmError):
-    """The gateway had no stream slot for this call and said when to ask again
+    """The tenant's own streams held its share of the gateway and it said when to ask again
     (contract/busy.py): asked again until the compile timeout, never compiled locally."""
 
     def __init__(self, message: str, retry_after_s: float):
@@ -252,9 +252,11 @@ def _rpc_error(e: grpc.RpcError, suffix: str = "") -> FarmError:
     GatewayLost when another gateway may answer it."""
     message = f"{e.code().name}: {e.details()}{suffix}"
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        for name, value in getattr(e, "trailing_metadata", lambda: None)() or ():
-            if name == busy.RETRY_AFTER_MS and value.isdigit():
-                return FarmBusy(message, int(value) / 1000)
+        trailers = dict(getattr(e, "trailing_metadata", lambda: None)() or ())
+        retry_ms = trailers.get(busy.RETRY_AFTER_MS, "")
+        # Others hold the gateway's streams: compile here now rather than wait on them.
+        if retry_ms.isdigit() and trailers.get(busy.SCOPE) != busy.GATEWAY:
+            return FarmBusy(message, int(retry_ms) / 1000)
     lost = e.code() == grpc.StatusCode.UNAVAILABLE
     return (GatewayLost if lost else FarmError)(message)
 

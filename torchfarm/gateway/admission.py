@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import grpc
 
-from torchfarm.contract.busy import RETRY_AFTER_MS, STREAM_RETRY_AFTER_MS
+from torchfarm.contract import busy
 
 log = logging.getLogger("torchfarm.gateway")
 UNAUTHENTICATED_STREAMS = " no token"  # the slot owner of health and reflection streams
@@ -29,24 +29,30 @@ T = TypeVar("T")
 
 
 class StreamSlots:
-    """Open streams per owner (a tenant) and in all. Past either cap a stream is refused at
-    once (RESOURCE_EXHAUSTED): it never waits for a thread that another's streams hold."""
+    """Open streams per owner (a tenant) and in all. Each owner holds at most its share
+    (`per_tenant`), and the last `reserve` free slots go only to owners that hold none, so a
+    tenant's first stream finds a slot however many others hold their share. Past a cap a
+    stream is refused at once (RESOURCE_EXHAUSTED): it never waits for a thread that
+    another's streams hold."""
 
     def __init__(self, total: int, per_tenant: int):
         self.total, self.per_tenant = total, per_tenant
+        self.reserve = min(max(1, per_tenant // 8), total - per_tenant)
         self._open: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, owner: str) -> str:
-        """'' if a slot was taken (give it back), else why not."""
+    def take(self, owner: str) -> tuple[str, str] | None:
+        """None if a slot was taken (give it back), else (whose capacity is spent: busy.TENANT
+        or busy.GATEWAY, why)."""
         with self._lock:
             mine = self._open.get(owner, 0)
             if mine >= self.per_tenant:
-                return f"this tenant has {mine} streams open, the most it may have"
-            if sum(self._open.values()) >= self.total:
-                return f"the gateway has {self.total} streams open, the most it takes"
+                return busy.TENANT, f"this tenant has {mine} streams open, the most it may have"
+            free = self.total - sum(self._open.values())
+            if free <= (self.reserve if mine else 0):
+                return busy.GATEWAY, f"the gateway has no stream free for {owner.strip()}"
             self._open[owner] = mine + 1
-            return ""
+            return None
 
     def give(self, owner: str) -> None:
         with self._lock:
@@ -58,11 +64,15 @@ class StreamSlots:
 
     @contextmanager
     def held(self, owner: str, context) -> Iterator[None]:
-        """A slot for the body, or the RPC ends RESOURCE_EXHAUSTED now."""
+        """A slot for the body, or the RPC ends RESOURCE_EXHAUSTED now, saying when to ask
+        again and whose capacity was spent (contract/busy.py)."""
         refused = self.take(owner)
-        if refused:  # the client asks again after a while (contract/busy.py)
-            context.set_trailing_metadata(((RETRY_AFTER_MS, str(STREAM_RETRY_AFTER_MS)),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{refused}; retry later")
+        if refused is not None:
+            scope, why = refused
+            context.set_trailing_metadata(
+                ((busy.RETRY_AFTER_MS, str(busy.STREAM_RETRY_AFTER_MS)), (busy.SCOPE, scope))
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later")
             raise AssertionError("context.abort returned")
         try:
             yield
@@ -113,9 +123,10 @@ class MessageDeadlines:
 
 
 class StreamsWithoutToken(grpc.ServerInterceptor):
-    """Streams of the services that take no token (health's Watch, reflection) hold slots
-    of one owner, UNAUTHENTICATED_STREAMS: without a cap, a Watch per thread would take the
-    gateway. The Farm service's streams take their tenant's slots themselves."""
+    """Streams of the services that take no token (health's Watch, reflection) hold slots of
+    a small pool of their own (`slots`, owner UNAUTHENTICATED_STREAMS), apart from the
+    tenants': strangers can hold no thread a tenant's stream could use. The Farm service's
+    streams take their tenant's slots themselves."""
 
     def __init__(self, slots: StreamSlots, services: tuple[str, ...]):
         self.slots = slots

@@ -1,16 +1,19 @@
 """Tenant authentication: `authorization: Bearer <token>` metadata, tokens kept as sha256,
-and a limit on failed attempts per peer address and token id.
+and a limit on failed attempts per peer address.
 
 Tokens made by `torchfarm token` read `tf_<id>_<secret>`: a random 64-bit id and a 256-bit
-secret. The id names the limiter's bucket. It comes only with the token (TORCHFARM_TENANTS
-holds the hash of the whole token, never the id), so a stranger sharing a tenant's address
-(a NAT, a proxy) fails under ids of its own and never spends the tenant's budget; and one
-who knows the id is refused under it before any comparison, whatever the secret he sends.
-Other ("legacy") tokens share one bucket per address.
+secret; others are "legacy", of unknown strength. A failed authentication spends a guess of
+the caller's address (of the token's kind), never a token id's: the caller proved no id, and
+one who knows a tenant's public id must not refuse its owner (issue 50). Past its guesses an
+address is refused (RESOURCE_EXHAUSTED, when to try again), but not a valid token used from
+it: a made token is still compared (no guess reaches a 256-bit secret), and a legacy token is
+compared only on a connection that has already proved it, so a guesser learns nothing from
+its answers while a tenant's open channel keeps working beside him.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import hashlib
 import hmac
@@ -19,6 +22,7 @@ import re
 import secrets
 import threading
 import time
+from typing import NoReturn
 
 log = logging.getLogger("torchfarm.gateway")
 OPEN_TENANT = "public"
@@ -72,16 +76,21 @@ def peer_address(peer: str) -> str:
     return peer
 
 
-Bucket = tuple[str, str]  # (peer address, token id)
+Bucket = tuple[str, str]  # (peer address, MADE or LEGACY: the kind of token guessed)
+MADE = "made"  # the kind of the tokens of `torchfarm token`
+
+
+def bucket_of(token: str, peer: str) -> Bucket:
+    """Where a failure of `token` from `peer` counts: its address's guesses of that kind."""
+    return peer_address(peer), LEGACY if token_id(token) == LEGACY else MADE
 
 
 class FailureLimiter:
-    """A token bucket of failed authentications per (peer address, token id): `burst` at
-    once, then one per `every_s`. A caller whose bucket is empty is refused before its token
-    is checked, so the answer is the same for the right token and a wrong one, and guessing
-    runs at one try per second; other buckets are unaffected."""
+    """A token bucket of failed authentications per (peer address, kind of token): `burst` at
+    once, then one per `every_s`, so guessing runs at one try per second; other buckets are
+    unaffected."""
 
-    MAX_BUCKETS = 4096  # past this, full buckets are forgotten, then those of token ids
+    MAX_BUCKETS = 4096  # past this, full buckets are forgotten, then those of made tokens
 
     def __init__(self, burst: int, every_s: float = 1.0, clock=time.monotonic):
         self.burst, self.every_s, self.clock = burst, every_s, clock
@@ -110,8 +119,8 @@ class FailureLimiter:
                     b: v for b, v in self._buckets.items() if self._tokens(b, now) < self.burst
                 }
             if len(self._buckets) >= self.MAX_BUCKETS:
-                # A flood of made-up ids: forgetting one only helps a guess at a 256-bit
-                # secret; the legacy buckets, which guard guessable tokens, are kept.
+                # A flood of addresses: forgetting a made token's bucket only helps a guess
+                # at a 256-bit secret; the legacy buckets, which guard guessable tokens, stay.
                 self._buckets = {b: v for b, v in self._buckets.items() if b[1] == LEGACY}
             self._buckets[bucket] = (max(0.0, self._tokens(bucket, now) - 1), now)
 
@@ -131,6 +140,8 @@ class Refused(Exception):
 class Authenticator:
     """Who a call's token names, through the failure limiter, for tenants and admins alike."""
 
+    MAX_PROVEN = 4096  # connections remembered with the legacy token they proved
+
     def __init__(
         self,
         tenants: dict[str, str],
@@ -141,46 +152,70 @@ class Authenticator:
         self.tenants, self.admins, self.limiter = tenants, admins, limiter
         self.legacy_tokens = legacy_tokens
         self._warned: set[str] = set()  # names seen with a legacy token (logged once each)
+        # (peer with its port: one connection, hash of a legacy token it authenticated with)
+        self._proven: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def tenant(self, metadata, peer: str) -> str:
         """The caller's tenant (OPEN_TENANT on an open farm), else Refused."""
         if not self.tenants:
             return OPEN_TENANT
-        token, bucket = self._admitted(metadata, peer)
-        name = self._match(token, self.tenants)
+        token = _token(metadata)
+        name = self._lookup(token, peer, self.tenants)
         if name is None:
-            self.limiter.failed(bucket)
-            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+            self._failed(token, peer, Refusal.UNKNOWN)
         return name
 
     def admin(self, metadata, peer: str) -> str:
         """The caller's admin name, else Refused (NOT_ADMIN for a tenant's token)."""
-        token, bucket = self._admitted(metadata, peer)
-        name = self._match(token, self.admins)
+        token = _token(metadata)
+        name = self._lookup(token, peer, self.admins)
         if name is not None:
             return name
         if self.tenants and self._match(token, self.tenants) is None:
-            self.limiter.failed(bucket)
-            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+            self._failed(token, peer, Refusal.UNKNOWN)
         if not self.tenants:  # an open farm: a wrong admin token is a failed guess too
-            self.limiter.failed(bucket)
+            self._failed(token, peer, Refusal.NOT_ADMIN)
         raise Refused(Refusal.NOT_ADMIN, "admin RPCs need a token listed in TORCHFARM_ADMINS")
 
-    def _admitted(self, metadata, peer: str) -> tuple[str, Bucket]:
-        """The call's token and its bucket; Refused while the bucket is empty (LIMITED), or
-        for no token at all (UNKNOWN, no failure counted: it guesses nothing)."""
-        token = bearer_token(metadata)
-        if not token:
-            raise Refused(Refusal.UNKNOWN, "missing or unknown token")
-        bucket = (peer_address(peer), token_id(token))
+    def _lookup(self, token: str, peer: str, table: dict[str, str]) -> str | None:
+        """`token`'s name in `table`, or None. A legacy token from an address out of guesses
+        is refused before it is compared (LIMITED: the same answer right or wrong), unless
+        this connection proved it before."""
+        bucket = bucket_of(token, peer)
+        if bucket[1] != LEGACY:
+            return self._match(token, table)
+        proof = (peer, hash_token(token))
+        with self._lock:
+            proven = proof in self._proven
+        if not proven:
+            self._refuse_if_limited(bucket)
+        name = self._match(token, table)
+        if name is not None:
+            with self._lock:
+                self._proven[proof] = None
+                self._proven.move_to_end(proof)
+                if len(self._proven) > self.MAX_PROVEN:
+                    self._proven.popitem(last=False)
+        return name
+
+    def _failed(self, token: str, peer: str, why: Refusal) -> NoReturn:
+        """A failed authentication: one guess of the caller's address spent (LIMITED where
+        none is left), never a token id's."""
+        bucket = bucket_of(token, peer)
+        self._refuse_if_limited(bucket)
+        self.limiter.failed(bucket)
+        if why is Refusal.NOT_ADMIN:
+            raise Refused(why, "admin RPCs need a token listed in TORCHFARM_ADMINS")
+        raise Refused(why, "missing or unknown token")
+
+    def _refuse_if_limited(self, bucket: Bucket) -> None:
         wait_s = self.limiter.retry_after_s(bucket)
         if wait_s:
             raise Refused(
                 Refusal.LIMITED,
-                f"too many failed authentications from {bucket[0]} with this token's id; "
-                f"retry in {wait_s:.1f} s",
+                f"too many failed authentications from {bucket[0]}; retry in {wait_s:.1f} s",
             )
-        return token, bucket
 
     def _match(self, token: str, table: dict[str, str]) -> str | None:
         name = tenant_for(token, table) if table else None
@@ -192,7 +227,15 @@ class Authenticator:
             self._warned.add(name)
             log.warning(
                 "%s authenticates with a token not made by `torchfarm token`: its strength is "
-                "unknown and it shares one failure budget per address with every such token",
+                "unknown, and a guesser at its address can refuse it on new connections",
                 name,
             )
         return name
+
+
+def _token(metadata) -> str:
+    """The call's token; Refused (UNKNOWN, no failure counted: it guesses nothing) if none."""
+    token = bearer_token(metadata)
+    if not token:
+        raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+    return token

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -554,12 +555,30 @@ class AdminServicer(pb_grpc.AdminServicer):
             yield pb.BundleChunk(data=data[i : i + step])
 
     def Import(self, requests: Iterator[pb.BundleChunk], context) -> pb.ImportReply:
+        """The upload goes to a temporary file as it arrives (never whole in memory), up to
+        admin.MAX_BUNDLE_BYTES, and is decoded up to admin.decoded_limit: past either,
+        RESOURCE_EXHAUSTED, nothing stored."""
         name = self._authorize(context)
-        data = b"".join(chunk.data for chunk in requests)
-        trusted = signing.Verifier(self.verify_keys)
-        reply = self._run(
-            context, lambda: self.cache.import_bundle(data, trusted, self.verify_keys)
-        )
+        with tempfile.TemporaryFile(prefix="torchfarm-import-") as spool:
+            uploaded = 0
+            for chunk in requests:
+                uploaded += len(chunk.data)
+                if uploaded > admin.MAX_BUNDLE_BYTES:
+                    _abort(
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the bundle is over {admin.MAX_BUNDLE_BYTES} bytes; nothing imported "
+                        "(direct mode, --redis, takes any size)",
+                    )
+                spool.write(chunk.data)
+            spool.seek(0)
+            trusted = signing.Verifier(self.verify_keys)
+            reply = self._run(
+                context,
+                lambda: self.cache.import_bundle(
+                    spool, trusted, self.verify_keys, max_decoded=admin.decoded_limit(uploaded)
+                ),
+            )
         log.info("admin %s imported %d entries", name, reply.entries)
         return reply
 
@@ -568,6 +587,7 @@ _PROBLEMS = {
     admin.Problem.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     admin.Problem.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     admin.Problem.UNTRUSTED: grpc.StatusCode.FAILED_PRECONDITION,
+    admin.Problem.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -583,7 +603,10 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
         interceptors=[
             metrics.MetricsInterceptor(),
             UndecodableRequests(),
-            StreamsWithoutToken(slots, without_token),
+            StreamsWithoutToken(
+                StreamSlots(settings.unauthenticated_streams, settings.unauthenticated_streams),
+                without_token,
+            ),
         ],
         options=[
             ("grpc.max_receive_message_length", settings.max_payload_bytes + (1 << 20)),
@@ -624,6 +647,19 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     return server, port
 
 
+def plaintext_refusal(host: str, tls: bool, insecure: bool) -> str:
+    """Why a gateway on `host` must not start ('' if it may): beyond loopback, tokens and
+    artifacts cross the network, so plaintext needs the operator's word (`--insecure`)."""
+    if tls or insecure or _loopback(host):
+        return ""
+    return (
+        f"refusing to listen on {host} in plaintext: give the gateway a certificate "
+        "(TORCHFARM_TLS_CERT and TORCHFARM_TLS_KEY; `torchfarm up --tls-cert --tls-key`), "
+        "listen on 127.0.0.1, or say --insecure (TORCHFARM_GATEWAY_INSECURE=1) behind a proxy "
+        "that terminates TLS"
+    )
+
+
 def warn_if_open(settings: GatewaySettings) -> bool:
     """Log a loud warning (and say so) for a gateway without tenants that other machines
     can reach."""
@@ -649,6 +685,11 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     """Run the gateway until SIGINT/SIGTERM; `ready(port)` is called once it listens."""
     import signal
 
+    refusal = plaintext_refusal(settings.host, bool(settings.tls_cert), settings.insecure)
+    if refusal:
+        raise SystemExit(f"torchfarm gateway: {refusal}")
+    if settings.insecure and not settings.tls_cert and not _loopback(settings.host):
+        log.warning("PLAINTEXT GATEWAY on %s (--insecure): tokens cross the network", settings.host)
     store = Store.from_url(settings.redis_url, settings.broker_url, settings.blob_url)
     try:  # read through another store, every hit would drop its entry as corrupt
         store.artifacts.check_store()

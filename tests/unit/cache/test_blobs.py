@@ -48,10 +48,10 @@ def test_objects_are_versioned_and_fanned_out_by_digest():
 def test_the_file_backend_stores_whole_blobs_and_leaves_no_temporary_files(tmp_path):
     blobs = FileBlobs(str(tmp_path / "blobs"))
     blobs.check()
-    assert blobs.get(DIGEST) is None
+    assert blobs.get(DIGEST, 1 << 20) is None
     blobs.put(DIGEST, b"first")
     blobs.put(DIGEST, b"second")  # a rewrite replaces it whole
-    assert blobs.get(DIGEST) == b"second"
+    assert blobs.get(DIGEST, 1 << 20) == b"second"
     files = [
         os.path.relpath(os.path.join(d, f), blobs.root)
         for d, _, fs in os.walk(blobs.root)
@@ -59,7 +59,7 @@ def test_the_file_backend_stores_whole_blobs_and_leaves_no_temporary_files(tmp_p
     ]
     assert files == [keys.blob_object(DIGEST)]
     blobs.delete([DIGEST, "0" * 64])  # an absent blob is no error
-    assert blobs.get(DIGEST) is None
+    assert blobs.get(DIGEST, 1 << 20) is None
 
 
 def test_the_file_backend_refuses_a_directory_it_cannot_write(tmp_path):
@@ -101,8 +101,8 @@ def test_an_artifact_and_its_details_live_in_the_blob_store_and_redis_only_its_i
     entry = cache.put("k" * 64, data, _bulky_meta())
     cache.record_hit("k" * 64, entry.digest)
     assert cache.read("k" * 64, entry) == data
-    assert cache.blobs.get(entry.digest) is not None
-    assert not list(cache.redis.scan_iter(match=keys.blob("*")))
+    assert cache.blobs.get(entry.digest, 1 << 30) is not None
+    assert not list(cache.redis.scan_iter(match=keys.BLOB_PATTERN))
     held = sum(cache.redis.memory_usage(k) for k in cache.redis.scan_iter())
     assert held <= 4096, held  # the index, usage, LRU order and totals of one entry
     [indexed] = cache.entries("k" * 64)
@@ -124,8 +124,8 @@ def test_a_missing_or_corrupted_blob_reads_as_a_miss_and_its_entry_is_dropped(ca
         cache.blobs.put(entry.digest, cache.codec.encode(b"y" * 5000))
     assert cache.stored("k" * 64, entry) is None
     assert cache.entries("k" * 64) == [] and cache.keys() == []
-    assert cache.blobs.get(entry.digest) is None  # the bad blob went with its entry
-    assert cache.blobs.get(details_name(entry.digest)) is None  # and its details
+    assert cache.blobs.get(entry.digest, 1 << 30) is None  # the bad blob went with its entry
+    assert cache.blobs.get(details_name(entry.digest), 1 << 30) is None  # and its details
     assert cache.totals() == {"stored_bytes": 0.0, "entries": 0.0}
 
 

@@ -62,7 +62,9 @@ def _blobs_kept(store: Store) -> set[str]:
     blobs = store.artifacts.blobs
     if isinstance(blobs, FileBlobs):
         return {p.name for p in Path(blobs.root).rglob("*") if p.is_file()}
-    return {k.decode().rsplit(":", 1)[1] for k in store.artifacts.redis.scan_iter(keys.blob("*"))}
+    return {
+        k.decode().rsplit(":", 1)[1] for k in store.artifacts.redis.scan_iter(keys.BLOB_PATTERN)
+    }
 
 
 def _consistent(store: Store) -> None:
@@ -135,10 +137,12 @@ def test_drop_kernels_raises_the_generation_of_a_known_pool_only(scratch, scratc
     assert scratch.pools.kernel_generation("cpu-avx2") == 2
 
 
-def test_an_undecodable_index_entry_is_passed_over_and_dropped_with_its_key(scratch):
+def test_an_undecodable_index_entry_is_passed_over_dropped_and_counted(scratch):
     key = _put(scratch, 1)
     [good] = scratch.artifacts.entries(key)
     scratch.artifacts.redis.hset(keys.index(key), "0" * 64, b"\xb2\x01\x03 no")  # guards: junk
     assert scratch.artifacts.entries(key) == [good]
-    assert scratch.artifacts.drop(key) == 2
+    assert scratch.artifacts.redis.hkeys(keys.index(key)) == [good.digest.encode()]
+    assert scratch.summary()["bad_entries"] == 1
+    assert scratch.artifacts.drop(key) == 1
     assert not scratch.artifacts.redis.exists(keys.index(key))

@@ -3,17 +3,21 @@ synthetic signed entries): every command with an admin token alone; a tenant's t
 PERMISSION_DENIED and changes nothing; import admits only entries signed by one of the
 gateway's TORCHFARM_VERIFY_KEYS, and never --unsigned."""
 
+import itertools
 import json
 import time
 
 import grpc
 import pytest
 import redis
+import zstandard
 from typer.testing import CliRunner
 
 from tests.unit.cache.test_bundle_trust import _signed_entry
 from torchfarm import signing
+from torchfarm.cache import admin
 from torchfarm.cache import keys as redis_keys
+from torchfarm.cache.admin import CacheAdmin
 from torchfarm.cache.store import Store
 from torchfarm.cli import app
 from torchfarm.gateway import auth
@@ -167,3 +171,59 @@ def test_admin_rpcs_refuse_bad_requests_with_precise_statuses(farm):
                 call()
             assert e.value.code().name == status
     assert len(store.artifacts.keys()) == 1
+
+
+def _import(addr: str, chunks) -> grpc.RpcError:
+    metadata = [("authorization", f"Bearer {ADMIN}")]
+    with grpc.insecure_channel(addr) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.AdminStub(channel).Import(chunks, metadata=metadata, timeout=300)
+    return e.value
+
+
+def test_an_import_past_the_upload_cap_is_refused_and_nothing_is_stored(farm):
+    """Issue 50, item 4: a 600 MB upload (a valid bundle's start, then more) is refused
+    RESOURCE_EXHAUSTED once past admin.MAX_BUNDLE_BYTES; bench/import_bound.py measures the
+    gateway's memory meanwhile."""
+    addr, store, signer = farm
+    key = _signed_entry(store, signer, 1)
+    bundle = CacheAdmin(store).export(pb.ExportRequest())
+    store.artifacts.drop(key)
+    step = 1 << 20
+    chunks = itertools.chain(
+        [pb.BundleChunk(data=bundle)],
+        (pb.BundleChunk(data=bytes(step)) for _ in range(600)),  # generated as sent
+    )
+    refused = _import(addr, chunks)
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"over {admin.MAX_BUNDLE_BYTES} bytes; nothing imported" in refused.details()
+    assert store.artifacts.keys() == []
+
+
+def test_a_bundle_that_decodes_past_its_ratio_is_refused_and_nothing_is_stored(farm):
+    """A decompression bomb: a valid bundle whose last entry is 64 MiB of zeros, ~4 KB sent
+    (the bundle is decoded as a stream, up to MAX_BUNDLE_RATIO bytes per byte sent)."""
+    addr, store, signer = farm
+    key = _signed_entry(store, signer, 1)
+    honest = CacheAdmin(store).export(pb.ExportRequest())
+    store.artifacts.drop(key)
+    bundle = zstandard.ZstdDecompressor().decompress(honest)
+    writer = zstandard.ZstdCompressor(level=3).compressobj()
+    padding = pb.BundleEntry(key="0" * 64, artifact=bytes(64 << 20)).SerializeToString()
+    field = pb.CacheBundle.DESCRIPTOR.fields_by_name["entries"].number
+    tag = bytes([field << 3 | 2]) + _varint(len(padding))
+    bomb = writer.compress(bundle) + writer.compress(tag + padding) + writer.flush()
+    assert len(bomb) < 100 << 10
+    refused = _import(addr, iter([pb.BundleChunk(data=bomb)]))
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "decodes to more than" in refused.details()
+    assert store.artifacts.keys() == []
+    assert _import(addr, iter([pb.BundleChunk(data=b"junk")])).code().name == "INVALID_ARGUMENT"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))

@@ -1,6 +1,7 @@
-"""The failure limiter and the authenticator on a fake clock (issue 27, finding 4): the same
-answer for the right token and a wrong one while a bucket is empty, and a valid token never
-refused for another caller's failures at its address."""
+"""The failure limiter and the authenticator on a fake clock (issue 27, finding 4; issue 50,
+item 3): a guesser's failures spend its address's guesses, never a token id's; a made token
+is served whatever was guessed at its address; a legacy token gets the same answer right or
+wrong from an address out of guesses, except on a connection that proved it before."""
 
 import re
 
@@ -53,14 +54,29 @@ def test_a_made_token_carries_an_id_and_a_256_bit_secret():
 
 
 @pytest.mark.parametrize("right, rpcs", [(ALICE, "tenant"), (ADMIN, "admin")])
-def test_a_limited_bucket_answers_the_same_for_the_right_token(right, rpcs):
+def test_guesses_at_a_made_tokens_public_id_never_refuse_its_owner(right, rpcs):
     authenticator = _authenticator()
     call = getattr(authenticator, rpcs)
     guesses = [_answer(call, _with_id(right, f"guess{i:040d}")) for i in range(3)]
     assert guesses == [Refusal.UNKNOWN, Refusal.UNKNOWN, Refusal.LIMITED]
-    assert _answer(call, right) is Refusal.LIMITED  # not a yes: the token is not compared
-    authenticator.limiter.clock = lambda: 101.0  # one more try a second later: it is right
-    assert _answer(call, right) in ("alice", "ops")
+    for _ in range(40):  # the owner, at the guesser's address, between its guesses
+        assert _answer(call, right) in ("alice", "ops")
+        assert _answer(call, _with_id(right, "g" * 43)) is Refusal.LIMITED
+
+
+def test_a_limited_address_answers_the_same_for_a_right_legacy_token_on_a_new_connection():
+    authenticator = _authenticator()
+    tenant_connection, new_connection = PEER, "ipv4:10.0.0.7:60000"
+    assert _answer(authenticator.tenant, LEGACY_TOKEN, tenant_connection) == "bob"
+    guesses = [_answer(authenticator.tenant, f"guess-{i}") for i in range(3)]
+    assert guesses == [Refusal.UNKNOWN, Refusal.UNKNOWN, Refusal.LIMITED]
+    # A new connection is refused before its token is compared: no oracle for the guesser.
+    assert _answer(authenticator.tenant, LEGACY_TOKEN, new_connection) is Refusal.LIMITED
+    assert _answer(authenticator.tenant, "guess-x", tenant_connection) is Refusal.LIMITED
+    for _ in range(40):  # the tenant's own channel proved the token: served throughout
+        assert _answer(authenticator.tenant, LEGACY_TOKEN, tenant_connection) == "bob"
+    authenticator.limiter.clock = lambda: 101.0  # a second later: one more guess
+    assert _answer(authenticator.tenant, LEGACY_TOKEN, new_connection) == "bob"
 
 
 def test_a_strangers_failures_at_the_same_address_never_refuse_a_valid_token():
@@ -71,7 +87,7 @@ def test_a_strangers_failures_at_the_same_address_never_refuse_a_valid_token():
             assert _answer(authenticator.admin, token) in (Refusal.UNKNOWN, Refusal.LIMITED)
         assert _answer(authenticator.tenant, ALICE) == "alice"
         assert _answer(authenticator.admin, ADMIN) == "ops"
-    assert _answer(authenticator.tenant, LEGACY_TOKEN) is Refusal.LIMITED  # legacy: shared
+    assert _answer(authenticator.tenant, LEGACY_TOKEN) is Refusal.LIMITED  # a new connection
     assert _answer(authenticator.tenant, LEGACY_TOKEN, "ipv4:10.0.0.8:1") == "bob"
 
 
@@ -87,7 +103,8 @@ def test_admin_guesses_are_limited_on_an_open_farm_too():
     assert _answer(authenticator.tenant, None) == auth.OPEN_TENANT
     guesses = [_answer(authenticator.admin, _with_id(ADMIN, f"g{i:040d}")) for i in range(3)]
     assert guesses == [Refusal.NOT_ADMIN, Refusal.NOT_ADMIN, Refusal.LIMITED]
-    assert _answer(authenticator.admin, ADMIN) is Refusal.LIMITED
+    assert _answer(authenticator.admin, "legacy-guess") is Refusal.NOT_ADMIN  # its own budget
+    assert _answer(authenticator.admin, ADMIN) == "ops"
 
 
 def test_legacy_tokens_can_be_refused():
@@ -111,12 +128,12 @@ def test_the_failure_budget_refills_one_per_interval():
     assert limiter.retry_after_s(guesser) > 0
 
 
-def test_a_flood_of_made_up_ids_keeps_the_legacy_buckets():
+def test_a_flood_of_addresses_keeps_the_legacy_buckets():
     limiter = FailureLimiter(burst=2, every_s=1.0, clock=lambda: 100.0)
     legacy = ("ipv4:10.0.0.7", LEGACY)
     limiter.failed(legacy)
     limiter.failed(legacy)
     for i in range(FailureLimiter.MAX_BUCKETS + 10):
-        limiter.failed(("ipv4:10.0.0.7", f"{i:016x}"))
+        limiter.failed((f"ipv6:[fd00::{i:x}]", auth.MADE))
     assert len(limiter._buckets) <= FailureLimiter.MAX_BUCKETS
     assert limiter.retry_after_s(legacy) > 0

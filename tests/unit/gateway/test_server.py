@@ -2,6 +2,8 @@
 coordinator (authentication and its failure limit, stream caps, streaming a hit in bounded
 pieces)."""
 
+import collections
+import itertools
 import threading
 import time
 
@@ -80,12 +82,54 @@ def _stats(addr: str, token: str | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_a_limited_admin_guesser_gets_the_same_answer_for_the_right_token(gateway):
+def test_a_guesser_at_the_admins_public_id_never_refuses_the_admin(gateway):
     addr, admin_id = f"127.0.0.1:{gateway}", auth.token_id(ADMIN)
     guesses = [_stats(addr, f"tf_{admin_id}_{i:043d}") for i in range(4)]
     assert guesses == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
-    assert _stats(addr, ADMIN) is grpc.StatusCode.RESOURCE_EXHAUSTED  # no oracle
-    assert _stats(addr, CAROL) is grpc.StatusCode.PERMISSION_DENIED  # carol's id: not limited
+    assert _stats(addr, ADMIN) is grpc.StatusCode.OK  # guesses spent the address's, not its
+    assert _stats(addr, CAROL) is grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("tenant", ["carol (a made token)", "alice (legacy, on her channel)"])
+def test_a_tenants_asks_are_all_served_while_a_stranger_guesses_at_full_speed(gateway, tenant):
+    """Issue 50, item 3: a stranger at the tenant's address guesses as fast as it can, with
+    the tenant's public token id (or legacy-form tokens); the tenant asks 40 times on its
+    channel, and all 40 are served."""
+    addr = f"127.0.0.1:{gateway}"
+    token = CAROL if tenant.startswith("carol") else TOKEN
+    guess = f"tf_{auth.token_id(CAROL)}_" + "{:043d}" if token == CAROL else "guess-{}"
+    stop, answers = threading.Event(), collections.Counter()
+
+    def guessing() -> None:
+        with grpc.insecure_channel(addr) as channel:
+            farm = pb_grpc.FarmStub(channel)
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                metadata = [("authorization", f"Bearer {guess.format(i)}")]
+                try:
+                    farm.Lookup(pb.LookupRequest(key="0" * 64), metadata=metadata, timeout=10)
+                except grpc.RpcError as e:
+                    answers[e.code()] += 1
+
+    with grpc.insecure_channel(addr) as channel:
+        farm, metadata = pb_grpc.FarmStub(channel), [("authorization", f"Bearer {token}")]
+        farm.Lookup(pb.LookupRequest(key="0" * 64), metadata=metadata, timeout=10)  # connects
+        stranger = threading.Thread(target=guessing)
+        stranger.start()
+        try:
+            while answers[grpc.StatusCode.RESOURCE_EXHAUSTED] < 10:  # the address is limited
+                time.sleep(0.01)
+            served = 0
+            for _ in range(40):
+                farm.Lookup(pb.LookupRequest(key="0" * 64), metadata=metadata, timeout=10)
+                served += 1
+        finally:
+            stop.set()
+            stranger.join()
+    print(f"{tenant}: {served} of 40 asks served among {sum(answers.values())} guesses")
+    assert served == 40
+    assert answers[grpc.StatusCode.RESOURCE_EXHAUSTED] > answers[grpc.StatusCode.UNAUTHENTICATED]
 
 
 def test_a_strangers_failures_never_refuse_a_valid_token_at_the_same_address(gateway):
