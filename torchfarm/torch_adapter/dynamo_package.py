@@ -97,6 +97,7 @@ class Package(CompilePackage):
         super().__init__(fn=None)
         self._pending: list[tuple[Any, str]] = []  # the frame's identity guards, fingerprinted
         self._pending_dispatch: tuple[int, int] | None = None
+        self._left_out_entries: set[int] = set()  # ids of the frames' entries left out
 
     def initialize(self, fn: Any, dynamo: Any = None, ignore_inlined_sources: bool = False) -> None:
         """As CompilePackage's, with the entry frame's module read from its globals: a
@@ -167,6 +168,8 @@ class Package(CompilePackage):
         saved = len(entry.guarded_codes) if entry else 0
         with self._or_bypass("its guards"):
             super().add_guarded_code(guards_state, dynamo_code)
+            if entry is not None and id(entry) in self._left_out_entries:
+                entry.bypassed = True  # 2.15's add_guarded_code cleared it
             if entry is not None and len(entry.guarded_codes) > saved:  # not bypassed
                 added = entry.guarded_codes[-1]
                 added.torchfarm_checks = self._pending  # type: ignore[attr-defined]
@@ -219,10 +222,14 @@ class Package(CompilePackage):
     _broken = False  # a failure outside any frame: the package is not saved
 
     def _bypass(self, reason: str) -> None:
-        """Leaves the current frame out of the package, saying why (a hit will trace it)."""
-        assert self._current_entry is not None
-        if not self._current_entry.bypassed:
-            self.bypass_current_entry()
+        """Leaves the current frame out of the package, saying why (a hit will trace it).
+        Marked here, not through CompilePackage's own call (2.13's `bypass_current_entry`
+        is gone in 2.15), and again after add_guarded_code, which 2.15 ends by clearing it."""
+        entry = self._current_entry
+        assert entry is not None
+        self._left_out_entries.add(id(entry))
+        if not entry.bypassed:
+            entry.bypassed = True
             log.info("dynamo package: %s traces on every hit: %s", self._current_name(), reason)
 
     def _current_name(self) -> str:
