@@ -25,8 +25,8 @@ def _compile(store: Store, settings: WorkerSettings, n: int, child) -> None:
     payload, target, options = f"graph {n}".encode(), local_target(), pb.Options()
     key = private_key(public_key(payload, target, options), "alice")
     job = pb.Job(key=key, job_id=f"job-{n}", tenant="alice", private=True, target=target)
-    store.jobs.claim(job.job_id, 600)
-    store.jobs.post(job.job_id, payload)
+    token = store.jobs.claim(job.job_id, 600)
+    assert token is not None and store.jobs.post(job.job_id, token, payload)
     store.jobs.join(job.job_id, "a waiting client", 600)
 
     def run_compile(*args, kernels_from=(), **kwargs):
