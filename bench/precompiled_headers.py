@@ -105,7 +105,8 @@ def child_alone(with_headers: bool) -> float:
             toolchain.build_headers(settings, directory)
         request = direct_request(model().eval(), torch.randn(8, 3, 64, 64))
         started = time.perf_counter()
-        sandbox.run_compile(request.graph, request.target, request.options, {}, settings)
+        spec = sandbox.ChildSpec(request.graph, request.target, request.options)
+        sandbox.run_compile(spec, settings)
         return time.perf_counter() - started
     finally:
         os.environ.clear()

@@ -2,7 +2,7 @@
 
 Model A compiles in max-autotune with the GEMM problems it benchmarks recorded (as a shared
 job's child records them); each problem is measured as the pool's builder measures it (a fresh
-`python -m torchfarm.torch_adapter.gemm_problems DEVICE`, its own empty cache dir), and the
+`python -m torchfarm.workers.gemm_measure DEVICE`, its own empty cache dir), and the
 timings are merged as the worker keeps them; model B then compiles with only those timings in
 its cache dir, and again with an empty one. Prints one JSON line per step: GEMM candidates
 benchmarked and seconds. Run on the GPU machine from the repository root:
@@ -88,7 +88,7 @@ def main() -> None:
         cache_dir = tempfile.mkdtemp(dir=work, prefix="measure-")
         started = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "torchfarm.torch_adapter.gemm_problems", "cuda"],
+            [sys.executable, "-m", "torchfarm.workers.gemm_measure", "cuda"],
             input=gemm.SerializeToString(),
             env={**env, "TORCHINDUCTOR_CACHE_DIR": cache_dir},
             stdout=subprocess.DEVNULL,

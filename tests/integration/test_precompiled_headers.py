@@ -56,7 +56,9 @@ def _cnn():
 
 
 def _compile(graph: bytes, settings: WorkerSettings = SETTINGS) -> pb.Artifact:
-    data = sandbox.run_compile(graph, local_target(), pb.Options(), {}, settings).data
+    data = sandbox.run_compile(
+        sandbox.ChildSpec(graph, local_target(), pb.Options()), settings
+    ).data
     return pb.Artifact.FromString(data)
 
 

@@ -5,7 +5,8 @@ A worker publishes on keys.events(job) whenever it changes the job's stage or wr
 outcome; a waiter subscribes first (`watch`) and reads the state second, so it misses
 nothing and sleeps until something happens. The outcome is written, the claim dropped and
 the notification published in one transaction: a waiter that sees the claim gone also sees
-the outcome.
+the outcome. A claimant posts its job only while the claim is still its own: a run that ended
+in between (its outcome written, the claim dropped) keeps its outcome.
 
 Waiters and tenants are counted here too, so that every gateway sees the same numbers: each
 waiting RPC keeps its id in the job's waiter set with an expiry it refreshes (a worker skips
@@ -85,6 +86,16 @@ if held and held ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+# KEYS: the claim, payload, stage, outcome, uncached artifact. ARGV: the claim's token, the
+# payload, the QUEUED stage, the payload's and the stage's TTL. The payload is written first:
+# a Redis at its memory limit refuses it before anything else is touched.
+_POST = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[5])
+redis.call('DEL', KEYS[4], KEYS[5])
+return 1
+"""
 _DROP_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
@@ -144,6 +155,7 @@ class JobBoard:
         self._take_over = client.register_script(_TAKE_OVER)
         self._renew_lease = client.register_script(_RENEW_LEASE)
         self._drop_lease = client.register_script(_DROP_LEASE)
+        self._post = client.register_script(_POST)
 
     # ---- single flight -----------------------------------------------------------------
     def claim(self, job: str, ttl_s: int) -> str | None:
@@ -201,13 +213,22 @@ class JobBoard:
         )
         return None if int(count) < 0 else int(count)
 
-    def post(self, job: str, payload: bytes) -> None:
-        """Gateway: the payload a worker will compile; the job starts queued, afresh."""
-        pipe = self.redis.pipeline()
-        pipe.set(keys.job(job), payload, ex=JOB_TTL_S)
-        pipe.set(keys.stage(job), pb.Progress.QUEUED, ex=STAGE_TTL_S)
-        pipe.delete(keys.outcome(job), keys.uncached(job))
-        pipe.execute()
+    def post(self, job: str, token: str, payload: bytes) -> bool:
+        """Gateway: the payload a worker will compile; the job starts queued, afresh (a stale
+        outcome cleared). Only while the claim is still `token`'s: False, writing nothing,
+        where a run of the job ended since the claim was taken (its outcome stays) or another
+        caller holds the claim now."""
+        posted = self._post(
+            keys=[
+                keys.claim(job),
+                keys.job(job),
+                keys.stage(job),
+                keys.outcome(job),
+                keys.uncached(job),
+            ],
+            args=[token, payload, pb.Progress.QUEUED, JOB_TTL_S, STAGE_TTL_S],
+        )
+        return bool(posted)
 
     def payload(self, job: str) -> bytes | None:
         return self.redis.get(keys.job(job))
@@ -346,8 +367,9 @@ class JobBoard:
         uncached: tuple[pb.EntryMeta, bytes] | None = None,
     ) -> None:
         """End the job: record its outcome (with the artifact itself when the cache could not
-        keep it), remember a lasting failure for `remember_s`, drop the claim and payload, and
-        notify the waiters, all in one transaction."""
+        keep it), remember a lasting failure for `remember_s`, drop the claim (whoever holds
+        it: a claimant that has not posted yet then finds it gone, see `post`) and payload,
+        and notify the waiters, all in one transaction."""
         kept = pb.JobOutcome(
             kind=outcome.kind,
             digest=outcome.digest,

@@ -126,6 +126,21 @@ class _Claims:
     queued: bool = False
 
 
+@dataclasses.dataclass
+class _Wait:
+    """One request's wait on its job: what it queues again if the job is lost, and how it
+    counts ("miss": this request queued it, "merged": another one did)."""
+
+    job: pb.Job
+    payload: bytes
+    pool: str
+    started: float  # time.monotonic() when the request came
+    is_active: Callable[[], bool]  # False once the client has gone
+    claims: _Claims
+    waiter: str  # this request's id in the job's waiter set
+    source: str = "miss"
+
+
 class _NotQueued(Exception):
     """Posting or queueing a claimed job failed."""
 
@@ -260,49 +275,40 @@ class Coordinator:
             return
         try:
             with self._waiting_on(job.job_id) as waiter, self._claims(job) as claims:
-                yield from self._claim_and_wait(
-                    job, request.graph, pool, started, is_active, claims, waiter
-                )
+                wait = _Wait(job, request.graph, pool, started, is_active, claims, waiter)
+                yield from self._claim_and_wait(wait)
         except OutOfMemoryError as e:  # a claim or a queue write refused: compile locally
             log.warning("Redis is at its memory limit: %s not queued: %s", job.job_id[:16], e)
             yield Failed(Failure.UNAVAILABLE, f"the farm's Redis is at its memory limit: {e}")
 
-    def _claim_and_wait(
-        self,
-        job: pb.Job,
-        payload: bytes,
-        pool: str,
-        started: float,
-        is_active: Callable[[], bool],
-        claims: _Claims,
-        waiter: str,
-    ) -> Iterator[Event]:
-        claimed = self._claim(job, claims)
+    def _claim_and_wait(self, wait: _Wait) -> Iterator[Event]:
+        job, pool = wait.job, wait.pool
+        claimed = self._claim(job, wait.claims)
         refused = self._over_tenant_limit(job)
         if refused:
             yield Failed(Failure.TENANT_LIMIT, refused)
             return
         try:
-            if claimed:
-                self._queue(job, payload, pool, claims)
+            # Not posted: a run of the job ended since the claim (its outcome is waited on).
+            queued = claimed and self._queue(wait)
         except _NotQueued as e:
             yield Failed(Failure.UNAVAILABLE, str(e))
             return
-        source = "miss" if claimed else "merged"
-        if claimed:
+        wait.source = "miss" if queued else "merged"
+        if queued:
             self.store.counters.count(pool, misses=1)
         else:
             self.store.counters.count(pool, merges=1)
-        metrics.RESULTS.labels(source).inc()
+        metrics.RESULTS.labels(wait.source).inc()
         log.info(
             "%s %s for %s: %s",
-            source,
+            wait.source,
             job.key[:16],
             job.tenant,
             job.label,
             extra=_log_fields(job, pool),
         )
-        yield from self._wait(job, payload, pool, started, source, is_active, claims, waiter)
+        yield from self._wait(wait)
 
     @contextlib.contextmanager
     def _claims(self, job: pb.Job) -> Iterator[_Claims]:
@@ -386,17 +392,25 @@ class Coordinator:
         claims.token, claims.queued = token, False
         return True
 
-    def _queue(self, job: pb.Job, payload: bytes, pool: str, claims: _Claims) -> None:
-        """Post the payload and queue the claimed job (handing the claim to a worker); on any
-        failure raise _NotQueued (the claim goes back as the request ends: see _claims)."""
+    def _queue(self, wait: _Wait) -> bool:
+        """Post the payload and queue the claimed job (handing the claim to a worker); False,
+        queueing nothing, where the claim is no longer this request's (a run of the job ended
+        since it was taken: see JobBoard.post). On any failure raise _NotQueued (the claim
+        goes back as the request ends: see _claims)."""
+        job, claims = wait.job, wait.claims
         try:
-            self.store.jobs.post(job.job_id, payload)
+            if not self.store.jobs.post(job.job_id, claims.token, wait.payload):
+                claims.token = ""
+                return False
             job.queued_at = time.time()
-            self.enqueue(job, pool)
+            self.enqueue(job, wait.pool)
         except Exception as e:
-            log.warning("could not queue %s: %s", job.key[:16], e, extra=_log_fields(job, pool))
+            log.warning(
+                "could not queue %s: %s", job.key[:16], e, extra=_log_fields(job, wait.pool)
+            )
             raise _NotQueued(f"the farm could not queue the compile: {e}") from e
         claims.queued = True
+        return True
 
     def _release(self, job: pb.Job, token: str) -> None:
         """Give this request's claim back, if it still holds it (its waiters hear it at once);
@@ -406,26 +420,19 @@ class Coordinator:
         except Exception as e:  # the broker is gone: the claim expires by itself
             log.warning("could not release the claim of %s: %s", job.job_id[:16], e)
 
-    def _wait(
-        self,
-        job: pb.Job,
-        payload: bytes,
-        pool: str,
-        started: float,
-        source: str,
-        is_active: Callable[[], bool],
-        claims: _Claims,
-        waiter: str,
-    ) -> Iterator[Event]:
-        deadline = started + self.compile_timeout_s
+    def _wait(self, wait: _Wait) -> Iterator[Event]:
+        job, pool = wait.job, wait.pool
+        deadline = wait.started + self.compile_timeout_s
         next_progress = next_check = 0.0
         told = None  # the stage the client last heard: a change is told at once
         attempt = ("", 0.0)  # the claim token waited on, and since when (the broker's clock)
         with self.store.jobs.watch(job.job_id) as watch:
-            while is_active():
+            while wait.is_active():
                 state = self.store.jobs.state(job.job_id)
                 ended = (
-                    None if state.outcome is None else self._ended(job, state.outcome, pool, source)
+                    None
+                    if state.outcome is None
+                    else self._ended(job, state.outcome, pool, wait.source)
                 )
                 if ended is not None:
                     yield ended
@@ -460,15 +467,15 @@ class Coordinator:
                         extra=_log_fields(job, pool),
                     )
                     state = dataclasses.replace(state, claim="")
-                if not state.claimed and self._claim(job, claims):
+                if not state.claimed and self._claim(job, wait.claims):
                     try:
-                        self._queue(job, payload, pool, claims)
+                        self._queue(wait)
                     except _NotQueued as e:
                         yield Failed(Failure.UNAVAILABLE, str(e))
                         return
                 if now >= next_progress or state.stage != told:
-                    self._refresh(job, waiter)
-                    yield Progress(state.stage, now - started, job.job_id)
+                    self._refresh(job, wait.waiter)
+                    yield Progress(state.stage, now - wait.started, job.job_id)
                     next_progress, told = now + PROGRESS_EVERY_S, state.stage
                 watch.wait(max(0.0, min(next_progress, deadline) - time.monotonic()))
 

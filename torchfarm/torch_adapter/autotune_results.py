@@ -15,14 +15,14 @@ path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is 
   descent (max-autotune) leaves, so there it is replaced by `_recheck_2_11` (the body of
   2.13's recheck, with the worker's result found).
 
-`results_found(place)` is the compile side: before Inductor compiles a Triton kernel (its
-module written to the cache dir, so every process sees the same file), `place(...)` may put
-an earlier result where Inductor's local autotune cache will look for it (`result_path`).
+`result_path` / `module_result_path` name where Inductor's local autotune cache keeps a
+kernel's result: the compile side places earlier results there
+(triton_kernels.results_found).
 
 `coordesc_results_kept()` is the compile side too: Inductor's mark on a coordinate-descent
 result survives the trip from its compile workers.
 
-Uses triton_kernels.seen (AsyncCompile.triton), PyCodeCache.write, triton.Config's
+Uses PyCodeCache.write, triton.Config's
 __setstate__ (3.6, 3.9: it keeps only the attributes it knows),
 AutotuneCache._prepare_key / _make_local_cache_key (2.13+; 2.11 hashes the key with
 torch_key itself), AutotuneCacheArtifact.populate_cache,
@@ -39,14 +39,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 
 from torch._inductor import codecache
 from torch._inductor.runtime import autotune_cache
 from torch._inductor.runtime import triton_heuristics as heuristics
 from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
 
-from torchfarm.torch_adapter import gate, triton_kernels
+from torchfarm.torch_adapter import gate
 
 # Before 2.13 the recheck considered only kernels with more than one config.
 _RECHECK_IGNORES_SINGLE_CONFIGS = gate.release_tuple() < (2, 13)
@@ -68,19 +68,6 @@ def module_result_path(source_code: str) -> str:
     """`result_path` of a Triton kernel module, written first where Inductor writes it (the
     same file Inductor's own write of that module finds there)."""
     return result_path(codecache.PyCodeCache.write(source_code)[1])
-
-
-@contextlib.contextmanager
-def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
-    """While entered, each Triton kernel Inductor compiles first has its module written and
-    `place(kernel_name, source_code, result_path(module))` called, before any process tunes or
-    compiles it."""
-
-    def on_kernel(kernel_name: str, source_code: str) -> None:
-        place(kernel_name, source_code, module_result_path(source_code))
-
-    with triton_kernels.seen(on_kernel):
-        yield
 
 
 @contextlib.contextmanager

@@ -3,12 +3,14 @@
 `wrapped_load_async(replacement)` replaces the classmethod while entered; the replacement
 gets `(cls, original, main_code, *args, optimized_code=None, **kwargs)` and returns what
 load_async returns (a callable giving the library). `load_library` is Inductor's own
-dlopen of a built file.
+dlopen of a built file. `build` runs the builds of one load_async, and loads nothing (a
+pool's kernel builds: workers/kernel_builder.py).
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
-submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]) and
-CppCodeCache._load_library. Verified: torch 2.11.0, 2.13.0, 2.15.0. `sources_written` wraps
-codecache.write(content, extension, ...) -> (basename, path): checked on 2.13.0 only.
+submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]), the same on
+CppPythonBindingsCodeCache, and CppCodeCache._load_library. Verified: torch 2.11.0, 2.13.0,
+2.15.0. `sources_written` wraps codecache.write(content, extension, ...) -> (basename,
+path): checked on 2.13.0 only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,29 @@ def load_library(cls: Any, path: str, key: str) -> object:
 def library_path(lib: Any) -> str:
     """The file a loaded library came from."""
     return getattr(lib, "__file__", None) or lib._name  # module or ctypes.CDLL
+
+
+def build(
+    code_cache: str,
+    main_code: str,
+    optimized_code: str | None,
+    needs_vec_isa: bool | None,
+    kernel_needs_vec_isa: bool | None,
+) -> None:
+    """Build the objects of one library as Inductor's class `code_cache` (CppCodeCache,
+    CppPythonBindingsCodeCache) does for a compile: load_async's builds, run now; the loader
+    it returns is never called, so nothing built is loaded."""
+    builds: list = []  # run after load_async, which holds the lock that a build takes
+    getattr(codecache, code_cache).load_async(
+        main_code,
+        "cpu",
+        submit_fn=builds.append,
+        optimized_code=optimized_code,
+        needs_vec_isa=needs_vec_isa,
+        kernel_needs_vec_isa=kernel_needs_vec_isa,
+    )
+    for build_now in builds:
+        build_now()
 
 
 @contextlib.contextmanager

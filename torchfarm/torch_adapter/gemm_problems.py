@@ -144,22 +144,6 @@ def measure(gemm: pb.GemmProblem, device: str) -> None:
     torch.compile(twice, fullgraph=True, dynamic=False, options=options)(*operands)
 
 
-def main() -> None:
-    """`python -m torchfarm.torch_adapter.gemm_problems DEVICE [GPU_LOCK]`: measure the
-    GemmProblem on stdin, with the worker's Inductor config (a pool builder's fresh
-    interpreter), each measurement holding GPU_LOCK's flock (gpu_benchmark_lock.py)."""
-    import sys
-
-    from torchfarm.compiler.inductor import WORKER_CONFIG
-    from torchfarm.torch_adapter import gpu_benchmark_lock, standalone
-
-    gemm = pb.GemmProblem.FromString(sys.stdin.buffer.read())  # protobuf parse: no code runs
-    if len(sys.argv) > 2 and sys.argv[2]:
-        gpu_benchmark_lock.install(sys.argv[2])
-    with standalone.inductor_config.patch(WORKER_CONFIG):
-        measure(gemm, sys.argv[1])
-
-
 def _storage(operand: pb.GemmInput) -> int:
     """Elements the operand's storage needs."""
     return operand.offset + 1 + sum((s - 1) * t for s, t in zip(operand.size, operand.stride))
@@ -173,7 +157,3 @@ def _tensor(operand: pb.GemmInput, device: str):
     if device != "meta":
         storage.normal_()
     return storage.as_strided(list(operand.size), list(operand.stride), operand.offset)
-
-
-if __name__ == "__main__":
-    main()

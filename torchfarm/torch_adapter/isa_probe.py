@@ -22,7 +22,7 @@ check builds in each child's warm-up on the 2-core machine). The probe records e
 test program's source), and the agreement carries them: a child answers the same checks
 from it (`vouched_checks`) instead of building them again, and builds any other.
 
-Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd),
+Uses `torch._inductor.cpu_vec_isa.valid_vec_isa_list` (functools.cache'd), `pick_vec_isa`,
 `VecISA.check_build(code)` and `torch._inductor.config.cpp.vec_isa_ok`. Verified: torch
 2.11.0, 2.13.0, 2.15.0 (`make test-versions` runs this module's tests on each release).
 """
@@ -170,3 +170,19 @@ def vouched_checks(agreement: str) -> Iterator[None]:
         yield
     finally:
         cpu_vec_isa.VecISA.check_build = build  # type: ignore[method-assign]
+
+
+def pick(agreement: str) -> None:
+    """A child's warm-up: Inductor's ISA pick (instant where the worker's probe vouched, its
+    `agreement`), remembered in-process; its test programs go to a directory removed at once,
+    so the request finds an empty home."""
+    from torch._inductor import cpu_vec_isa
+
+    from torchfarm.torch_adapter import standalone
+
+    with (
+        tempfile.TemporaryDirectory() as probe_dir,
+        standalone.cache_dir_at(probe_dir),
+        vouched_checks(agreement),
+    ):
+        cpu_vec_isa.pick_vec_isa()

@@ -12,13 +12,17 @@ be loaded from a file, by unpacking every entry into the cache dir and looking i
 `load` runs the post-compile in a TracingContext of its own, as `CacheCompiledArtifact`'s
 loader does: the caller may be inside Dynamo's backend, whose context must not see it.
 `cache_dir_at` swaps TORCHINDUCTOR_CACHE_DIR, which Inductor reads on every access (no
-torch object is patched).
+torch object is patched). A compile child imports the compile path ahead of its request
+(`import_compiler`), and a GPU child's warm-up compiles a graph that leaves nothing behind
+(`throwaway_compiles`: workers/warm_compile.py).
 
 Uses torch._inductor.standalone_compile (its `aot` flag and the "should have serialize
 method" RuntimeError raised when AOTAutograd bundled nothing), standalone_compile
 .AOTCompiledArtifact (serialize, deserialize), torch._guards.TracingContext / tracing,
-torch._inductor.list_mode_options, the Inductor and functorch config modules, and
-torch._inductor.runtime.cache_dir_utils.cache_dir.
+torch._inductor.list_mode_options, the Inductor and functorch config modules (and
+`compile_threads`), torch._inductor.runtime.cache_dir_utils.cache_dir, the modules
+torch._inductor.codecache and compile_fx, torch._inductor.utils.fresh_cache and
+clear_caches, and torch._dynamo.reset.
 Verified: torch 2.11.0, 2.13.0, 2.15.0.
 """
 
@@ -43,10 +47,12 @@ __all__ = [
     "cache_dir_at",
     "compile_graph",
     "functorch_config",
+    "import_compiler",
     "inductor_config",
     "load",
     "mode_options",
     "save",
+    "throwaway_compiles",
 ]
 
 
@@ -99,3 +105,26 @@ def cache_dir_at(directory: str) -> Iterator[None]:
             del os.environ["TORCHINDUCTOR_CACHE_DIR"]
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def import_compiler() -> None:
+    """Import Inductor's compile path (its code cache, compile_fx: the standalone_compile
+    path) ahead of a first compile."""
+    import torch._inductor.codecache
+    import torch._inductor.compile_fx  # noqa: F401
+
+
+@contextlib.contextmanager
+def throwaway_compiles() -> Iterator[None]:
+    """Compiles in the block leave nothing behind: Inductor's caches point to a temporary
+    directory (fresh_cache), its Triton kernels compile in this process (compile_threads 1,
+    so no compile worker inherits that directory), and on leaving, whatever happened, its
+    in-memory caches are cleared and Dynamo is reset."""
+    from torch._inductor.utils import clear_caches, fresh_cache
+
+    try:
+        with fresh_cache(), inductor_config.patch(compile_threads=1):
+            yield
+    finally:
+        clear_caches()
+        torch._dynamo.reset()

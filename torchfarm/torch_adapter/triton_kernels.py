@@ -2,9 +2,11 @@
 
 `seen(on_kernel)`: each Triton kernel a compile's output code asks for
 (`AsyncCompile.triton(kernel_name, source_code)`, whether Inductor then compiles it or a
-looked-up cache entry brings it) is first passed to `on_kernel`: autotune results are placed
-there (autotune_results.py), and a shared job's child records the kernels for the pool's
-builds (workers/kernel_cache.py).
+looked-up cache entry brings it) is first passed to `on_kernel`: a shared job's child
+records the kernels for the pool's builds (workers/kernel_cache.py). `results_found(place)`
+is the same hook with the kernel's module written first (so every process sees the same
+file), for `place` to put an earlier autotune result where Inductor's local autotune cache
+will look for it (autotune_results.result_path).
 
 `build(module, kernel_name, result)`: what Inductor's compile workers do with a kernel,
 nothing more: load its module, compile every config its decorator yields into
@@ -36,6 +38,8 @@ from collections.abc import Callable, Iterator
 
 from torch._inductor import async_compile, codecache
 
+from torchfarm.torch_adapter import autotune_results
+
 
 @contextlib.contextmanager
 def seen(on_kernel: Callable[[str, str], None]) -> Iterator[None]:
@@ -54,6 +58,19 @@ def seen(on_kernel: Callable[[str, str], None]) -> Iterator[None]:
         async_compile.AsyncCompile.triton = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
+    """While entered, each Triton kernel Inductor compiles first has its module written and
+    `place(kernel_name, source_code, result_path(module))` called, before any process tunes or
+    compiles it."""
+
+    def on_kernel(kernel_name: str, source_code: str) -> None:
+        place(kernel_name, source_code, autotune_results.module_result_path(source_code))
+
+    with seen(on_kernel):
+        yield
+
+
 def build(module: str, kernel_name: str, result: bytes = b"") -> bytes:
     """Compile the kernel `kernel_name` of the Inductor kernel module `module` into Triton's
     cache dir (triton_source_check.Refused where the module is not one Inductor writes), with
@@ -62,7 +79,7 @@ def build(module: str, kernel_name: str, result: bytes = b"") -> bytes:
     or b"" where none was taken."""
     from torch._inductor.runtime import triton_helpers
 
-    from torchfarm.torch_adapter import autotune_results, triton_source_check
+    from torchfarm.torch_adapter import triton_source_check
 
     triton_source_check.check(module, kernel_name)
     triton_helpers.set_driver_to_gpu = lambda: None  # this process only builds

@@ -64,9 +64,8 @@ def run(settings: WorkerSettings, target: pb.Target) -> Readiness:
         # The first child warms up inside the canary's compile: on a busy host that alone
         # can outlast a short compile timeout, which is no sign of a broken one.
         timeout_s = max(settings.compile_timeout_s, settings.warm_up_timeout_s)
-        data = sandbox.run_compile(
-            graph, target, pb.Options(), hints, settings, timeout_s=timeout_s
-        ).data
+        spec = sandbox.ChildSpec(graph, target, pb.Options(), hints, timeout_s=timeout_s)
+        data = sandbox.run_compile(spec, settings).data
         artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
         if not artifact.inductor:
             raise ValueError("the compile child returned an empty artifact")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import os
@@ -51,8 +52,8 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
+from collections.abc import Iterator
 from typing import IO, Any, BinaryIO, Protocol
 
 from google.protobuf.message import DecodeError
@@ -92,11 +93,12 @@ def warm_up(
     """Everything a compile needs that no request decides, done before the request exists;
     on CUDA with `throwaway`, a compile of the farm's own small graph too (warm_compile.py)."""
     import torch
-    import torch._inductor.codecache
-    import torch._inductor.compile_fx  # noqa: F401  (the standalone_compile path)
 
     import torchfarm.compiler.inductor  # noqa: F401
+    from torchfarm.torch_adapter import standalone
     from torchfarm.workers import warm_compile
+
+    standalone.import_compiler()
 
     for module in op_libraries:
         importlib.import_module(module)
@@ -113,18 +115,9 @@ def warm_up(
             warm_compile.compile_once(device)
         compile_workers.start_and_wait()  # Inductor's Triton compile workers, answering
     else:
-        from torch._inductor import cpu_vec_isa
+        from torchfarm.torch_adapter import isa_probe
 
-        from torchfarm.torch_adapter import isa_probe, standalone
-
-        # The ISA probe (instant where the worker's probe vouched), remembered in-process; its
-        # test programs go to a directory removed at once, so the request finds an empty home.
-        with (
-            tempfile.TemporaryDirectory() as probe_dir,
-            standalone.cache_dir_at(probe_dir),
-            isa_probe.vouched_checks(isa_checks),
-        ):
-            cpu_vec_isa.pick_vec_isa()
+        isa_probe.pick(isa_checks)
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -362,54 +355,90 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
     request = pb.CompileChildRequest.FromString(data)
     helped = helper is not None and compiler_of(request.options) == INDUCTOR
     _hand_over(helper, data, helped)
-    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    recorded = pb.KernelFiles()  # for the pool's kernel builds
-    lookups = None
-    from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
-
-    with contextlib.ExitStack() as kernels:
-        benchmarked = kernels.enter_context(gemm_benchmarks.counted())
-        if args.kernels:  # before anything of the tenant's runs
-            lookups = kernels.enter_context(kernel_cache.looking_up(args.kernels, cache_dir))
-        if request.kernel_sources:
-            kernels.enter_context(kernel_cache.recording(recorded, triton=args.device == "cuda"))
-
-        for module in request.op_libraries:
-            importlib.import_module(module)
-        compiler = compilers.load(compiler_of(request.options), compilers.parse(args.compilers))
-        context = compilers.CompileContext(
-            on_stage=_on_stage, tuning_gpus=tuple(g for g in args.tuning_gpus.split(",") if g)
-        )
-        backward = None
-        if helped:
-            from torchfarm.torch_adapter import concurrent_backward
-
-            assert helper is not None
-            backward = kernels.enter_context(concurrent_backward.backward_from(helper.wait))
-        artifact = compiler.compile(request, context)
-        if backward is not None:
-            artifact.backward = backward.compiled_by
-    files = pb.KernelFiles()
-    if args.kernels:
-        files = kernel_cache.report(
-            cache_dir,
-            args.kernels,
-            built=request.kernel_cache,
-            triton_dir=os.environ.get("TRITON_CACHE_DIR", ""),
-            lookups=lookups,
-        )
-        files.MergeFrom(recorded)
-    files.gemm_candidates_benchmarked = benchmarked.candidates
-    if request.kernel_sources:
-        files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
+    with _kernel_hooks(args, request) as hooks:
+        artifact = _compile(args, request, helper if helped else None)
+    files = hooks.report(args, request)
     if helped:  # where the graph had a backward, the helper has exited: its report is whole
-        helper_files = _helper_report(cache_dir)
+        helper_files = _helper_report(hooks.cache_dir)
         files.gemm_candidates_benchmarked += helper_files.gemm_candidates_benchmarked
         if request.kernel_sources:
             files.gemm_problems.extend(helper_files.gemm_problems)
     report(pb.CompileChildReport(kernels=files))
     report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
     return 0
+
+
+@dataclasses.dataclass
+class _KernelHooks:
+    """What the kernel cache's hooks saw of one compile (kernel_cache.py), for its report."""
+
+    cache_dir: str
+    benchmarked: Any  # gemm_benchmarks.Benchmarked: the GEMM candidates it benchmarked
+    recorded: pb.KernelFiles  # the sources it built, for the pool's kernel builds
+    lookups: kernel_cache.TuningLookups | None = None
+
+    def report(self, args: argparse.Namespace, request: pb.CompileChildRequest) -> pb.KernelFiles:
+        from torchfarm.torch_adapter import gemm_problems
+
+        files = pb.KernelFiles()
+        if args.kernels:
+            files = kernel_cache.report(
+                self.cache_dir,
+                args.kernels,
+                built=request.kernel_cache,
+                triton_dir=os.environ.get("TRITON_CACHE_DIR", ""),
+                lookups=self.lookups,
+            )
+            files.MergeFrom(self.recorded)
+        files.gemm_candidates_benchmarked = self.benchmarked.candidates
+        if request.kernel_sources:
+            problems = gemm_problems.problems(self.benchmarked.problems, args.device)
+            files.gemm_problems.extend(problems)
+        return files
+
+
+@contextlib.contextmanager
+def _kernel_hooks(
+    args: argparse.Namespace, request: pb.CompileChildRequest
+) -> Iterator[_KernelHooks]:
+    """While entered, the staged kernels are found (before anything of the tenant's runs),
+    and what the compile builds and benchmarks is recorded."""
+    from torchfarm.torch_adapter import gemm_benchmarks
+
+    with contextlib.ExitStack() as stack:
+        hooks = _KernelHooks(
+            cache_dir=os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            benchmarked=stack.enter_context(gemm_benchmarks.counted()),
+            recorded=pb.KernelFiles(),
+        )
+        if args.kernels:
+            hooks.lookups = stack.enter_context(
+                kernel_cache.looking_up(args.kernels, hooks.cache_dir)
+            )
+        if request.kernel_sources:
+            triton = args.device == "cuda"
+            stack.enter_context(kernel_cache.recording(hooks.recorded, triton=triton))
+        yield hooks
+
+
+def _compile(
+    args: argparse.Namespace, request: pb.CompileChildRequest, helper: _Helper | None
+) -> pb.Artifact:
+    """Compile the request with its compiler; its backward by `helper`, where given."""
+    for module in request.op_libraries:
+        importlib.import_module(module)
+    compiler = compilers.load(compiler_of(request.options), compilers.parse(args.compilers))
+    context = compilers.CompileContext(
+        on_stage=_on_stage, tuning_gpus=tuple(g for g in args.tuning_gpus.split(",") if g)
+    )
+    if helper is None:
+        return compiler.compile(request, context)
+    from torchfarm.torch_adapter import concurrent_backward
+
+    with concurrent_backward.backward_from(helper.wait) as backward:
+        artifact = compiler.compile(request, context)
+        artifact.backward = backward.compiled_by
+    return artifact
 
 
 def _helper_report(cache_dir: str) -> pb.KernelFiles:

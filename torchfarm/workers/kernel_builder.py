@@ -101,7 +101,7 @@ def _measure_gemm(
 
     gemm_problems.check(gemm)  # refused before anything starts
     subprocess.run(
-        [sys.executable, "-m", "torchfarm.torch_adapter.gemm_problems", device, gpu_lock],
+        [sys.executable, "-m", "torchfarm.workers.gemm_measure", device, gpu_lock],
         input=gemm.SerializeToString(),
         stdout=sys.stderr,  # the measurement's output: the error text, never the reply
         check=True,
@@ -129,22 +129,17 @@ def _build_triton(source: pb.TritonSource, cache_dir: str) -> pb.KernelFiles:
 def _build_cpp(source: pb.KernelSource) -> None:
     """The objects of one library, as the compile's class, command and precompiled header
     make them."""
-    from torch._inductor import codecache
+    from torchfarm.torch_adapter import cpp_libraries
 
     if source.code_cache not in kernel_cache.CODE_CACHES:
         raise ValueError(f"not a C++ code cache: {source.code_cache!r}")
-    code_cache = getattr(codecache, source.code_cache)
-    builds: list = []  # run after load_async, which holds the lock that a build takes
-    code_cache.load_async(  # returns the loader, never called: nothing built is run
+    cpp_libraries.build(
+        source.code_cache,
         source.main_code,
-        "cpu",
-        submit_fn=builds.append,
-        optimized_code=source.optimized_code if source.has_optimized else None,
-        needs_vec_isa=_TRISTATE[source.needs_vec_isa],
-        kernel_needs_vec_isa=_TRISTATE[source.kernel_needs_vec_isa],
+        source.optimized_code if source.has_optimized else None,
+        _TRISTATE[source.needs_vec_isa],
+        _TRISTATE[source.kernel_needs_vec_isa],
     )
-    for build_now in builds:
-        build_now()
 
 
 def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:

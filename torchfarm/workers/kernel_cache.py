@@ -151,7 +151,7 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
     for name in os.listdir(timings) if os.path.isdir(timings) else ():
         if _TUNING.fullmatch(f"{TUNING}/{_GEMM_TIMINGS}/{name}"):
             _copy(os.path.join(timings, name), os.path.join(cache_dir, _GEMM_TIMINGS, name))
-    from torchfarm.torch_adapter import autotune_results
+    from torchfarm.torch_adapter import triton_kernels
 
     def place(kernel_name: str, source: str, result: str) -> None:
         own = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
@@ -163,7 +163,7 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
                 _copy(os.path.join(staged, name), result)
                 lookups.found[result] = name
 
-    with autotune_results.results_found(place):
+    with triton_kernels.results_found(place):
         yield
 
 

@@ -79,28 +79,6 @@ _TOOL_ENV = ("CUDA_HOME", "TRITON_LIBCUDA_PATH", "TRITON_PTXAS_PATH")
 ABANDON_CHECK_S = 5.0  # how often a running compile asks whether anyone still waits for it
 
 
-def _stop_when_abandoned(
-    abandoned: Callable[[], bool] | None,
-    child: child_pool.Child,
-    done: threading.Event,
-    stopped: threading.Event,
-) -> None:
-    """Kill `child` once `abandoned()` has been True at two checks in a row (a waiter between
-    two gateways' refreshes is not yet gone); a failing check counts as not abandoned."""
-    if abandoned is None:
-        return
-    strikes = 0
-    while not done.wait(ABANDON_CHECK_S):
-        try:
-            strikes = strikes + 1 if abandoned() else 0
-        except Exception:
-            strikes = 0
-        if strikes >= 2:
-            stopped.set()
-            child.kill()
-            return
-
-
 class CompileFailed(RuntimeError):
     """The compile child failed, crashed or ran out of time; the message says which, `kind`
     how the job ends (JobOutcome.FAILED or TIMED_OUT). `lasting`: the child raised, so
@@ -117,6 +95,61 @@ class CompileFailed(RuntimeError):
 
     def outcome(self) -> pb.JobOutcome:
         return pb.JobOutcome(kind=self.kind, error=str(self))
+
+
+class _Stops:
+    """The two ways a running child is ended from outside: its compile timeout, and its
+    clients leaving (`abandoned()` True at two checks in a row, ABANDON_CHECK_S apart: a
+    waiter between two gateways' refreshes is not yet gone; a failing check counts as not
+    abandoned)."""
+
+    def __init__(
+        self, child: child_pool.Child, timeout_s: float, abandoned: Callable[[], bool] | None
+    ) -> None:
+        self.child, self.timeout_s, self.abandoned = child, timeout_s, abandoned
+        self.timed_out, self.stopped, self._done = (threading.Event() for _ in range(3))
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+
+    def start(self) -> None:
+        self._timer.start()
+        self._watcher.start()
+
+    def end(self) -> None:
+        self._timer.cancel()
+        self._done.set()
+
+    def raise_if_stopped(self, handed_back: bool) -> None:
+        """CompileFailed where the child was ended from outside (and, if abandoned, before it
+        handed its artifact back)."""
+        if self.stopped.is_set() and not handed_back:
+            raise CompileFailed(
+                "stopped: no client waits for this compile any more", kind=pb.JobOutcome.ABANDONED
+            )
+        if self.timed_out.is_set():
+            raise CompileFailed(
+                f"compile exceeded {self.timeout_s:.0f} s (TORCHFARM_COMPILE_TIMEOUT_WORKER)",
+                kind=pb.JobOutcome.TIMED_OUT,
+            )
+
+    def _expire(self) -> None:
+        self.timed_out.set()
+        self.child.kill()
+
+    def _watch(self) -> None:
+        if self.abandoned is None:
+            return
+        strikes = 0
+        while not self._done.wait(ABANDON_CHECK_S):
+            try:
+                strikes = strikes + 1 if self.abandoned() else 0
+            except Exception:
+                strikes = 0
+            if strikes >= 2:
+                self.stopped.set()
+                self.child.kill()
+                return
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +491,40 @@ def _read_reports(
 
 
 @dataclasses.dataclass(frozen=True)
+class ChildSpec:
+    """One compile for a child of the pool: what to compile, and what the caller hears.
+    `on_stage(stage)` hears the child's Progress.Stage (COMPILING / AUTOTUNING) as it changes;
+    `abandoned()`, asked every ABANDON_CHECK_S, stops the child once it has said True twice in
+    a row (nobody waits for the result any more); `timeout_s` (else the settings') runs from
+    the call, a child still warming up included. `kernels_from`: kernel cache directories
+    (workers/kernel_cache.py) staged for the child, the first one's objects winning; the child
+    then reports the objects it built (`report_built`) or the sources of the libraries it
+    built (`report_sources`)."""
+
+    payload: bytes
+    target: pb.Target
+    options: pb.Options
+    size_hints: dict[str, int] = dataclasses.field(default_factory=dict)
+    on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None
+    abandoned: Callable[[], bool] | None = None
+    timeout_s: float | None = None
+    kernels_from: tuple[str, ...] = ()
+    report_built: bool = False
+    report_sources: bool = False
+
+    def request(self, settings: WorkerSettings) -> pb.CompileChildRequest:
+        return pb.CompileChildRequest(
+            graph=self.payload,
+            target=self.target,
+            options=self.options,
+            size_hints=self.size_hints,
+            op_libraries=_op_libraries(settings),
+            kernel_cache=self.report_built,
+            kernel_sources=self.report_sources,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ChildResult:
     """What a compile child handed back: the Artifact's protobuf bytes, the seconds from
     the request until a ready child had it (the hand-off; ~0 when a warm child waited), and
@@ -554,69 +621,24 @@ def _reusable(private_dir: str) -> bool:
     return False
 
 
-def run_compile(
-    payload: bytes,
-    target: pb.Target,
-    options: pb.Options,
-    size_hints: dict[str, int],
-    settings: WorkerSettings,
-    on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
-    abandoned: Callable[[], bool] | None = None,
-    timeout_s: float | None = None,
-    kernels_from: tuple[str, ...] = (),
-    report_built: bool = False,
-    report_sources: bool = False,
-) -> ChildResult:
-    """Compile `payload` for `target` in a sandboxed child of the warm pool; the Artifact's
-    protobuf bytes and the hand-off wait. `on_stage(stage)` hears the child's Progress.Stage
-    (COMPILING / AUTOTUNING) as it changes. The compile timeout (`timeout_s`, else the
-    settings') runs from this call, a child still warming up included. `abandoned()`, asked
-    every ABANDON_CHECK_S, stops the child once it has said True twice in a row (nobody waits
-    for the result any more). `kernels_from`: kernel cache directories (workers/kernel_cache.py)
-    staged for the child, the first one's objects winning; the child then reports the objects
-    it built (`report_built`) or the sources of the libraries it built (`report_sources`)."""
-    timeout_s = timeout_s or settings.compile_timeout_s
+def run_compile(spec: ChildSpec, settings: WorkerSettings) -> ChildResult:
+    """Compile `spec` in a sandboxed child of the warm pool: the Artifact's protobuf bytes,
+    the hand-off wait and the kernels the child reported; CompileFailed says how it failed."""
+    timeout_s = spec.timeout_s or settings.compile_timeout_s
     called = time.perf_counter()
-    request = pb.CompileChildRequest(
-        graph=payload,
-        target=target,
-        options=options,
-        size_hints=size_hints,
-        op_libraries=_op_libraries(settings),
-        kernel_cache=report_built,
-        kernel_sources=report_sources,
-    )
     child = pool(settings).take()
-    staging = staging_dir(child.private_dir) if settings.kernel_cache_mb else ""
-    if staging:
-        try:
-            for directory in kernels_from:
-                kernel_cache.stage(directory, staging)
-            kernel_cache.hide(staging)
-        except OSError as e:  # the compile goes on with what was staged
-            log.warning("could not stage the kernels: %s", e)
-    timed_out = threading.Event()
-
-    def expire() -> None:
-        timed_out.set()
-        child.kill()
-
+    staging = _stage(child, spec.kernels_from, settings)
     feeder = threading.Thread(
-        target=_feed, args=(child.stdin, request.SerializeToString()), daemon=True
+        target=_feed, args=(child.stdin, spec.request(settings).SerializeToString()), daemon=True
     )
-    timer = threading.Timer(timeout_s, expire)
-    done, stopped = threading.Event(), threading.Event()
-    watcher = threading.Thread(
-        target=_stop_when_abandoned, args=(abandoned, child, done, stopped), daemon=True
-    )
-    for thread in (feeder, timer, watcher):
-        thread.daemon = True
-        thread.start()
-    handoff_s, kernels = 0.0, pb.KernelFiles()
+    feeder.start()
+    stops = _Stops(child, timeout_s, spec.abandoned)
+    stops.start()
+    handoff_s, kernels, data = 0.0, pb.KernelFiles(), None
     try:
         ready = child.wait_ready()  # a warm child at once; else its warm-up, or its end
         handoff_s = time.perf_counter() - called
-        data = _read_reports(child.stdout, settings, on_stage, kernels) if ready else None
+        data = _read_reports(child.stdout, settings, spec.on_stage, kernels) if ready else None
         if data is not None:
             # The artifact is whole: the child has nothing left to give, and its own exit
             # (interpreter and torch teardown, ~1.4 s measured) is not worth waiting for.
@@ -626,27 +648,32 @@ def run_compile(
         raise
     finally:
         returncode = child.proc.wait()  # the timer still ends a child that lingers
-        timer.cancel()
-        done.set()
+        stops.end()
         feeder.join(timeout=5)
         if staging:
             kernel_cache.unhide(staging)
         child.close()
-    text = child.error_text()
-    if stopped.is_set() and data is None:
-        raise CompileFailed(
-            "stopped: no client waits for this compile any more", kind=pb.JobOutcome.ABANDONED
-        )
-    if timed_out.is_set():
-        raise CompileFailed(
-            f"compile exceeded {timeout_s:.0f} s (TORCHFARM_COMPILE_TIMEOUT_WORKER)",
-            kind=pb.JobOutcome.TIMED_OUT,
-        )
+    stops.raise_if_stopped(data is not None)
     if data is None:
         how = _how_it_ended(returncode, settings.sandbox)
+        text = child.error_text()
         raise CompileFailed(f"compile child failed ({how}):\n{text}", lasting=returncode == 1)
     artifact = pb.Artifact.FromString(data)  # protobuf parse: no code runs
     if not (artifact.inductor or artifact.package):
         raise CompileFailed("compile child returned an empty artifact")
     metrics.handoff(handoff_s)
     return ChildResult(data, handoff_s, kernels)
+
+
+def _stage(child: child_pool.Child, kernels_from: tuple[str, ...], settings: WorkerSettings) -> str:
+    """Stage the kernel cache directories `kernels_from` for `child`; its staging directory
+    ("" where the kernel cache is off)."""
+    staging = staging_dir(child.private_dir) if settings.kernel_cache_mb else ""
+    if staging:
+        try:
+            for directory in kernels_from:
+                kernel_cache.stage(directory, staging)
+            kernel_cache.hide(staging)
+        except OSError as e:  # the compile goes on with what was staged
+            log.warning("could not stage the kernels: %s", e)
+    return staging

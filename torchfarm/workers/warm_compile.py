@@ -19,8 +19,8 @@ child forked after the parent traced a backward cannot run autograd ("Unable to 
 autograd's threading in combination with fork-based multiprocessing", torch 2.11); a
 matmul-only one there spared a compile about 0.5 s of ~6.4 s on the 2-core box.
 
-Uses `torch._inductor.utils.fresh_cache` and `clear_caches`, and `config.compile_threads`.
-Verified (source read): torch 2.11.0, 2.13.0, 2.15.0.
+Torch's part (a temporary cache dir, one compile thread, caches cleared and Dynamo reset
+after it) is torch_adapter/standalone.py's `throwaway_compiles`.
 """
 
 from __future__ import annotations
@@ -31,24 +31,19 @@ import torch
 
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter import standalone
 
 
 def compile_once(device: str) -> None:
     """Compile the throwaway graph on `device`, leaving no cache entry and no in-memory state."""
-    from torch._inductor import config
-    from torch._inductor.utils import clear_caches, fresh_cache
-
     try:
-        graph, options = _traced(device)
-        with fresh_cache(), config.patch(compile_threads=1):
+        with standalone.throwaway_compiles():
+            graph, options = _traced(device)
             inductor.compile_payload(
                 serialize.dumps(graph), options, 0, serialize.size_hints(graph)
             )
     except Exception as e:  # a slower first compile, never a child that cannot start
         print(f"torchfarm: the warm-up's throwaway compile failed: {e!r}", file=sys.stderr)
-    finally:
-        clear_caches()
-        torch._dynamo.reset()
 
 
 def _traced(device: str) -> tuple[torch.fx.GraphModule, pb.Options]:

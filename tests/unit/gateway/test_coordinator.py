@@ -168,6 +168,31 @@ def test_the_waiter_hears_stages_and_takes_over_a_vanished_claim(store):
     assert all(isinstance(e, Progress) for e in events[:-1])
 
 
+def test_a_run_that_ends_between_a_waiters_claim_and_its_post_keeps_its_outcome(store, monkeypatch):
+    """The race of a CI run (docs/benchmarks.md, 0842f63): a waiter claims a job whose claim
+    was given back, and before its post the job's run ends (outcome written, claim dropped).
+    The post must neither clear that outcome nor queue the job again: the waiter is served
+    what the run stored, and the job is compiled once."""
+    queue = Queue()
+    coordinator = Coordinator(store, queue, compile_timeout_s=60)
+    events: list = []
+    thread = _in_background(events, coordinator, _call())
+    job = queue.next()
+    claim = store.jobs.claim
+
+    def claim_then_the_run_ends(job_id: str, ttl_s: int) -> str | None:
+        token = claim(job_id, ttl_s)
+        if token is not None:
+            _store_as_worker(store, job)
+        return token
+
+    monkeypatch.setattr(store.jobs, "claim", claim_then_the_run_ends)
+    store.jobs.release(job.job_id)  # its claim given back while its run goes on
+    thread.join(30)
+    assert isinstance(events[-1], Served) and _bytes(events[-1]) == ARTIFACT
+    assert len(queue.jobs) == 1
+
+
 def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
     """The worker took the job (its stage is past QUEUED) and died without an outcome or a
     release (a Celery worker that exited on a full Redis): its claim lives on, but its

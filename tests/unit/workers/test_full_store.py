@@ -28,8 +28,8 @@ def test_a_task_on_a_full_broker_gives_its_claim_back_and_the_worker_lives_on(re
     client.flushdb()
     store = Store.from_url(redis_url, redis_url)
     job = pb.Job(key="k" * 64, job_id="a-job-on-a-full-broker", tenant="alice")
-    store.jobs.claim(job.job_id, 600)
-    store.jobs.post(job.job_id, b"payload")
+    token = store.jobs.claim(job.job_id, 600)
+    assert token is not None and store.jobs.post(job.job_id, token, b"payload")
     used = client.info("memory")["used_memory"]
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", used // 2)

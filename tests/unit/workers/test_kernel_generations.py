@@ -14,7 +14,7 @@ from torchfarm.contract.cache_key import private_key, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import job_to_json
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import app, kernel_cache, sandbox
+from torchfarm.workers import app, kernel_cache, run_kernels, sandbox
 
 OBJ = "ab/cab" + "c" * 49 + ".so"  # C++ objects' names, as Inductor gives them
 OTHER = "ab/cab" + "d" * 49 + ".so"
@@ -25,13 +25,13 @@ def _compile(store: Store, settings: WorkerSettings, n: int, child) -> None:
     payload, target, options = f"graph {n}".encode(), local_target(), pb.Options()
     key = private_key(public_key(payload, target, options), "alice")
     job = pb.Job(key=key, job_id=f"job-{n}", tenant="alice", private=True, target=target)
-    store.jobs.claim(job.job_id, 600)
-    store.jobs.post(job.job_id, payload)
+    token = store.jobs.claim(job.job_id, 600)
+    assert token is not None and store.jobs.post(job.job_id, token, payload)
     store.jobs.join(job.job_id, "a waiting client", 600)
 
-    def run_compile(*args, kernels_from=(), **kwargs):
+    def run_compile(spec: sandbox.ChildSpec, settings: WorkerSettings) -> sandbox.ChildResult:
         artifact = pb.Artifact(inductor=b"compiled").SerializeToString()
-        return sandbox.ChildResult(artifact, 0.0, child(kernels_from))
+        return sandbox.ChildResult(artifact, 0.0, child(spec.kernels_from))
 
     original, sandbox.run_compile = sandbox.run_compile, run_compile
     try:
@@ -68,7 +68,7 @@ def test_a_drop_empties_every_slice_before_the_next_job_and_keeps_nothing_it_ove
         child(kernels_from)
         return pb.KernelFiles(built={OTHER: b"lib"}, gemm_candidates_benchmarked=3)
 
-    cache = app._kernel_cache(settings)
+    cache = run_kernels.kernel_cache_of(settings)
     assert cache is not None
     tenant = cache.tenant_dir("pool", "alice")
     _compile(store, settings, 3, dropped_meanwhile)

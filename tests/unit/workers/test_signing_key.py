@@ -9,7 +9,7 @@ import pytest
 from torchfarm.contract.cache_key import private_key, public_key
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import app
+from torchfarm.workers import app, entry
 
 
 def test_a_worker_without_a_usable_signing_key_refuses_to_start(tmp_path, caplog):
@@ -30,9 +30,9 @@ def test_the_signed_key_is_the_compiled_payloads_never_the_jobs_word(tmp_path):
     target, options = pb.Target(device="cpu", torch_version="2.13.0"), pb.Options(mode="default")
     graph_key = public_key(b"payload", target, options)
     job = pb.Job(key=graph_key, target=target, options=options, tenant="alice")
-    assert app._graph_key(job, b"payload") == graph_key
+    assert entry.graph_key(job, b"payload") == graph_key
     job.private, job.key = True, private_key(graph_key, "alice")
-    assert app._graph_key(job, b"payload") == graph_key
+    assert entry.graph_key(job, b"payload") == graph_key
     job.key = public_key(b"another graph", target, options)  # a Job forged on the broker
     with pytest.raises(ValueError, match="is not its payload's"):
-        app._graph_key(job, b"payload")
+        entry.graph_key(job, b"payload")
