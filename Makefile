@@ -19,7 +19,7 @@ OTHER_TORCH := 2.11 2.12 2.14 2.15
 OTHER_VENVS := $(OTHER_TORCH:%=.venv-%/.installed)
 VERSION_RUNS := $(OTHER_TORCH:%=test-version-%)
 
-.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage clean test-versions other-venvs $(VERSION_RUNS)
+.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage zoo clean test-versions other-venvs $(VERSION_RUNS)
 
 demo: deps
 	$(PY) examples/demo.py
@@ -72,11 +72,15 @@ endif
 
 other-venvs: $(OTHER_VENVS)
 
+# A release's extras beyond server and dev: torchvision (and timm, which imports it) only
+# where its wheel matches the release's torch build (pyproject.toml's `vision` extra).
+EXTRAS_2.14 := ,vision
+
 $(OTHER_VENVS): .venv-%/.installed: requirements/torch-%.txt pyproject.toml
 	python3 -m venv .venv-$*
 	.venv-$*/bin/pip install -q --upgrade pip
 	.venv-$*/bin/pip install -q --no-compile -r requirements/torch-$*.txt
-	.venv-$*/bin/pip install -q --no-compile -c requirements/torch-$*.txt -e '.[server,dev]'
+	.venv-$*/bin/pip install -q --no-compile -c requirements/torch-$*.txt -e '.[server,dev$(EXTRAS_$*)]'
 	touch $@
 
 test-versions: $(VERSION_RUNS)
@@ -85,6 +89,10 @@ test-versions: $(VERSION_RUNS)
 # (KEEP_VENV_FREE_GB free after it): four of them take 21 GB, and a CI machine's disk may not
 # hold them beside the integration tier's farms (a full disk failed a compile there).
 KEEP_VENV_FREE_GB := 40
+
+# The zoo's rows a release runs besides .venv's (tests/integration/test_zoo.py, ZOO_MODELS):
+# 2.14's are the timm and torchvision models, which import on no other release here.
+ZOO_2.14 := timm-convnext,torchvision-resnet
 
 # The venvs are installed without byte-compiling (--no-compile: the install is on the way to
 # the first release's tests, and byte-compiling the project's extras, transformers and mypy
@@ -95,8 +103,9 @@ KEEP_VENV_FREE_GB := 40
 # CPU-s each: a 2.11 run took 206 CPU-s, and 113 writing its own .pyc (cpuacct cgroup).
 $(VERSION_RUNS): test-version-%: .venv-%/.installed $(COMPOSE_SCHEMA)
 	@echo "== torch $* (.venv-$*)"
-	PYTHONDONTWRITEBYTECODE= .venv-$*/bin/python -m pytest -q -p no:cacheprovider tests/unit/torch_adapter \
-		tests/unit/compiler tests/integration/test_versions.py; status=$$?; \
+	PYTHONDONTWRITEBYTECODE= ZOO_MODELS=$(ZOO_$*) .venv-$*/bin/python -m pytest -q -p no:cacheprovider \
+		tests/unit/torch_adapter tests/unit/compiler tests/integration/test_versions.py \
+		$(if $(ZOO_$*),tests/integration/test_zoo.py); status=$$?; \
 	free_gb=$$(( $$(df --output=avail -k . | tail -1) / 1048576 )); \
 	if [ $$free_gb -lt $(KEEP_VENV_FREE_GB) ]; then \
 		echo "== torch $*: removing .venv-$* ($$free_gb GB free)"; rm -rf .venv-$*; fi; \
@@ -135,6 +144,14 @@ bench: deps
 # Issue 7's suite on an embedded farm; rewrites docs/coverage.md (and this machine's results).
 coverage: deps
 	$(PY) bench/coverage/suite.py
+
+# The third-party zoo (issue 49, tests/zoo) on an embedded farm: every model on .venv's torch,
+# then the timm and torchvision ones on 2.14, the release whose torchvision imports here; a
+# table each, and their rows in .cache/zoo/.
+zoo: deps .venv-2.14/.installed
+	mkdir -p .cache/zoo
+	$(PY) -m tests.zoo.runner --json .cache/zoo/rows-2.13.json
+	.venv-2.14/bin/python -m tests.zoo.runner --models $(ZOO_2.14) --json .cache/zoo/rows-2.14.json
 
 clean:
 	rm -rf $(VENV) .venv-* build *.egg-info

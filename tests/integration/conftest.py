@@ -57,6 +57,7 @@ def compiler_log(tmp_path):
 # for the two workers to end together. Ordered by each file's summed durations in a run of the
 # tier alone (2026-11-27, `--durations=0`; the last four from CI's durations).
 SLOWEST_FIRST = (
+    "test_zoo.py",
     "test_skip_differential.py",
     "test_coverage.py",
     "test_farm.py",

@@ -1,0 +1,254 @@
+"""One fresh process of the zoo: a model's training and inference loops, eager and compiled
+three ways, every step compared with eager. Prints one JSON line.
+
+    client.py NAME INDUCTOR_CACHE
+
+The variants, each on its own copy of the model (same seed, so the same weights), one after
+another with Dynamo reset between them (torch._dynamo.reset: "as if you had started a fresh
+process"), after the eager reference:
+  inductor  torch.compile(model, backend="inductor"), its local cache in INDUCTOR_CACHE
+            (shared by the zoo's processes: the reference is not what is measured)
+  native    torch.compile(model, backend="torchfarm")
+  skip      torchfarm.compile(model) with the tenant's token and TORCHFARM_SKIP_TRACING=1: the
+            first process traces and saves Dynamo's package, the second restores it
+The farm variants keep the process's own empty local cache (TORCHINDUCTOR_CACHE_DIR).
+
+Per variant: the exception that stopped it (if any), steps whose loss, output or gradients
+left eager's tolerance, Dynamo's graphs (counters["stats"]["unique_graphs"]: every frame
+traced, restored ones excluded) and recompiles (guard failures that made Dynamo compile a frame
+again), the steady training step (median of steps 5-12), the farm's graph sources, what
+became of the package, and the time spent in torchfarm's identity-check guard
+(identity.Guard.__call__, timed from outside).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from tests.zoo import models  # noqa: E402
+
+TRAIN_STEPS = 12
+STEADY = slice(4, 12)  # steps 5-12
+INFER_STEPS = 3
+LR = 1e-2
+TOLERANCE = 1e-3  # relative (norm) error against eager: loss, output and every gradient
+# below this norm a tensor's error is measured against it instead: a gradient that is zero in
+# exact arithmetic (an attention key's bias: softmax ignores a shift) is rounding noise in
+# both eager and compiled code, ~1e-9, and its relative error means nothing
+NORM_FLOOR = 1e-4
+VARIANTS = ("inductor", "native", "skip")
+
+
+def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.detach().double(), expected.detach().double()
+    if got.shape != expected.shape:
+        return float("inf")
+    return ((got - expected).norm() / expected.norm().clamp_min(NORM_FLOOR)).item()
+
+
+class GuardTimer:
+    """Time in torchfarm's identity-check guard, wrapped from outside (Dynamo calls a
+    Guard instance, so the class's __call__ is looked up on every call)."""
+
+    def __init__(self) -> None:
+        self.calls, self.ns = 0, 0
+        try:
+            from torchfarm.torch_adapter import identity
+
+            original = identity.Guard.__call__
+        except (ImportError, AttributeError):  # the design moved on: nothing to time
+            self.available = False
+            return
+        self.available = True
+        timer = self
+
+        def timed(guard, *args, **kwargs):
+            started = time.perf_counter_ns()
+            try:
+                return original(guard, *args, **kwargs)
+            finally:
+                timer.calls += 1
+                timer.ns += time.perf_counter_ns() - started
+
+        identity.Guard.__call__ = timed
+
+    def take(self) -> dict:
+        per_call = round(self.ns / self.calls / 1e3, 2) if self.calls else None
+        row = {"calls": self.calls, "us_per_call": per_call}
+        self.calls, self.ns = 0, 0
+        return row
+
+
+class PackageLog(logging.Handler):
+    """torchfarm's log lines about Dynamo's package (restored, saved, not restored...)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logger = logging.getLogger("torchfarm")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "package" in message or "identity" in message:
+            self.lines.append(message[:300])
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+class TooManyGraphs(Exception):
+    """More graphs than inductor's already: the row has failed, and more steps of a
+    recompiling loop (a second each) would only spend the CI machine's time."""
+
+
+def run_loops(
+    built: models.Built, fn, reference: dict | None, max_graphs: int | None = None
+) -> dict:
+    """Train TRAIN_STEPS steps (forward, loss, backward, SGD step), then INFER_STEPS steps
+    of inference; against `reference` (eager's record) where given. Stops (TooManyGraphs)
+    once Dynamo has traced more than `max_graphs` graphs."""
+    model = built.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    record: dict = {"train": [], "infer": []}
+    errors: list[float] = []
+    wrong: list[str] = []
+    step_ms: list[float] = []
+
+    def check(phase: str, step: int, tensors: list[torch.Tensor]) -> None:
+        record[phase].append(tensors)
+        if reference is None:
+            return
+        errs = [rel_err(g, e) for g, e in zip(tensors, reference[phase][step])]
+        errs.append(0.0 if len(tensors) == len(reference[phase][step]) else float("inf"))
+        errors.append(max(errs))
+        if max(errs) > TOLERANCE:
+            wrong.append(f"{phase} step {step + 1}: error {max(errs):.2e}")
+        graphs = dynamo_counts()["graphs"]
+        if max_graphs is not None and graphs > max_graphs:
+            raise TooManyGraphs(f"{graphs} graphs after {phase} step {step + 1}")
+
+    model.train()
+    for step in range(TRAIN_STEPS):
+        args, kwargs = built.batch(step, True)
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss, out = built.loss(fn(*args, **kwargs))
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        optimizer.step()
+        step_ms.append((time.perf_counter() - started) * 1e3)
+        check("train", step, [loss.detach().clone(), out.detach().clone(), *grads])
+    model.eval()
+    infer_ms = []
+    with torch.no_grad():
+        for step in range(INFER_STEPS):
+            args, kwargs = built.batch(100 + step, False)
+            started = time.perf_counter()
+            _, out = built.loss(fn(*args, **kwargs))
+            infer_ms.append((time.perf_counter() - started) * 1e3)
+            check("infer", step, [out.clone()])
+    return {
+        "record": record,
+        "max_err": max(errors, default=0.0),
+        "wrong": wrong,
+        "steady_ms": round(statistics.median(step_ms[STEADY]), 3),
+        "first_step_s": round(step_ms[0] / 1e3, 2),
+        "infer_ms": round(statistics.median(infer_ms[1:]), 3),
+    }
+
+
+def compiled(variant: str, model: torch.nn.Module):
+    if variant == "inductor":
+        return torch.compile(model, backend="inductor")
+    if variant == "native":
+        return torch.compile(model, backend="torchfarm")
+    import torchfarm
+
+    return torchfarm.compile(model)
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters, guard_failures
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": sum(len(reasons) for reasons in guard_failures.values()),
+        "recompile_reasons": [r[:200] for rs in guard_failures.values() for r in rs][:3],
+    }
+
+
+def run_variant(
+    name: str,
+    variant: str,
+    reference: dict,
+    timers: tuple,
+    inductor_cache: str,
+    max_graphs: int | None = None,
+) -> dict:
+    from torch._dynamo.utils import counters
+
+    from torchfarm.client.backend import history
+
+    torch._dynamo.reset()
+    counters.clear()
+    history.clear()
+    private_cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if variant == "inductor":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
+    built = models.build(name)
+    row: dict = {"exception": "", "stopped": ""}
+    try:
+        result = run_loops(built, compiled(variant, built.model), reference, max_graphs)
+        row.update({k: v for k, v in result.items() if k != "record"})
+    except TooManyGraphs as e:
+        row["stopped"] = str(e)
+    except Exception as e:
+        row["exception"] = f"{type(e).__name__}: {str(e)[:500]}"
+        row["traceback"] = traceback.format_exc()[-2000:]
+    finally:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache
+    row.update(dynamo_counts())
+    row["sources"] = sorted({r.source for r in history})
+    row["not_farm"] = [f"{r.label}: {r.source}: {r.why[-300:]}" for r in history if r.why]
+    guard, log = timers
+    row["identity_guard"] = guard.take()
+    row["package_log"] = log.take()
+    return row
+
+
+def main(name: str, inductor_cache: str) -> dict:
+    why = models.unavailable(name)
+    result: dict = {"model": name, "torch": torch.__version__, "unavailable": why}
+    if why:
+        return result
+    torch.set_num_threads(1)  # the CI box's two cores hold the farm too; steady ratios
+    timers = GuardTimer(), PackageLog()
+    built = models.build(name)
+    eager = run_loops(built, built.model, None)
+    result["eager_ms"] = eager["steady_ms"]
+    result["guard_timed"] = timers[0].available
+    inductor = run_variant(name, "inductor", eager["record"], timers, inductor_cache)
+    result["variants"] = {"inductor": inductor}
+    for variant in VARIANTS[1:]:
+        result["variants"][variant] = run_variant(
+            name, variant, eager["record"], timers, inductor_cache, inductor["graphs"]
+        )
+    return result
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))

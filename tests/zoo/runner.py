@@ -1,0 +1,206 @@
+"""The zoo's runner: each model in two fresh processes against one farm (the first traces,
+compiles through the farm and saves Dynamo's package; the second restores it), the table of
+the rows, and their JSON.
+
+    python -m tests.zoo.runner [--models a,b,...] [--json FILE]      (`make zoo`)
+
+starts an embedded farm (real redis-server, gateway, Celery worker, Inductor in its sandbox)
+for this interpreter's torch and runs every model whose library imports here; the others are
+reported unavailable. The pytest tier (tests/integration/test_zoo.py) runs `run_model` on the
+tier's farm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLIENT = os.path.join(ROOT, "tests", "zoo", "client.py")
+ENTRIES = ("native", "skip")
+PROCESSES = ("first", "second")
+
+
+@functools.cache
+def _shared_dirs() -> tuple[str, str]:
+    """The inductor reference's local cache, shared by every process of this run, and the
+    secret both processes seal and open Dynamo's packages with."""
+    return tempfile.mkdtemp(prefix="zoo-inductor-"), secrets.token_hex(32)
+
+
+def run_process(farm, name: str, token: str) -> dict:
+    """One fresh process of tests/zoo/client.py (a fork of the warm parent where it can be),
+    its own empty local caches: its JSON result, or the error that ended it."""
+    from tests.integration.helpers import run_python
+
+    inductor_cache, package_key = _shared_dirs()
+    with tempfile.TemporaryDirectory(prefix="zoo-client-") as caches:
+        env = dict(
+            os.environ,
+            TORCHFARM_ADDR=farm.addr,
+            TORCHFARM_TOKEN=token,
+            TORCHFARM_SKIP_TRACING="1",
+            TORCHFARM_PACKAGE_KEY=package_key,
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+            TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+        )
+        returncode, stdout, stderr = run_python([CLIENT, name, inductor_cache], env, 1200)
+    try:
+        return json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"model": name, "crashed": f"exit status {returncode}: {stderr[-3000:]}"}
+
+
+def run_model(farm, name: str, token: str) -> dict:
+    """Both processes of `name`, one after the other: {"first": ..., "second": ...}."""
+    return {process: run_process(farm, name, token) for process in PROCESSES}
+
+
+def problems(result: dict, entry: str) -> list[str]:
+    """What is wrong with one entry point's rows of a model (both processes): an exception, a
+    step off eager, a graph or recompile beyond inductor's in the same process. Empty when
+    the rows are clean. (A graph compiled locally because the farm could not take it is a
+    column of the table, `local`, not a failure: the program runs as under torch.compile.)"""
+    found = []
+    for process in PROCESSES:
+        run = result[process]
+        if run.get("crashed"):
+            found.append(f"{process} process crashed: {run['crashed']}")
+            continue
+        farm, inductor = run["variants"][entry], run["variants"]["inductor"]
+        for variant, row in (("inductor", inductor), (entry, farm)):
+            if row["exception"]:
+                found.append(f"{process}: {variant} raised {row['exception']}")
+            if row.get("wrong"):
+                found.append(f"{process}: {variant} off eager at {row['wrong'][:3]}")
+        if farm["stopped"]:  # more graphs than inductor's: the loop was cut short
+            found.append(
+                f"{process}: {entry} stopped: {farm['stopped']} (inductor: "
+                f"{inductor['graphs']}; {farm['recompile_reasons'][:1]})"
+            )
+        for count in ("graphs", "recompiles"):
+            if farm[count] > inductor[count]:
+                found.append(
+                    f"{process}: {farm[count]} {count} against inductor's {inductor[count]} "
+                    f"({farm['recompile_reasons'][:1]})"
+                )
+    return found
+
+
+def rows(results: dict[str, dict]) -> list[dict]:
+    """One row per model, entry point and process (or one per unavailable model)."""
+    table = []
+    for name, result in results.items():
+        first = result["first"]
+        if first.get("unavailable"):
+            table.append(
+                {"model": name, "torch": first["torch"], "unavailable": first["unavailable"]}
+            )
+            continue
+        for entry in ENTRIES:
+            for process in PROCESSES:
+                run = result[process]
+                if run.get("crashed"):
+                    table.append({"model": name, "entry": entry, "process": process, "crashed": 1})
+                    continue
+                farm, inductor = run["variants"][entry], run["variants"]["inductor"]
+                ratio = farm.get("steady_ms", 0) / max(inductor.get("steady_ms", 0), 1e-9)
+                table.append(
+                    {
+                        "model": name,
+                        "torch": run["torch"],
+                        "entry": entry,
+                        "process": process,
+                        "exception": farm["exception"],
+                        "wrong_steps": len(farm.get("wrong", [])),
+                        "max_err": farm.get("max_err"),
+                        "graphs": farm["graphs"],
+                        "inductor_graphs": inductor["graphs"],
+                        "recompiles": farm["recompiles"],
+                        "inductor_recompiles": inductor["recompiles"],
+                        "steady_ms": farm.get("steady_ms"),
+                        "inductor_ms": inductor.get("steady_ms"),
+                        "eager_ms": run["eager_ms"],
+                        "ratio": round(ratio, 3) if farm.get("steady_ms") else None,
+                        "guard_us": farm["identity_guard"]["us_per_call"],
+                        "guard_calls": farm["identity_guard"]["calls"],
+                        "sources": farm["sources"],
+                        "local": len(farm["not_farm"]),
+                        "not_farm": farm["not_farm"],
+                        "package": farm["package_log"][-2:],
+                        "problems": problems(result, entry),
+                    }
+                )
+    return table
+
+
+def table(table_rows: list[dict]) -> str:
+    """The printed table: one line per row, then the steady-step ratios' median."""
+    head = (
+        f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'graphs':>8}"
+        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'guard us':>9}  torch"
+    )
+    lines = [head, "-" * len(head)]
+    for r in table_rows:
+        if "unavailable" in r:
+            lines.append(f"{r['model']:<20}unavailable: {r['unavailable']}")
+            continue
+        if "crashed" in r:
+            lines.append(f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}crashed")
+            continue
+        guard = "-" if r["guard_us"] is None else f"{r['guard_us']:.1f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(
+            f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}{int(bool(r['exception'])):>4}"
+            f"{r['wrong_steps']:>6}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
+            f"{r['recompiles']:>4}/{r['inductor_recompiles']:<3}{r['local']:>6}"
+            f"{r['steady_ms'] or 0:>9.2f}"
+            f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{guard:>9}  {r['torch']}"
+        )
+    ratios = [r["ratio"] for r in table_rows if r.get("ratio")]
+    if ratios:
+        lines.append(
+            f"steady step farm/inductor: median {statistics.median(ratios):.2f}, "
+            f"max {max(ratios):.2f} over {len(ratios)} rows (targets: 1.05, 1.2)"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from tests.integration.helpers import TEST_FARM_DEFAULTS, TOKENS, session_farm
+    from tests.zoo import models
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(models.NAMES))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    for key, value in TEST_FARM_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    names = args.models.split(",")
+    unavailable = {n: models.unavailable(n) for n in names}
+    results = {}
+    with session_farm() as farm:
+        for name in names:
+            if unavailable[name]:
+                import torch
+
+                row = {"unavailable": unavailable[name], "torch": torch.__version__}
+                results[name] = {"first": row, "second": row}
+            else:
+                results[name] = run_model(farm, name, TOKENS["alice"])
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    table_rows = rows(results)
+    print(table(table_rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": table_rows, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
