@@ -4,12 +4,14 @@
                                               (torchfarm.compile, TORCHFARM_SKIP_TRACING=1),
                                               local, eager, or prepare
 
-MODEL: a bench model (models.py) or `coverage:NAME`, an architecture of bench/coverage at its
-large scale, run as a training step. BACKEND eager is torch.compile(backend="eager"): Dynamo's
-tracing alone, the floor of any warm start that still traces. BACKEND prepare is `torchfarm
-prepare` (issue 30): the first step on fake tensors, for the target in BENCH_TARGET (a
-`torchfarm target --device cuda` file), with CUDA_VISIBLE_DEVICES empty as on a machine
-without the GPU; it prints the preparation's rows instead of a measurement.
+MODEL: a bench model (models.py), `coverage:NAME`, an architecture of bench/coverage at its
+large scale, or `zoo:NAME`, a model of the third-party zoo (tests/zoo/models.py) at its cuda
+scale, the library's own module compiled; both run as a training step. BACKEND eager is
+torch.compile(backend="eager"): Dynamo's tracing alone, the floor of any warm start that
+still traces. BACKEND prepare is `torchfarm prepare` (issue 30): the first step on fake
+tensors, for the target in BENCH_TARGET (a `torchfarm target --device cuda` file), with
+CUDA_VISIBLE_DEVICES empty as on a machine without the GPU; it prints the preparation's
+rows instead of a measurement.
 Runs the model eagerly (the reference), then compiled: time from torch.compile to the first
 compiled step's result (compile or fetch included), errors against eager, steady-state step
 times of both, and what the first step cost in Triton compiles (ptxas calls, logged by a
@@ -37,7 +39,19 @@ from models import build as build_bench  # noqa: E402
 
 
 def build(name: str):
-    """(model, inputs, spec) of a bench model or of `coverage:NAME` (a training step)."""
+    """(model, inputs, spec) of a bench model, of `coverage:NAME` or of `zoo:NAME` (a
+    training step; a zoo model's inputs are its batch's (args, kwargs))."""
+    if name.startswith("zoo:"):
+        sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+        from tests.zoo import models as zoo
+
+        why = zoo.unavailable(name.split(":", 1)[1])
+        if why:
+            print(json.dumps({"model": name, "unavailable": why}))
+            sys.exit(0)
+        built = zoo.build(name.split(":", 1)[1], "cuda", "cuda")
+        spec = {"train": True, "bf16": built.autocast, "zoo": built}
+        return built.model.train(), built.batch(0, True), spec
     if not name.startswith("coverage:"):
         model, inputs, spec = build_bench(name)
         return model, (inputs[0],), spec
@@ -60,8 +74,9 @@ def make_step(fn, model, spec, keep: bool = True):
             torch.autocast("cuda", torch.bfloat16, enabled=spec["bf16"]),
             torch.set_grad_enabled(spec["train"]),
         ):
-            out = fn(*xs)
-            if isinstance(out, tuple):  # a coverage architecture's (loss, logits)
+            if "zoo" in spec:  # the library module's own call on (args, kwargs)
+                loss, out = spec["zoo"].loss(fn(*xs[0], **xs[1]))
+            elif isinstance(out := fn(*xs), tuple):  # a coverage architecture's (loss, logits)
                 loss, out = out
             elif spec["train"] and out.dim() == 3 and x.dtype == torch.long:  # GPT: next token
                 loss = F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
@@ -72,7 +87,7 @@ def make_step(fn, model, spec, keep: bool = True):
         if not keep:
             return None
         out = out.detach().float().clone()  # CUDA graphs reuse their output buffers
-        grads = [p.grad.float().clone() for p in model.parameters()] if spec["train"] else []
+        grads = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
         return out, grads
 
     return step

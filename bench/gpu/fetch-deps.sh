@@ -16,6 +16,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     rich==15.0.0 shellingham==1.5.4 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 \
     pydantic==2.14.3 pydantic-core==2.50.4 typing-inspection==0.4.5 annotated-types==0.8.0 \
     typing-extensions==4.16.0
+# The zoo's diffusers models (tests/zoo): the image has transformers, timm, torchvision and
+# diffusers' other needs (huggingface-hub 1.33, pillow, regex, requests), not these.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform any -d .whl diffusers==0.42.1 importlib_metadata==8.7.0
 # Entry signatures (cryptography; an abi3 wheel) and what it needs.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \

@@ -9,10 +9,11 @@ default:  correctness and warm start (local cold, local warm, farm miss, farm hi
           a dynamic sequence length; runtime parity.
 miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode default.
 novel:    issue 28: local cold vs farm miss on an empty farm for MODELS (default GPT and four
-          coverage architectures, training steps), MODE (default "default"), and their
-          geomean; step time farm/local from a farm hit after the miss (the worker idle);
-          the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on here); PARITY=gpt
-          then times that model's farm code beside a local compile in one process (parity.py).
+          coverage architectures, training steps; `zoo:NAME` as in hit), MODE (default
+          "default"), and their geomean; step time farm/local from a farm hit after the miss
+          (the worker idle); the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on
+          here); PARITY=gpt then times that model's farm code beside a local compile in one
+          process (parity.py).
 sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and its 8-layer
           sibling), MODE (default "default"): local cold of B on empty caches; local A, then
           local B with A's caches kept (what one user gets today); the farm's miss of A, then
@@ -27,14 +28,16 @@ parity:   the farm's steady-state step beside a local compile's in one process (
           each model of PARITY (default gpt), one process each.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
 hit:      issue 26: the farm hit against what users pick instead, for GPT and ResNet-50 (or
-          MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage; MODE=... for
-          another mode): local cold (the process filling PyTorch's Redis remote caches),
+          MODELS=a,b,...; `coverage:NAME` for an architecture of bench/coverage, `zoo:NAME`
+          for a model of the third-party zoo, tests/zoo; MODE=... for another mode): local
+          cold (the process filling PyTorch's Redis remote caches),
           PyTorch's remote warm start (a fresh process, empty local dir), Dynamo's tracing
           alone (backend="eager"), farm miss, farm hit without the skip
           (torch.compile(backend="torchfarm")) and with it (torchfarm.compile with
           TORCHFARM_SKIP_TRACING=1: one process saves Dynamo's package, the next restores
           it); the hits' profiles, bytes per entry beside
-          PyTorch's remote-cache bytes, the ratios and their geomeans.
+          PyTorch's remote-cache bytes, the ratios and their geomeans; with BENCH_STEADY=1
+          (default 0 here: first steps only) each stage's steady step over local cold's.
 prepare:  issue 30: for GPT and one coverage model (or MODELS=a,b,...): `torchfarm prepare`
           in a process that sees no GPU (CUDA_VISIBLE_DEVICES empty), then the real first step
           on the GPU (every graph should be a hit), a normal farm hit (another fresh process)
@@ -296,6 +299,8 @@ class Runner:
         self.compare(model, mode, "farm hit", "local cold")
         self.compare(model, mode, "farm hit noskip", "local cold")
         seconds = {k: r.get("first_step_s", float("nan")) for k, r in stages.items()}
+        steady = {k: r["compiled_ms"] for k, r in stages.items() if r.get("compiled_ms")}
+        local_ms = steady.get("local_cold")
         remote_s = seconds["pt_remote_warm"]
         row = {
             "model": model,
@@ -304,6 +309,11 @@ class Runner:
             **seconds,
             "hit_over_pt_remote": round(seconds["farm_hit"] / remote_s, 3),
             "noskip_over_pt_remote": round(seconds["farm_hit_noskip"] / remote_s, 3),
+            # BENCH_STEADY=1: each stage's steady step (ms) and over local torch.compile's
+            "steady_ms": steady,
+            "steady_over_local": {
+                k: round(ms / local_ms, 3) for k, ms in steady.items() if local_ms
+            },
             "hit_graphs": stages["farm_hit"].get("graphs"),
             "hit_frames_traced": stages["farm_hit"].get("frames_traced"),
             "noskip_frames_traced": stages["farm_hit_noskip"].get("frames_traced"),
