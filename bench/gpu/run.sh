@@ -3,12 +3,12 @@
 # Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
 # part of bench/gpu/run.py. Results and farm logs land in $OUT.
 #
-#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti)
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo)
 # coverage runs bench/coverage/suite.py (ONLY=a,b,... for a subset) on the GPU, with the
 # transformers that the machine's image already holds.
 # Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
 set -euo pipefail
-[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo)" >&2; exit 2; }
 OUT=${OUT:-/tmp/torchfarm-bench}
 mkdir -p "$OUT"
 
@@ -59,6 +59,21 @@ for PART in "$@"; do  # each part starts a farm of its own
         PYTHONUNBUFFERED=1 python3 bench/aoti.py --device cuda --models "${MODELS:-gpt,resnet50}" \
             --rows "${ROWS:-local,farm miss,farm hit,farm sent}" --json "$OUT/aoti.json" \
             || echo "aoti failed ($?)"
+    elif [ "$PART" = zoo ]; then  # issue 49: the hit part's rows for ZOO_MODELS, split over
+        # the GPUs: one run.py (its own farm, its own GPU) per GPU, side by side, each model's
+        # processes one after another on its GPU; rows stream to $OUT/zoo-gpuN/log.txt
+        ZOO_MODELS=${ZOO_MODELS:-zoo:llama,zoo:qwen3,zoo:gpt2,zoo:gpt-neox,zoo:deberta-v2,zoo:chatglm-encoder,zoo:timm-convnext,zoo:unet}
+        GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+        IFS=, read -ra ALL <<< "$ZOO_MODELS"
+        for ((g = 0; g < GPUS; g++)); do
+            mine=(); for ((i = g; i < ${#ALL[@]}; i += GPUS)); do mine+=("${ALL[i]}"); done
+            [ ${#mine[@]} -gt 0 ] || continue
+            mkdir -p "$OUT/zoo-gpu$g"
+            (IFS=,; CUDA_VISIBLE_DEVICES=$g MODELS="${mine[*]}" BENCH_STEADY=1 PYTHONUNBUFFERED=1 \
+                timeout "${ZOO_TIMEOUT:-480}" python3 bench/gpu/run.py --part hit \
+                --out "$OUT/zoo-gpu$g" > "$OUT/zoo-gpu$g/log.txt" 2>&1 || echo "zoo gpu$g failed ($?)") &
+        done
+        wait
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else
