@@ -1,0 +1,64 @@
+"""The zoo runner's verdicts (tests/zoo/runner.py) on made-up rows: what fails a model's
+entry point, what is only printed."""
+
+from tests.zoo import runner
+
+
+def _variant(graphs=2, recompiles=1, exception="", wrong=(), stopped="", steady_ms=5.0):
+    return {
+        "exception": exception,
+        "stopped": stopped,
+        "wrong": list(wrong),
+        "graphs": graphs,
+        "recompiles": recompiles,
+        "recompile_reasons": ["0/0: grad_mode"],
+        "steady_ms": steady_ms,
+        "max_err": 1e-7,
+        "sources": ["hit"],
+        "not_farm": [],
+        "identity_guard": {"calls": 0, "us_per_call": None},
+        "package_log": [],
+    }
+
+
+def _result(**skip) -> dict:
+    run = {
+        "torch": "2.13.0",
+        "eager_ms": 9.0,
+        "variants": {
+            "inductor": _variant(),
+            "native": _variant(steady_ms=6.0),
+            "skip": _variant(**skip),
+        },
+    }
+    return {"first": run, "second": run}
+
+
+def test_clean_rows_have_no_problems():
+    result = _result()
+    assert runner.problems(result, "native") == []
+    assert runner.problems(result, "skip") == []
+    rows = runner.rows({"m": result})
+    assert [r["ratio"] for r in rows] == [1.2, 1.2, 1.0, 1.0]  # printed, never asserted
+
+
+def test_more_graphs_or_recompiles_than_inductor_fail():
+    assert any("3 graphs" in p for p in runner.problems(_result(graphs=3), "skip"))
+    assert any("9 recompiles" in p for p in runner.problems(_result(recompiles=9), "skip"))
+    assert runner.problems(_result(graphs=0, recompiles=0), "skip") == []  # a restore
+
+
+def test_an_exception_a_wrong_step_or_a_cut_loop_fail():
+    assert runner.problems(_result(exception="TypeError: x"), "skip")
+    assert runner.problems(_result(wrong=["train step 3: error 1e-2"]), "skip")
+    assert runner.problems(_result(stopped="3 graphs after train step 2"), "skip")
+    assert runner.problems(_result(exception="TypeError: x"), "native") == []
+
+
+def test_unavailable_and_crashed_models_are_rows_not_passes():
+    gone = {"unavailable": "timm cannot import", "torch": "2.13.0"}
+    rows = runner.rows({"m": {"first": gone, "second": gone}})
+    assert rows == [{"model": "m", "torch": "2.13.0", "unavailable": "timm cannot import"}]
+    assert "unavailable" in runner.table(rows)
+    crashed = {"first": {"crashed": "exit status 1"}, "second": {"crashed": "exit status 1"}}
+    assert runner.problems(crashed, "native")
