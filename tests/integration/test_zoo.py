@@ -31,8 +31,10 @@ def _params():
                 marks.append(
                     pytest.mark.xfail(
                         strict=True,
+                        raises=AssertionError,  # the rows' verdict, not a broken run
                         reason="issue 49: the skip's identity checks fail on every call "
-                        "(transformers' forward wrappers, a ScriptFunction): recompiles",
+                        "(transformers' forward wrappers, a ScriptFunction): Dynamo traces "
+                        "again each step, more graphs than inductor's",
                     )
                 )
             yield pytest.param(name, entry, marks=marks, id=f"{name}-{entry}")
@@ -54,6 +56,8 @@ def report():
     print("\n" + text)
 
 
+# A model's first test runs both its processes: minutes each on a loaded 2-core machine.
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("name,entry", list(_params()))
 def test_zoo(farm, name, entry):
     if name not in _results:

@@ -93,6 +93,15 @@ def problems(result: dict, entry: str) -> list[str]:
     return found
 
 
+def _skip_state(package_log: list[str]) -> str:
+    """What the skip did in a process: restored Dynamo's package, saved one, or nothing (a
+    release outside dynamo_package.VERIFIED: torchfarm.compile traced as always)."""
+    for word in ("restored", "saved"):
+        if any(f": {word}" in line for line in package_log):
+            return word
+    return "off" if not package_log else "failed"
+
+
 def rows(results: dict[str, dict]) -> list[dict]:
     """One row per model, entry point and process (or one per unavailable model)."""
     table = []
@@ -134,6 +143,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "local": len(farm["not_farm"]),
                         "not_farm": farm["not_farm"],
                         "package": farm["package_log"][-2:],
+                        "skip": _skip_state(farm["package_log"]) if entry == "skip" else "",
                         "problems": problems(result, entry),
                     }
                 )
@@ -144,7 +154,8 @@ def table(table_rows: list[dict]) -> str:
     """The printed table: one line per row, then the steady-step ratios' median."""
     head = (
         f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'graphs':>8}"
-        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'guard us':>9}  torch"
+        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'guard us':>9}"
+        f"  {'skip':<9}torch"
     )
     lines = [head, "-" * len(head)]
     for r in table_rows:
@@ -160,8 +171,8 @@ def table(table_rows: list[dict]) -> str:
             f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}{int(bool(r['exception'])):>4}"
             f"{r['wrong_steps']:>6}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
             f"{r['recompiles']:>4}/{r['inductor_recompiles']:<3}{r['local']:>6}"
-            f"{r['steady_ms'] or 0:>9.2f}"
-            f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{guard:>9}  {r['torch']}"
+            f"{'-' if r['steady_ms'] is None else format(r['steady_ms'], '.2f'):>9}"
+            f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{guard:>9}  {r['skip'] or '-':<9}{r['torch']}"
         )
     ratios = [r["ratio"] for r in table_rows if r.get("ratio")]
     if ratios:
@@ -195,11 +206,10 @@ def main() -> None:
             else:
                 results[name] = run_model(farm, name, TOKENS["alice"])
             print(f"{name}: done", file=sys.stderr, flush=True)
-    table_rows = rows(results)
-    print(table(table_rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": table_rows, "results": results}, f, indent=1)
+            if args.json:  # after every model: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"rows": rows(results), "results": results}, f, indent=1)
+    print(table(rows(results)))
 
 
 if __name__ == "__main__":
