@@ -55,6 +55,13 @@ def test_an_exception_a_wrong_step_or_a_cut_loop_fail():
     assert runner.problems(_result(exception="TypeError: x"), "native") == []
 
 
+def test_inductor_off_eager_is_printed_not_failed():
+    result = _result()
+    result["first"]["variants"]["inductor"] = _variant(wrong=["train step 9: error 2e-2"])
+    assert runner.problems(result, "native") == []
+    assert runner.rows({"m": result})[0]["inductor_off_eager"] == 1
+
+
 def test_unavailable_and_crashed_models_are_rows_not_passes():
     gone = {"unavailable": "timm cannot import", "torch": "2.13.0"}
     rows = runner.rows({"m": {"first": gone, "second": gone}})

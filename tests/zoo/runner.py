@@ -64,9 +64,10 @@ def run_model(farm, name: str, token: str) -> dict:
 
 def problems(result: dict, entry: str) -> list[str]:
     """What is wrong with one entry point's rows of a model (both processes): an exception, a
-    step off eager, a graph or recompile beyond inductor's in the same process. Empty when
-    the rows are clean. (A graph compiled locally because the farm could not take it is a
-    column of the table, `local`, not a failure: the program runs as under torch.compile.)"""
+    step off eager and off inductor's, a graph or recompile beyond inductor's in the same
+    process. Empty when the rows are clean. Printed, not failures: a graph compiled locally
+    because the farm could not take it (`local`: the program runs as under torch.compile),
+    and inductor's own steps off eager (`ind off`)."""
     found = []
     for process in PROCESSES:
         run = result[process]
@@ -77,8 +78,8 @@ def problems(result: dict, entry: str) -> list[str]:
         for variant, row in (("inductor", inductor), (entry, farm)):
             if row["exception"]:
                 found.append(f"{process}: {variant} raised {row['exception']}")
-            if row.get("wrong"):
-                found.append(f"{process}: {variant} off eager at {row['wrong'][:3]}")
+        if farm.get("wrong"):
+            found.append(f"{process}: {entry} off eager and inductor at {farm['wrong'][:3]}")
         if farm["stopped"]:  # more graphs than inductor's: the loop was cut short
             found.append(
                 f"{process}: {entry} stopped: {farm['stopped']} (inductor: "
@@ -128,6 +129,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "process": process,
                         "exception": farm["exception"],
                         "wrong_steps": len(farm.get("wrong", [])),
+                        "inductor_off_eager": len(inductor.get("wrong", [])),
                         "max_err": farm.get("max_err"),
                         "graphs": farm["graphs"],
                         "inductor_graphs": inductor["graphs"],
@@ -153,7 +155,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
 def table(table_rows: list[dict]) -> str:
     """The printed table: one line per row, then the steady-step ratios' median."""
     head = (
-        f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'graphs':>8}"
+        f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'ind off':>8}{'graphs':>8}"
         f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'guard us':>9}"
         f"  {'skip':<9}torch"
     )
@@ -169,7 +171,7 @@ def table(table_rows: list[dict]) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(
             f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}{int(bool(r['exception'])):>4}"
-            f"{r['wrong_steps']:>6}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
+            f"{r['wrong_steps']:>6}{r['inductor_off_eager']:>8}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
             f"{r['recompiles']:>4}/{r['inductor_recompiles']:<3}{r['local']:>6}"
             f"{'-' if r['steady_ms'] is None else format(r['steady_ms'], '.2f'):>9}"
             f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{guard:>9}  {r['skip'] or '-':<9}{r['torch']}"
