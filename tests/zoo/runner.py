@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -50,7 +51,10 @@ def run_process(farm, name: str, token: str) -> dict:
             TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
             TRITON_CACHE_DIR=os.path.join(caches, "triton"),
         )
-        returncode, stdout, stderr = run_python([CLIENT, name, inductor_cache], env, 1200)
+        try:
+            returncode, stdout, stderr = run_python([CLIENT, name, inductor_cache], env, 1200)
+        except subprocess.TimeoutExpired as e:  # a row of its own, not the end of the run
+            return {"model": name, "crashed": f"timed out after {e.timeout:.0f} s"}
     try:
         return json.loads(stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
