@@ -4,9 +4,10 @@ Uses torch._dynamo.package.CompilePackage (`initialize`, `cache_entry`, `install
 backends are looked up only by their `__compiled_fn_*` ids and need `after_deserialization`),
 torch._dynamo.optimize's `package` and `guard_filter_fn` arguments,
 CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES, a graph's meta["backend_id"], and
-ShapeEnv.create_symbol/create_symintnode, and bytecode_transformation._unique_id_counter (see
-_skip_installed_ids). Stock `caching_precompile` (which uses the same
-package) and `aot_compile` are not used: both failed on transformers models in 2.13 (issue 19).
+ShapeEnv.create_symbol/create_symintnode, bytecode_transformation._unique_id_counter and
+output_graph._compile_id_counter (see _skip_installed_ids). Stock `caching_precompile` (which
+uses the same package) and `aot_compile` are not used: both failed on transformers models in
+2.13 (issue 19).
 
 Verified (VERIFIED): the releases where the differential suite passed, fresh processes
 through a real farm (tests/integration/test_skip_differential.py, test_skip_tracing.py) and in
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo import bytecode_transformation
+from torch._dynamo import bytecode_transformation, output_graph
 from torch._dynamo import package as package_module
 from torch._dynamo.exc import PackageError
 from torch._dynamo.guards import CheckFunctionManager
@@ -450,18 +451,26 @@ _NUMBERED = re.compile(r"__(?:builtins_dict__|resume_at_\d+|compiled_fn)_(\d+)")
 
 
 def _skip_installed_ids(modules: set[str]) -> None:
-    """Moves Dynamo's unique_id counter past every number the installed package used: a frame
-    traced later in this process (its guards failed) would otherwise install its builtins dict
-    as `__builtins_dict___0` again, and Dynamo fails that trace on the name clash."""
-    numbers = [
-        int(m.group(1))
-        for name in modules
-        for key in vars(sys.modules[name])
-        if (m := _NUMBERED.match(key))
-    ]
+    """Moves Dynamo's two process-wide counters past every number the installed package used:
+    a frame traced later in this process (its guards failed, or a new one) would otherwise
+    install a global under a name the package already holds, and Dynamo fails that trace on
+    the clash ("Name ... already exists in scope"). `unique_id` numbers `__builtins_dict___0`
+    and its kind; the compile id ends the names Dynamo gives objects by their id
+    (`___module_collections_<id>_c4`), and a process forked from the one that saved the
+    package (or one whose allocator placed the module at the same address) has the same ids."""
+    names = [key for name in modules for key in vars(sys.modules[name])]
+    numbers = [int(m.group(1)) for key in names if (m := _NUMBERED.match(key))]
     if numbers:
         current = next(bytecode_transformation._unique_id_counter)
         bytecode_transformation._unique_id_counter = itertools.count(max(current, *numbers) + 1)
+    compiles = [int(m.group(1)) for key in names if (m := _BY_ID.search(key))]
+    if compiles:
+        current = next(output_graph._compile_id_counter)
+        output_graph._compile_id_counter = itertools.count(max(current, *compiles) + 1)
+
+
+# The names OutputGraph.install_global_by_id gives: f"{prefix}_{id(value)}_c{compile_id}".
+_BY_ID = re.compile(r"_\d+_c(\d+)$")
 
 
 def dumps(package: CompilePackage) -> bytes:

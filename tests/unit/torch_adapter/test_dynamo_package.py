@@ -217,3 +217,20 @@ def test_a_frame_traced_under_autocast_is_restored_under_autocast_and_only_there
     assert torch.equal(compiled(model, x), linear_step(model, x))
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+def test_names_of_an_installed_package_are_never_made_again_in_this_process(monkeypatch):
+    """A process forked from the one that saved the package has the same object ids: the
+    package's `___module_collections_<id>_c4` must not be what this process's fifth compile
+    names the same module (the zoo's restoring process failed: "already exists in scope")."""
+    from torch._dynamo import output_graph
+
+    module = types.ModuleType("torchfarm_installed_names")
+    module.___module_collections_1234_c41 = sys.modules["collections"]
+    module.__compiled_fn_57 = print
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(output_graph, "_compile_id_counter", itertools.count())
+    monkeypatch.setattr(bytecode_transformation, "_unique_id_counter", itertools.count())
+    dynamo_package._skip_installed_ids({module.__name__})
+    assert next(output_graph._compile_id_counter) == 42
+    assert next(bytecode_transformation._unique_id_counter) == 58
