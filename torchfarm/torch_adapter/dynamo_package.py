@@ -474,9 +474,12 @@ _BY_ID = re.compile(r"_\d+_c(\d+)$")
 
 
 def dumps(package: CompilePackage) -> bytes:
-    """The package's entry, and the modules its bytecode reads through globals that Dynamo
-    named by object id (`___module_collections_<id>_c3`): CompilePackage does not save them,
-    and a restored frame failed with NameError on transformers' GPT-2 without them."""
+    """The package's entry, and the modules its bytecode reads through globals, among them
+    those Dynamo named by object id (`___module_collections_<id>_c3`; `_<id>_c0` for torch
+    itself, install_global_by_id("", torch)): CompilePackage does not save them, and a
+    restored frame failed with NameError on transformers' GPT-2 without them (2.13); on 2.11
+    an identity guard on `G['_<id>_c0'].Tensor` found no such global, and transformers'
+    forward wrapper traced on every hit."""
     if getattr(package, "_broken", False):
         raise PackageError("a step of the recording failed outside any frame (logged)")
     entry = package.cache_entry()
@@ -486,7 +489,7 @@ def dumps(package: CompilePackage) -> bytes:
         for guarded in code.guarded_codes:
             for name in _names(guarded.dynamo_code):
                 value = scope.get(name)
-                if name.startswith("___module_") and isinstance(value, types.ModuleType):
+                if isinstance(value, types.ModuleType):
                     modules.setdefault(code.python_module, {})[name] = value.__name__
     return pickle.dumps((entry, modules))
 
