@@ -112,10 +112,20 @@ class _PortableSymInt:
 
 class _PortableTensor(graph_pickler.TensorPickleData):
     """A FakeTensor's description; also drops the fake mode of a view's base (torch 2.13
-    clears it only on the view itself, and a FakeTensorMode cannot be pickled)."""
+    clears it only on the view itself, and a FakeTensorMode cannot be pickled) and the
+    description of its `.grad`, which compiling the graph never reads: a parameter's fake
+    after a training step carries a fake grad, with its fake mode (every transformers
+    model's inference graph after its training steps failed here, design.md trap 2)."""
 
     def __init__(self, describer, t) -> None:
-        super().__init__(describer, t)
+        grad = t.grad if t.is_leaf else None  # a non-leaf's .grad warns, and is None
+        if grad is not None:  # not described at all: its number would shift every later one
+            t.grad = None
+        try:
+            super().__init__(describer, t)
+        finally:
+            if grad is not None:
+                t.grad = grad
         base = self.metadata.base
         if base is not None and base.fake_mode is not None:
             self.metadata = dataclasses.replace(

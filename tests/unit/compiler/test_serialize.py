@@ -272,3 +272,17 @@ def test_a_cpu_graph_has_no_local_device_and_the_same_payload():
     captured = _capture(model, torch.randn(2, 4))
     assert serialize.local_device_index(captured["gm"]) is None
     assert serialize.dumps(captured["gm"]) == captured["payload"]
+
+
+def test_a_parameter_with_a_grad_serializes_as_one_without():
+    """After a training step a parameter carries a grad; the inference graph traced then (under
+    no_grad) failed to pickle (its fake grad holds the fake mode) and compiled locally."""
+    model = torch.nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        before = _capture(model, x)["payload"]
+    model(x).sum().backward()
+    with torch.no_grad():
+        after = _capture(model, x)["payload"]
+    assert model.weight.grad is not None
+    assert after == before
