@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch._dynamo import source as sources
 
-# One step of a path: ("local" | "global" | "attr" | "item" | "key_at" | "defaults" |
-# "kwdefaults" | "type", name or index)
+# One step of a path: ("local" | "global" | "attr" | "generic_attr" | "item" | "key_at" |
+# "defaults" | "kwdefaults" | "type", name or index)
 Step = tuple[str, Any]
 _DEPTH = 24  # nested containers a fingerprint follows before it gives up
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -59,6 +59,8 @@ def path(source: Any) -> tuple[Step, ...] | None:
     step: Step | None = None
     if isinstance(source, sources.AttrSource):
         step = ("attr", source.member)
+    elif isinstance(source, sources.GenericAttrSource):  # object.__getattribute__(base, name)
+        step = ("generic_attr", source.member)
     elif isinstance(source, sources.DefaultsSource):
         step = ("kwdefaults" if source.is_kw else "defaults", source.idx_key)
     elif isinstance(source, sources.GetItemSource) and not source.index_is_slice:
@@ -86,6 +88,8 @@ def resolve(steps: tuple[Step, ...], frame_locals: Mapping, scope: Mapping) -> A
     for kind, name in rest:
         if kind == "attr":
             value = getattr(value, name)
+        elif kind == "generic_attr":  # as Dynamo reads it: past the class's __getattr__
+            value = object.__getattribute__(value, name)
         elif kind == "item":
             value = value[name]
         elif kind == "key_at":  # as Dynamo reads it: past a subclass's __getitem__

@@ -7,12 +7,18 @@ import itertools
 import sys
 import types
 
+import pytest
 import torch
 from torch._dynamo import bytecode_transformation
 from torch._dynamo.utils import counters
 
 from torchfarm.torch_adapter import dynamo_package, identity
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
+
+# The skip runs only on the releases it is verified on; elsewhere every compile traces.
+pytestmark = pytest.mark.skipif(
+    not dynamo_package.supported(), reason="the skip is off on this torch release"
+)
 
 
 def step(x):
@@ -234,3 +240,24 @@ def test_names_of_an_installed_package_are_never_made_again_in_this_process(monk
     dynamo_package._skip_installed_ids({module.__name__})
     assert next(output_graph._compile_id_counter) == 42
     assert next(bytecode_transformation._unique_id_counter) == 58
+
+
+def test_a_generic_attribute_is_found_again_past_getattr():
+    """transformers' configs: `object.__getattribute__(self.config, 'get_text_config')`, a
+    source 2.11 guards; without a path the whole entry frame traced on every hit there."""
+    from torch._dynamo import source as sources
+
+    class Config:
+        def get_text_config(self):
+            return self
+
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    config = Config()
+    source = sources.AttrSource(
+        sources.GenericAttrSource(sources.LocalSource("config"), "get_text_config"), "__func__"
+    )
+    steps = identity.path(source)
+    assert steps == (("local", "config"), ("generic_attr", "get_text_config"), ("attr", "__func__"))
+    assert identity.resolve(steps, {"config": config}, {}) is Config.get_text_config
