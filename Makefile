@@ -1,6 +1,7 @@
 # The two commands: `make demo` and `make test`. Both create .venv and install what is missing.
-# `make unit` is the fast tier (under a minute), `make lint` ruff + mypy; `make test` runs both
-# tiers and lint, as CI does.
+# `make check` is the edit-test loop: `make lint` (ruff + mypy) then `make unit`, the fast tier
+# (no process, no compile: tests/unit/conftest.py; under a minute on the 2-core box alone);
+# `make test` runs both tiers and lint, as CI does.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -9,8 +10,8 @@ STAMP := $(VENV)/.installed
 COMPOSE_SCHEMA := .cache/compose-spec.json
 
 # Supported torch releases besides .venv's (2.13): each gets a venv of its own (.venv-2.11)
-# for the unit tests of the code that reads torch's internals (torch_adapter/, compiler/) and
-# one end-to-end miss-then-hit (`make test-versions`); the rest of the unit tier runs on 2.13. CUDA builds
+# for the tests of the code that reads torch's internals (torch_adapter/ and compiler/, of both
+# tiers) and one end-to-end miss-then-hit (`make test-versions`); the rest runs on 2.13. CUDA builds
 # from PyPI run torch.compile on the CPU too (5.3 GB each). Every release's pin lives in
 # requirements/torch-X.Y.txt, which pip installs from: a pin that pip reads from a file on
 # main is what a machine-wide cap on torch honours (a bare `pip install torch==...` is refused
@@ -19,7 +20,7 @@ OTHER_TORCH := 2.11 2.12 2.14 2.15
 OTHER_VENVS := $(OTHER_TORCH:%=.venv-%/.installed)
 VERSION_RUNS := $(OTHER_TORCH:%=test-version-%)
 
-.PHONY: demo test checks lint-and-unit unit integration lint deps system proto bench coverage zoo clean test-versions other-venvs $(VERSION_RUNS)
+.PHONY: demo test check checks lint-and-unit unit integration lint deps system proto bench coverage zoo clean test-versions other-venvs $(VERSION_RUNS)
 
 demo: deps
 	$(PY) examples/demo.py
@@ -44,6 +45,8 @@ checks:
 
 lint-and-unit:
 	$(MAKE) -j1 lint unit
+
+check: lint-and-unit
 
 unit: deps $(COMPOSE_SCHEMA)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
@@ -104,7 +107,8 @@ ZOO_2.14 := timm-convnext,torchvision-resnet
 $(VERSION_RUNS): test-version-%: .venv-%/.installed $(COMPOSE_SCHEMA)
 	@echo "== torch $* (.venv-$*)"
 	PYTHONDONTWRITEBYTECODE= ZOO_MODELS=$(ZOO_$*) .venv-$*/bin/python -m pytest -q -p no:cacheprovider \
-		tests/unit/torch_adapter tests/unit/compiler tests/integration/test_versions.py \
+		tests/unit/torch_adapter tests/unit/compiler tests/integration/torch_adapter \
+		tests/integration/compiler tests/integration/test_versions.py \
 		$(if $(ZOO_$*),tests/integration/test_zoo.py); status=$$?; \
 	free_gb=$$(( $$(df --output=avail -k . | tail -1) / 1048576 )); \
 	if [ $$free_gb -lt $(KEEP_VENV_FREE_GB) ]; then \

@@ -55,7 +55,8 @@ def compiler_log(tmp_path):
 # number of tests), and a worker takes its next file while its last two tests run, so the
 # tier ends when its last files do: every file is here, longest first, the short ones last
 # for the two workers to end together. Ordered by each file's summed durations in a run of the
-# tier alone (2026-11-27, `--durations=0`; the last four from CI's durations).
+# tier alone (2026-11-27, `--durations=0`; the last four from CI's durations; the files in
+# folders, the unit tier's tests that start processes, from their unit-tier durations).
 SLOWEST_FIRST = (
     "test_zoo.py",
     "test_skip_differential.py",
@@ -73,6 +74,8 @@ SLOWEST_FIRST = (
     "test_ready.py",
     "test_prepare.py",
     "test_stalls.py",
+    "workers/test_child_pool.py",
+    "workers/test_kernel_cache.py",
     "test_cluster.py",
     "test_limits.py",
     "test_sandbox.py",
@@ -81,6 +84,11 @@ SLOWEST_FIRST = (
     "test_nowait.py",
     "test_parallel_graphs.py",
     "test_warm_children.py",
+    "workers/test_warm_compile.py",
+    "torch_adapter/test_load_prewarm.py",
+    "torch_adapter/test_gpu_benchmark_lock.py",
+    "torch_adapter/test_gemm_problems.py",
+    "client/test_deferred.py",
     "test_signing.py",
     "test_operations.py",
     "test_doctor.py",
@@ -90,6 +98,15 @@ SLOWEST_FIRST = (
     "test_tenant_limits.py",
     "test_isa_probe.py",
     "test_availability.py",
+    "torch_adapter/test_compile_workers.py",
+    "compiler/test_serialize.py",
+    "test_imports.py",
+    "client/test_exit.py",
+    "torch_adapter/test_static_inputs.py",
+    "torch_adapter/test_precompiled_headers.py",
+    "test_main.py",
+    "workers/test_sandbox.py",
+    "torch_adapter/test_triton_kernels.py",
     "test_get.py",
     "test_tls.py",
     "test_device_index.py",
@@ -100,4 +117,5 @@ SLOWEST_FIRST = (
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as before
+    here = os.path.dirname(__file__)
+    items.sort(key=lambda item: rank.get(os.path.relpath(item.path, here), len(rank)))  # stable

@@ -1,9 +1,129 @@
-"""The unit tier: no farm. Store tests get a bare redis-server of their own, and a real
-three-master Redis Cluster (tests/redis_cluster.py) where the layout matters."""
+"""The unit tier: no farm, no process of its own, no compile. Store tests get a bare
+redis-server of their own, and a real three-master Redis Cluster (tests/redis_cluster.py)
+where the layout matters: started once per session, they are the tier's only processes.
+
+The guard below fails any unit test (its setup, call or teardown) that starts a process:
+a subprocess, a fork, a multiprocessing child, or g++, which every Inductor compile on the
+CPU runs (the run's Inductor cache starts empty, tests/conftest.py). Such a test belongs to
+tests/integration/, at the same path. A summary names the unit tests that took more than
+SLOW_TEST_CPU_S, without failing them (the box is shared: a time is no verdict)."""
+
+import _posixsubprocess
+import contextlib
+import os
+import subprocess
+import time
 
 import pytest
 
 from torchfarm.local_farm import LocalFarm
+
+SLOW_TEST_CPU_S = 1.0
+
+# Every way a Python process starts another: subprocess through its own binding of fork_exec
+# (or posix_spawn), multiprocessing's spawn and forkserver through fork_exec, its fork
+# through os.fork.
+_SPAWNERS = [
+    (subprocess, "_fork_exec"),
+    (_posixsubprocess, "fork_exec"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+]
+
+
+class _ProcessGuard:
+    """Armed while a test runs (pytest itself, pytest-xdist's workers among its processes,
+    may start processes between tests); disarmed for the tier's own servers."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.started: list[str] = []
+
+    @contextlib.contextmanager
+    def disarmed(self):
+        armed, self.armed = self.armed, False
+        try:
+            yield
+        finally:
+            self.armed = armed
+
+    def wrap(self, module, name):
+        real = getattr(module, name)
+
+        def guarded(*args, **kwargs):
+            if self.armed:
+                self.started.append(f"{name}{_argv(args)}")
+                raise RuntimeError("a unit test started a process (tests/unit/conftest.py)")
+            return real(*args, **kwargs)
+
+        setattr(module, name, guarded)
+
+
+def _argv(args) -> str:
+    """The program a spawn would have run, for the failure's message."""
+    argv = args[0] if args and isinstance(args[0], (list, tuple)) else args[1:2]
+    return f"({' '.join(os.fsdecode(a) for a in argv[:4])} ...)" if argv else "()"
+
+
+_guard = _ProcessGuard()
+for _module, _name in _SPAWNERS:
+    _guard.wrap(_module, _name)
+
+
+@pytest.hookimpl(wrapper=True)
+def _each_phase(item):
+    """Setup, call and teardown of every test: fails the one that tried to start a process."""
+    _guard.armed = True
+    try:
+        return (yield)
+    finally:
+        _guard.armed = False
+        started, _guard.started[:] = list(_guard.started), []
+        if started:
+            pytest.fail(
+                "a unit test starts no process (tests/unit/conftest.py); this one started "
+                + ", ".join(started),
+                pytrace=False,
+            )
+
+
+pytest_runtest_setup = pytest_runtest_teardown = _each_phase
+_cpu_s: dict[str, float] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """The guard's check, and the call's CPU time (all threads): unlike its wall time, it
+    does not grow with the load of a shared box."""
+    start = time.process_time()
+    try:
+        return (yield from _each_phase(item))
+    finally:
+        _cpu_s[item.nodeid] = time.process_time() - start
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _cpu_s:  # pytest-xdist's controller: its workers ran the tests
+        return
+    slow = sorted(((s, n) for n, s in _cpu_s.items() if s > SLOW_TEST_CPU_S), reverse=True)
+    if slow:
+        terminalreporter.section(f"unit tests over {SLOW_TEST_CPU_S} CPU-s (a budget to keep)")
+        for cpu_s, nodeid in slow:
+            terminalreporter.write_line(f"{cpu_s:6.2f} CPU-s  {nodeid}")
+    terminalreporter.write_line(f"the unit tier's process: {time.process_time():.1f} CPU-s")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiler_version():
+    """The target descriptor asks the C++ compiler for its version once per process
+    (compiler/target.py): asked here, before the first test, as the tier's one short process."""
+    from torchfarm.compiler.target import local_target
+
+    with _guard.disarmed():
+        local_target()
 
 
 @pytest.fixture(scope="session")
@@ -11,7 +131,8 @@ def redis_url():
     """A real redis-server (the embedded farm's, alone) on a free loopback port."""
     servers = LocalFarm()
     try:
-        servers.start_redis()
+        with _guard.disarmed():
+            servers.start_redis()
         yield servers.redis_url
     finally:
         servers.stop()
@@ -22,5 +143,7 @@ def redis_cluster_url():
     """TORCHFARM_REDIS_URL of a real three-master Redis Cluster on loopback ports."""
     from tests.redis_cluster import redis_cluster
 
-    with redis_cluster() as cluster:
+    with contextlib.ExitStack() as stack:
+        with _guard.disarmed():
+            cluster = stack.enter_context(redis_cluster())
         yield cluster.url

@@ -1,17 +1,12 @@
 """The pool's GEMM measurements (torch_adapter/gemm_problems.py): the key Inductor files a
 GEMM's timings under is parsed back into the problem, anything else is none; a problem out of
-range is refused before anything is allocated; and the timings a measurement files are the
-ones a later compile of another graph with that GEMM finds: it benchmarks no candidate and
-computes what eager does."""
-
-import json
-import os
+range is refused before anything is allocated (a measurement's timings found by a later
+compile: tests/integration/torch_adapter/test_gemm_problems.py)."""
 
 import pytest
-import torch
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
+from torchfarm.torch_adapter import gemm_problems
 from torchfarm.torch_adapter.triton_source_check import Refused
 
 # An addmm of a GPT's attention projection, as a compile on an H200 keyed it (torch 2.11).
@@ -82,42 +77,3 @@ def test_a_problem_out_of_range_is_refused():
     for forged in (mixed, negative):
         with pytest.raises(Refused):
             gemm_problems.check(forged)
-
-
-class _Bmm(torch.nn.Module):
-    def forward(self, a, b):
-        return torch.bmm(a, b).tanh()  # not the graph the measurement compiles
-
-
-def _inductor_cache_at(monkeypatch, directory) -> None:
-    """Inductor's cache dir for this process from now on: the timings file's path is cached
-    at first use (CacheBase.get_local_cache_path), as a fresh process would find it."""
-    from torch._inductor.codecache import CacheBase
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
-    CacheBase.get_local_cache_path.cache_clear()
-
-
-def test_the_timings_a_measurement_files_are_found_by_a_later_compile(tmp_path, monkeypatch):
-    """On the CPU, max-autotune benchmarks a bmm's C++ template and ATen's kernel."""
-    measured, later = tmp_path / "measured", tmp_path / "later"
-    _inductor_cache_at(monkeypatch, measured)
-    with gemm_benchmarks.counted() as count:
-        gemm_problems.measure(_bmm((4, 32, 48), (4, 48, 32)), "cpu")
-    assert count.candidates > 0
-    ((op, key, precision),) = {*count.problems}  # the same GEMM twice: found the second time
-    assert gemm_problems.problem(op, key, precision, "cpu") == _bmm((4, 32, 48), (4, 48, 32))
-    (timings,) = os.listdir(measured / "cache")
-    with open(measured / "cache" / timings) as f:
-        assert key in json.load(f)["cache"]["bmm"]
-
-    (later / "cache").mkdir(parents=True)
-    os.link(measured / "cache" / timings, later / "cache" / timings)
-    _inductor_cache_at(monkeypatch, later)
-    torch._dynamo.reset()
-    a, b = torch.randn(4, 32, 48), torch.randn(4, 48, 32)
-    model = torch.compile(_Bmm(), mode="max-autotune-no-cudagraphs")
-    with gemm_benchmarks.counted() as count:
-        assert torch.allclose(model(a, b), _Bmm()(a, b), atol=1e-5)
-    assert count.candidates == 0 and not count.problems
-    torch._inductor.codecache.CacheBase.get_local_cache_path.cache_clear()  # for what follows
