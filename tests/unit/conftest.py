@@ -1,6 +1,7 @@
 """The unit tier: no farm, no process of its own, no compile. Store tests get a bare
 redis-server of their own, and a real three-master Redis Cluster (tests/redis_cluster.py)
-where the layout matters: started once per session, they are the tier's only processes.
+where the layout matters, started once per session, and a real S3 server (SeaweedFS's
+`weed`) for a module that asks for one: they are the tier's only processes.
 
 The guard below fails any unit test (its setup, call or teardown) that starts a process:
 a subprocess, a fork, a multiprocessing child, or g++, which every Inductor compile on the
@@ -91,29 +92,31 @@ def _each_phase(item):
 
 
 pytest_runtest_setup = pytest_runtest_teardown = _each_phase
-_cpu_s: dict[str, float] = {}
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """The guard's check, and the call's CPU time (all threads): unlike its wall time, it
-    does not grow with the load of a shared box."""
+    """The guard's check, and the call's CPU time (all threads; it reaches pytest-xdist's
+    controller with the report): unlike its wall time, it does not grow with the box's load."""
     start = time.process_time()
     try:
         return (yield from _each_phase(item))
     finally:
-        _cpu_s[item.nodeid] = time.process_time() - start
+        item.user_properties.append(("cpu_s", time.process_time() - start))
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _cpu_s:  # pytest-xdist's controller: its workers ran the tests
-        return
-    slow = sorted(((s, n) for n, s in _cpu_s.items() if s > SLOW_TEST_CPU_S), reverse=True)
+    slow = sorted(
+        (cpu_s, report.nodeid)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", "") == "call"
+        and (cpu_s := dict(report.user_properties).get("cpu_s", 0)) > SLOW_TEST_CPU_S
+    )
     if slow:
         terminalreporter.section(f"unit tests over {SLOW_TEST_CPU_S} CPU-s (a budget to keep)")
-        for cpu_s, nodeid in slow:
+        for cpu_s, nodeid in reversed(slow):
             terminalreporter.write_line(f"{cpu_s:6.2f} CPU-s  {nodeid}")
-    terminalreporter.write_line(f"the unit tier's process: {time.process_time():.1f} CPU-s")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -147,3 +150,17 @@ def redis_cluster_url():
         with _guard.disarmed():
             cluster = stack.enter_context(redis_cluster())
         yield cluster.url
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 server (tests/s3_server.py), its settings in the environment of the module."""
+    from tests.s3_server import seaweedfs
+
+    with contextlib.ExitStack() as stack:
+        with _guard.disarmed():
+            server = stack.enter_context(seaweedfs())
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in server.env.items():
+                env.setenv(name, value)
+            yield server

@@ -3,7 +3,7 @@ entries and files, and no reader, dropper, evictor or exporter of the cache touc
 object outside the store, reads past an entry's recorded size, or waits on a FIFO. Each bad
 entry is dropped, counted (`bad_entries` in `cache stats`) and the ask is a miss; an honest
 entry beside it is still served. Against a real redis-server, for the directory store and a
-real S3 server (SeaweedFS's `weed`, tests/s3_server.py)."""
+real S3 server (SeaweedFS's `weed`: the `s3` fixture of tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 import redis
 import zstandard
 
-from tests.s3_server import seaweedfs
 from torchfarm.cache import keys
 from torchfarm.cache.admin import CacheAdmin
 from torchfarm.cache.artifacts import details_name, digest_of, index_value
@@ -30,14 +29,6 @@ HONEST_KEY = "b" * 64
 VICTIM = b"a host file that no planted entry may read or remove\n"
 PREFIX = "farm"
 HONEST = b"an honest artifact" * 100
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with seaweedfs() as server, pytest.MonkeyPatch.context() as env:
-        for name, value in server.env.items():
-            env.setenv(name, value)
-        yield server
 
 
 @pytest.fixture

@@ -53,7 +53,9 @@ def test_a_made_token_carries_an_id_and_a_256_bit_secret():
     assert auth.token_id(token) != LEGACY and entry == f"alice:{auth.hash_token(token)}"
 
 
-@pytest.mark.parametrize("right, rpcs", [(ALICE, "tenant"), (ADMIN, "admin")])
+@pytest.mark.parametrize(
+    "right, rpcs", [(ALICE, "tenant"), (ADMIN, "admin")], ids=["tenant", "admin"]
+)
 def test_guesses_at_a_made_tokens_public_id_never_refuse_its_owner(right, rpcs):
     authenticator = _authenticator()
     call = getattr(authenticator, rpcs)
