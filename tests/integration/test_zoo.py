@@ -26,18 +26,7 @@ def _params():
     wanted = os.environ.get("ZOO_MODELS")
     for name in wanted.split(",") if wanted else models.NAMES:
         for entry in runner.ENTRIES:
-            marks = []
-            if entry == "skip" and name in models.SKIP_FAILS_TODAY:
-                marks.append(
-                    pytest.mark.xfail(
-                        strict=True,
-                        raises=AssertionError,  # the rows' verdict, not a broken run
-                        reason="issue 49: the skip's identity checks fail on every call "
-                        "(transformers' forward wrappers, a ScriptFunction): Dynamo traces "
-                        "again each step, more graphs than inductor's",
-                    )
-                )
-            yield pytest.param(name, entry, marks=marks, id=f"{name}-{entry}")
+            yield pytest.param(name, entry, id=f"{name}-{entry}")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -510,13 +510,6 @@ SPECS = {
     )
 }
 NAMES = list(SPECS)
-# The skip's rows that fail today (issue 49), measured on 2.13 (docs/zoo.md): every
-# transformers model, decoder LMs and the rest alike (the identity check fails on every call of
-# the forward wrappers, can_return_tuple and capture_outputs, and Dynamo traces again each
-# step), and the TorchScript-helper encoder.
-SKIP_FAILS_TODAY = {s.name for s in SPECS.values() if s.library == "transformers"} | {
-    "chatglm-encoder"
-}
 
 
 def unavailable(name: str) -> str:
