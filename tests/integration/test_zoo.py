@@ -7,7 +7,8 @@ Asserted: no exception, every step equal to eager within tolerance, no more grap
 recompiles than inductor's, every graph served by the farm. Step times are printed in the
 table (tests/zoo/runner.py), never asserted. A model whose library cannot import on this
 torch (timm, torchvision beside 2.13's CPU wheel) is skipped as unavailable; they run in
-`make test-version-2.14` (ZOO_MODELS: the models a run is for; unset, all).
+`make test-version-2.14` (ZOO_MODELS: the models a run is for; unset, models.TIER: the
+whole zoo is `make zoo`).
 """
 
 import json
@@ -24,7 +25,7 @@ REPORT = os.path.join(runner.ROOT, ".cache", "zoo")
 
 def _params():
     wanted = os.environ.get("ZOO_MODELS")
-    for name in wanted.split(",") if wanted else models.NAMES:
+    for name in wanted.split(",") if wanted else models.TIER:
         for entry in runner.ENTRIES:
             yield pytest.param(name, entry, id=f"{name}-{entry}")
 

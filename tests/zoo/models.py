@@ -510,6 +510,13 @@ SPECS = {
     )
 }
 NAMES = list(SPECS)
+# What `make test` runs (tests/integration/test_zoo.py; `make zoo` runs every model): one model
+# per mechanism the skip broke on, within CI's 40 minutes (a model is ~150 s of one of the
+# tier's two workers on the 2-core box): a current-generation decoder LM, whose forwards are
+# wrapped by transformers' output-capturing decorators; an older one, whose guards recompiled
+# to Dynamo's limit; the encoder that calls a torch.jit.script function. 2.14's run adds a
+# vision model (Makefile: ZOO_2.14).
+TIER = ("llama", "gpt2", "chatglm-encoder")
 
 
 def unavailable(name: str) -> str:
