@@ -76,7 +76,7 @@ def on_by_default() -> bool:
 # The saved frames' format (identity checks, dispatch state), in the package key: a frame saved
 # bypassed under other rules stays bypassed in every process that restores it, so packages of
 # other rules are not used.
-CHECKS = 4
+CHECKS = 5
 
 
 def _replaced(entry: Any) -> bool:
@@ -101,6 +101,7 @@ class Package(CompilePackage):
     def __init__(self) -> None:
         super().__init__(fn=None)
         self._pending: list[tuple[Any, str]] = []  # the frame's identity guards, fingerprinted
+        self._pending_late: list[tuple[tuple[identity.Step, ...], str]] = []  # see LateChecks
         self._pending_dispatch: tuple[int, int] | None = None
         self._left_out_entries: set[int] = set()  # ids of the frames' entries left out
 
@@ -118,29 +119,32 @@ class Package(CompilePackage):
         """Dynamo's guard_filter_fn, called once per compiled frame before its guards are built:
         keeps every guard in this process, and leaves those the package cannot save out of
         the saved ones only (the caller's `serialize_guards`), each saved with its path and
-        fingerprint. A guard with neither, or on a local that a restoring process cannot
-        name at install, leaves the frame out of the package."""
+        fingerprint. A guard on a local that a restoring process cannot know at install (any
+        local of a frame after the first: a resume function's, a wrapper's called after a
+        graph break) is checked on the frame's locals at call time instead (LateChecks). A
+        guard with no path or no fingerprint leaves the frame out of the package."""
         _forget_first_build(entries)
         replaced = [e for e in entries if _replaced(e)]
         # first, so that the frame's guards save in any case (else 2.13 fails the compile)
         manager = sys._getframe(1).f_locals["self"]  # the frame's CheckFunctionManager
         left_out = {id(e.orig_guard) for e in replaced}
         manager.serialize_guards = functools.partial(self._serialize, manager, left_out)
-        self._pending = []
+        self._pending, self._pending_late = [], []
         try:
             self._pending_dispatch = _dispatch_state()
             known = _known_locals(self._innermost_fn) if self._in_entry_frame() else {}
             for e in replaced:
                 steps = identity.path(e.orig_guard.originating_source)
-                if not (steps and e.has_value) or (
-                    steps[0][0] == "local" and steps[0][1] not in known
-                ):
+                if not (steps and e.has_value):
                     return self._left_out(entries, f"the guard on {e.name} has no path")
                 expected = identity.fingerprint(e.value)
                 if expected is None:
                     return self._left_out(entries, f"the guard on {e.name} has no fingerprint")
-                self._pending.append((_portable(e.orig_guard), expected))
-            pickle.dumps(self._pending)  # saved with the frame: fail here, not at the save
+                if steps[0][0] == "local" and steps[0][1] not in known:
+                    self._pending_late.append((steps, expected))
+                else:
+                    self._pending.append((_portable(e.orig_guard), expected))
+            pickle.dumps((self._pending, self._pending_late))  # fail here, not at the save
         except Exception as e:  # never the user's step
             return self._left_out(entries, f"{type(e).__name__}: {e}")
         return [True] * len(entries)
@@ -159,7 +163,7 @@ class Package(CompilePackage):
             return b""  # a bypassed frame's guards are never read
 
     def _left_out(self, entries: Sequence[Any], reason: str) -> list[bool]:
-        self._pending = []
+        self._pending, self._pending_late = [], []
         if self._current_entry is not None:
             self._bypass(reason)
         return [True] * len(entries)
@@ -179,6 +183,7 @@ class Package(CompilePackage):
             if entry is not None and len(entry.guarded_codes) > saved:  # not bypassed
                 added = entry.guarded_codes[-1]
                 added.torchfarm_checks = self._pending  # type: ignore[attr-defined]
+                added.torchfarm_late_checks = self._pending_late  # type: ignore[attr-defined]
                 added.torchfarm_dispatch = self._pending_dispatch  # type: ignore[attr-defined]
 
     def _add_user_function(self, code: types.CodeType) -> None:
@@ -254,6 +259,7 @@ class Package(CompilePackage):
         saved = {
             id(guarded.guards_state): (
                 getattr(guarded, "torchfarm_checks", None),
+                getattr(guarded, "torchfarm_late_checks", None),
                 getattr(guarded, "torchfarm_dispatch", None),
             )
             for entry in self._codes.values()
@@ -271,8 +277,8 @@ class Package(CompilePackage):
             return load_state(state)
 
         def guard_manager(state: Any, code: types.CodeType, scope: dict) -> Any:
-            ((checks, dispatch),) = loading
-            if checks is None or dispatch is None:  # saved by another version of this module
+            ((checks, late, dispatch),) = loading
+            if None in (checks, late, dispatch):  # saved by another version of this module
                 raise PackageError("a frame saved without its identity checks or dispatch state")
             known = _known_locals(self._innermost_fn) if code is entry_code else {}
             missing = _add_identity_guards(state, checks, known, scope)
@@ -281,6 +287,8 @@ class Package(CompilePackage):
             if missing:  # not the traced objects: this frame is traced again
                 log.info("dynamo package: %s traced: %s", _name(code), missing)
                 manager.root.add_lambda_guard(_never, [repr(missing)], None)
+            elif late:
+                manager.root.add_lambda_guard(LateChecks(late), LateChecks.describe(late), None)
             return manager
 
         with _replaced_in(
@@ -291,6 +299,38 @@ class Package(CompilePackage):
 
 def _never(frame_locals: Any) -> bool:
     return False
+
+
+class LateChecks:
+    """Identity guards on a frame's own locals that no process knows before the frame runs (a
+    resume function's, or a wrapper's called after a graph break): each path resolved on the
+    call's locals, its object's fingerprint compared with the traced one's. The object that
+    matched is kept, so a later call that finds the same object costs one `is` per guard; one
+    made anew with the same fingerprint matches too (no recompile storm), another fails the
+    guard and Dynamo traces the frame."""
+
+    def __init__(self, checks: Sequence[tuple[tuple[identity.Step, ...], str]]) -> None:
+        self.checks = list(checks)
+        self.matched: list[Any] = [_UNSEEN] * len(self.checks)
+
+    def __call__(self, frame_locals: Any) -> bool:
+        for i, (steps, expected) in enumerate(self.checks):
+            try:
+                value = identity.resolve(steps, frame_locals, {})
+            except Exception:  # the path is gone
+                return False
+            if value is not self.matched[i]:
+                if identity.fingerprint(value) != expected:
+                    return False
+                self.matched[i] = value
+        return True
+
+    @staticmethod
+    def describe(checks: Sequence[tuple[tuple[identity.Step, ...], str]]) -> list[str]:
+        return [f"torchfarm identity of {steps}: {expected}" for steps, expected in checks]
+
+
+_UNSEEN = object()
 
 
 def _known_locals(fn: Any) -> dict[str, Any]:

@@ -261,3 +261,34 @@ def test_a_generic_attribute_is_found_again_past_getattr():
     steps = identity.path(source)
     assert steps == (("local", "config"), ("generic_attr", "get_text_config"), ("attr", "__func__"))
     assert identity.resolve(steps, {"config": config}, {}) is Config.get_text_config
+
+
+def calls_a_local_after_a_break(x):
+    act = helper  # a local of the resume function that runs the rest after the break
+    y = x * 2
+    print("a graph break")
+    return act(y)
+
+
+def test_a_later_frames_local_is_checked_when_the_frame_runs(monkeypatch):
+    """A guard on a local of a frame after the first (a resume function's, transformers'
+    output wrapper called after a graph break) cannot be built at install: no process knows
+    that local before the frame runs. It is checked at call time (LateChecks); before, the
+    frame was left out of the package and traced on every hit (the differential suite's gpt2)."""
+    x = torch.randn(4, 8)
+    compiled = _restore(calls_a_local_after_a_break, x)
+    assert torch.equal(compiled(x), calls_a_local_after_a_break(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setitem(globals(), "helper", torch.tanh)  # the local is another function now
+    assert torch.equal(compiled(x), calls_a_local_after_a_break(x))
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()
+
+
+def test_late_checks_pass_the_traced_object_or_its_twin_and_fail_any_other():
+    checks = dynamo_package.LateChecks([((("local", "act"),), identity.fingerprint(helper))])
+    assert checks({"act": helper}) and checks({"act": helper})  # the second: one `is`
+    # made anew with the same code (a wrapper built on every call): no recompile
+    assert checks({"act": types.FunctionType(helper.__code__, globals())})
+    assert not checks({"act": torch.tanh})
+    assert not checks({})  # the path is gone
