@@ -18,7 +18,7 @@ left eager's tolerance, Dynamo's graphs (counters["stats"]["unique_graphs"]: eve
 traced, restored ones excluded) and recompiles (guard failures that made Dynamo compile a frame
 again), the steady training step (median of steps 5-12), the farm's graph sources, what
 became of the package, and the time spent in torchfarm's identity-check guard
-(identity.Guard.__call__, timed from outside).
+(dynamo_package.LateChecks.__call__, timed from outside).
 """
 
 from __future__ import annotations
@@ -57,15 +57,17 @@ def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 class GuardTimer:
-    """Time in torchfarm's identity-check guard, wrapped from outside (Dynamo calls a
-    Guard instance, so the class's __call__ is looked up on every call)."""
+    """Time in the guard code torchfarm adds to Dynamo's (dynamo_package.LateChecks: the
+    identity of a later frame's locals, checked when the frame runs; every other identity
+    guard is Dynamo's own, built at install), wrapped from outside (Dynamo calls the instance,
+    so the class's __call__ is looked up on every call)."""
 
     def __init__(self) -> None:
         self.calls, self.ns = 0, 0
         try:
-            from torchfarm.torch_adapter import identity
+            from torchfarm.torch_adapter.dynamo_package import LateChecks
 
-            original = identity.Guard.__call__
+            original = LateChecks.__call__
         except (ImportError, AttributeError):  # the design moved on: nothing to time
             self.available = False
             return
@@ -80,7 +82,7 @@ class GuardTimer:
                 timer.calls += 1
                 timer.ns += time.perf_counter_ns() - started
 
-        identity.Guard.__call__ = timed
+        LateChecks.__call__ = timed  # type: ignore[method-assign]
 
     def take(self) -> dict:
         per_call = round(self.ns / self.calls / 1e3, 2) if self.calls else None
