@@ -239,6 +239,10 @@ def test_no_two_exception_classes_share_a_name():
     assert shared == {}
 
 
+def test_errors_py_imports_nothing_of_torchfarm():  # so that any layer may import it
+    assert _imports()["torchfarm.errors"] == set()
+
+
 def test_errors_py_draws_every_exception_class():
     tree = ast.get_docstring(ast.parse((PACKAGE / "errors.py").read_text())) or ""
     drawn = set(re.findall(r"\b\w+\b", tree))
