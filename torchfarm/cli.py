@@ -48,9 +48,10 @@ def up(
     """Start an embedded local farm. Once every worker has compiled its canary it prints one
     block for the operator (TORCHFARM_ADDR, an admin token it made unless TORCHFARM_ADMINS was
     given, the recovery command), or exits 1 with the reason (a worker's own error)."""
+    from torchfarm.errors import FarmNotReady
     from torchfarm.gateway import auth
     from torchfarm.gateway.server import plaintext_refusal
-    from torchfarm.local_farm import FarmNotReady, LocalFarm
+    from torchfarm.local_farm import LocalFarm
 
     if bool(tls_cert) != bool(tls_key):
         typer.echo("torchfarm up: --tls-cert and --tls-key go together", err=True)
@@ -310,8 +311,9 @@ def export(
 
     import torch
 
-    from torchfarm.client import exported, remote
+    from torchfarm.client import exported
     from torchfarm.compiler import aoti
+    from torchfarm.errors import FarmError
     from torchfarm.settings import ClientSettings
 
     configs = {}
@@ -335,7 +337,7 @@ def export(
             settings=settings,
         )
         aoti.write_package(output, artifact, loaded)
-    except (remote.FarmError, ValueError) as e:
+    except (FarmError, ValueError) as e:
         typer.echo(f"torchfarm export: {e}", err=True)
         raise typer.Exit(1) from None
     size = os.path.getsize(output)

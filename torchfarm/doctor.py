@@ -21,6 +21,7 @@ from torchfarm.cache.pools import summary
 from torchfarm.client import backend, explain, remote
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import describe, pool_name
+from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
@@ -59,7 +60,7 @@ def _farm_checks(settings: ClientSettings, device: str) -> list[Check]:
     unusable = ""
     try:
         remote.target(settings.addr)
-    except remote.FarmError as e:
+    except FarmError as e:
         unusable = str(e)
     checks = [
         Check(
@@ -136,7 +137,7 @@ def _auth(settings: ClientSettings) -> Check:
     """An empty Lookup: the gateway checks the token before it looks at the request."""
     try:
         remote.lookup("0" * 64, settings)
-    except remote.FarmError as e:
+    except FarmError as e:
         message = str(e)
         if message.startswith(("UNAUTHENTICATED", "PERMISSION_DENIED")):
             return Check(

@@ -20,11 +20,7 @@ import redis
 
 from torchfarm import signing
 from torchfarm.cache.store import Store
-
-
-class FarmNotReady(RuntimeError):
-    """The farm did not become ready: a process exited, a worker's canary failed, or time
-    ran out; the message says which, with the worker's error where there is one."""
+from torchfarm.errors import FarmNotReady
 
 
 def free_port() -> int:

@@ -1,10 +1,12 @@
 """The package's shape, read from its source with `ast` (issue 51): functions in the client
 and the workers short, with few parameters; private torch names only behind torch_adapter/;
-no import cycle, and no import from the adapter up into the code that uses it. Known
-offenders are listed: the lists may only shrink."""
+no import cycle, and no import from the adapter up into the code that uses it; every exception
+under one root, one class per name. Known offenders are listed: the lists may only shrink."""
 
 import ast
+import builtins
 import pathlib
+import re
 
 import pytest
 
@@ -39,6 +41,9 @@ PRIVATE_TORCH_OFFENDERS = {
 }
 KNOWN_CYCLES = [{"torchfarm.client.backend", "torchfarm.client.prepare"}]  # issue 51, item 1
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
+ROOT = "TorchfarmError"
+# BaseExceptions that are no errors, outside the root on purpose (errors.py says why)
+NOT_ERRORS = {"torch_adapter/concurrent_backward.py::Stopped"}
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
@@ -177,3 +182,68 @@ def test_the_adapter_imports_nothing_above_it():
         if imported.split(".")[1] in ABOVE_THE_ADAPTER
     }
     assert upward == set()
+
+
+def _exception_classes() -> dict[str, list[tuple[str, list[str]]]]:
+    """name -> [(file::name, the last part of each base's name)] of every class under
+    torchfarm/ that derives, directly or through another one of them, from an exception."""
+    classes: dict[str, list[tuple[str, list[str]]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [_dotted(b).rpartition(".")[2] for b in node.bases]
+                where = f"{path.relative_to(PACKAGE)}::{node.name}"
+                classes.setdefault(node.name, []).append((where, bases))
+    exceptions = {n for n, v in vars(builtins).items() if _is_exception(v)}
+
+    def is_exception(base: str) -> bool:  # another library's too, by its name
+        return base in exceptions or base.endswith(("Error", "Exception"))
+
+    while True:
+        more = {
+            name
+            for name, defined in classes.items()
+            if any(is_exception(b) for _, bases in defined for b in bases)
+        } - exceptions
+        if not more:
+            return {n: d for n, d in classes.items() if n in exceptions}
+        exceptions |= more
+
+
+def _is_exception(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
+def _derives_from_root(name: str, classes: dict[str, list[tuple[str, list[str]]]]) -> bool:
+    return name == ROOT or any(
+        _derives_from_root(base, classes)
+        for _, bases in classes.get(name, [])
+        for base in bases
+        if base in classes
+    )
+
+
+def test_every_exception_derives_from_the_root():
+    classes = _exception_classes()
+    outside = {
+        where
+        for name, defined in classes.items()
+        for where, _ in defined
+        if not _derives_from_root(name, classes)
+    }
+    assert outside == NOT_ERRORS
+
+
+def test_no_two_exception_classes_share_a_name():
+    shared = {name: [w for w, _ in d] for name, d in _exception_classes().items() if len(d) > 1}
+    assert shared == {}
+
+
+def test_errors_py_imports_nothing_of_torchfarm():  # so that any layer may import it
+    assert _imports()["torchfarm.errors"] == set()
+
+
+def test_errors_py_draws_every_exception_class():
+    tree = ast.get_docstring(ast.parse((PACKAGE / "errors.py").read_text())) or ""
+    drawn = set(re.findall(r"\b\w+\b", tree))
+    assert set(_exception_classes()) - drawn == set()

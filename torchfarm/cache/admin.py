@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from torchfarm import signing
 from torchfarm.cache.artifacts import DETAIL_FIELDS, digest_of
 from torchfarm.cache.store import Store, entry_dict, entry_from_dict
+from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 
 BUNDLE_FORMAT = "torchfarm-bundle-v1"
@@ -47,7 +48,7 @@ class Problem(enum.Enum):
     TOO_LARGE = "too large"  # a bundle past the gateway's bounds (RESOURCE_EXHAUSTED)
 
 
-class Refused(Exception):
+class CacheOperationRefused(TorchfarmError):
     def __init__(self, problem: Problem, message: str):
         super().__init__(message)
         self.problem = problem
@@ -82,7 +83,9 @@ class CacheAdmin:
     def ls(self, request: pb.ListRequest) -> pb.ListReply:
         order = _SORTS.get(request.sort or "age")
         if order is None:
-            raise Refused(Problem.INVALID, f"sort {request.sort!r}: one of {', '.join(_SORTS)}")
+            raise CacheOperationRefused(
+                Problem.INVALID, f"sort {request.sort!r}: one of {', '.join(_SORTS)}"
+            )
         rows = sorted(self._matching(request.filter), key=order)
         rows = rows[: request.limit] if request.limit > 0 else rows
         for row in rows:
@@ -100,12 +103,14 @@ class CacheAdmin:
     def resolve(self, prefix: str) -> str:
         """The one key that starts with `prefix`."""
         if not re.fullmatch(rf"[0-9a-f]{{{MIN_PREFIX},64}}", prefix):
-            raise Refused(Problem.INVALID, f"{prefix!r}: {MIN_PREFIX} to 64 lowercase hex digits")
+            raise CacheOperationRefused(
+                Problem.INVALID, f"{prefix!r}: {MIN_PREFIX} to 64 lowercase hex digits"
+            )
         found = [k for k, _ in self.store.artifacts.keys() if k.startswith(prefix)]
         if not found:
-            raise Refused(Problem.NOT_FOUND, f"no key starts with {prefix!r}")
+            raise CacheOperationRefused(Problem.NOT_FOUND, f"no key starts with {prefix!r}")
         if len(found) > 1:
-            raise Refused(
+            raise CacheOperationRefused(
                 Problem.INVALID, f"{prefix!r} matches {len(found)} keys; give more of the key"
             )
         return found[0]
@@ -115,13 +120,13 @@ class CacheAdmin:
 
     def drop(self, request: pb.DropRequest) -> pb.DropReply:
         if not _KEY.fullmatch(request.key):
-            raise Refused(Problem.INVALID, "key must be 64 hex digits")
+            raise CacheOperationRefused(Problem.INVALID, "key must be 64 hex digits")
         return pb.DropReply(entries=self.store.artifacts.drop(request.key))
 
     def purge(self, request: pb.PurgeRequest) -> pb.PurgeReply:
         f = request.filter
         if not (request.all or f.target or f.mode or f.tenant or f.unused_for_s):
-            raise Refused(Problem.INVALID, "purge needs a filter, or all")
+            raise CacheOperationRefused(Problem.INVALID, "purge needs a filter, or all")
         keys = sorted({r.key for r in self._matching(f)})
         removed = sum(self.store.artifacts.drop(k) for k in keys)
         return pb.PurgeReply(keys=len(keys), entries=removed)
@@ -132,7 +137,9 @@ class CacheAdmin:
         known = set(self.store.pools.live()) | set(self.store.counters.per_pool())
         if request.pool not in known - {""}:
             pools = ", ".join(sorted(known - {""})) or "none"
-            raise Refused(Problem.NOT_FOUND, f"no pool {request.pool!r} (pools: {pools})")
+            raise CacheOperationRefused(
+                Problem.NOT_FOUND, f"no pool {request.pool!r} (pools: {pools})"
+            )
         return pb.DropKernelsReply(generation=self.store.pools.drop_kernels(request.pool))
 
     def export(self, request: pb.ExportRequest) -> bytes:
@@ -185,7 +192,7 @@ class CacheAdmin:
             entries.append((item, meta))
         if untrusted and not unsigned:
             names = ", ".join(trusted.public_keys) or "none"
-            raise Refused(
+            raise CacheOperationRefused(
                 Problem.UNTRUSTED,
                 f"{len(untrusted)} of {len(entries)} entries are not signed by a trusted key "
                 f"(first: {untrusted[0][:16]}); nothing imported. Trusted keys: {names}",
@@ -222,7 +229,7 @@ def parse_bundle(source: BinaryIO, max_decoded: int = 0) -> pb.CacheBundle:
         while piece := reader.read(1 << 20):
             decoded += piece
             if max_decoded and len(decoded) > max_decoded:
-                raise Refused(
+                raise CacheOperationRefused(
                     Problem.TOO_LARGE,
                     f"the bundle decodes to more than {max_decoded} bytes "
                     f"({MAX_BUNDLE_RATIO} per byte sent, at most {MAX_BUNDLE_DECODED}); "
@@ -230,9 +237,9 @@ def parse_bundle(source: BinaryIO, max_decoded: int = 0) -> pb.CacheBundle:
                 )
         bundle = pb.CacheBundle.FromString(bytes(decoded))
     except (zstandard.ZstdError, ValueError, DecodeError) as e:
-        raise Refused(Problem.INVALID, f"not a torchfarm bundle ({e})") from e
+        raise CacheOperationRefused(Problem.INVALID, f"not a torchfarm bundle ({e})") from e
     if bundle.format != BUNDLE_FORMAT:
-        raise Refused(
+        raise CacheOperationRefused(
             Problem.INVALID, f"bundle format {bundle.format!r}, expected {BUNDLE_FORMAT!r}"
         )
     return bundle
@@ -244,7 +251,7 @@ def checked_entry(item: pb.BundleEntry) -> pb.EntryMeta:
         meta = entry_from_dict(json.loads(item.meta_json))
         guards = pb.Artifact.FromString(item.artifact).guards  # protobuf only: no code runs
     except Exception as e:  # JSON, protobuf JSON or protobuf parse errors
-        raise Refused(
+        raise CacheOperationRefused(
             Problem.INVALID, f"entry {item.key[:16]} is malformed ({e}); nothing imported"
         ) from e
     if (
@@ -254,7 +261,7 @@ def checked_entry(item: pb.BundleEntry) -> pb.EntryMeta:
         or guards != meta.guards
         or not _KEY.fullmatch(item.key)
     ):
-        raise Refused(
+        raise CacheOperationRefused(
             Problem.INVALID, f"entry {item.key[:16]} fails its digest check; nothing imported"
         )
     return meta

@@ -29,12 +29,12 @@ from torchfarm.cache import keys
 from torchfarm.cache.blobs import (
     BlobBackend,
     CacheClient,
-    CacheFull,
     CachePipeline,
     OutOfMemoryError,
     RedisBlobs,
 )
 from torchfarm.cache.counters import Counters
+from torchfarm.errors import CacheFull, WrongBlobStore
 from torchfarm.proto import torchfarm_pb2 as pb
 
 log = logging.getLogger("torchfarm.cache")
@@ -225,10 +225,6 @@ if left == 0 then
 end
 return {left, found}
 """
-
-
-class WrongBlobStore(Exception):
-    """This process's TORCHFARM_BLOB_URL names another store than the cache's workers use."""
 
 
 class ArtifactCache:

@@ -31,6 +31,7 @@ from typing import Protocol, TypeAlias
 import redis
 
 from torchfarm.cache import keys
+from torchfarm.errors import CacheFull
 
 log = logging.getLogger("torchfarm.cache")
 
@@ -40,11 +41,6 @@ CachePipeline: TypeAlias = "redis.client.Pipeline | redis.cluster.ClusterPipelin
 
 # What a Redis at its memory limit raises (missing from the types-redis stubs).
 OutOfMemoryError: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
-
-
-class CacheFull(Exception):
-    """The cache's storage refused a write (Redis at its memory limit, the blob store full or
-    refusing); nothing was kept."""
 
 
 class BlobBackend(Protocol):

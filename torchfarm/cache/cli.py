@@ -27,9 +27,9 @@ from rich.table import Table
 from torchfarm import signing
 from torchfarm.cache import admin
 from torchfarm.cache.admin import CacheAdmin
-from torchfarm.cache.artifacts import WrongBlobStore
 from torchfarm.cache.store import Store, entry_dict
 from torchfarm.contract import shape_guards
+from torchfarm.errors import TorchfarmError, WrongBlobStore
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import AdminSettings, GatewaySettings, WorkerSettings
 
@@ -53,7 +53,7 @@ DirectOption = typer.Option(
 JsonOption = typer.Option(False, "--json", help="print one JSON document")
 
 
-class CommandFailed(Exception):
+class CommandFailed(TorchfarmError):
     """A command the source refused; the message says why."""
 
 
@@ -157,7 +157,7 @@ class StoreSource:
     def _run(self, operation: Callable[[], _T]) -> _T:
         try:
             return operation()
-        except admin.Refused as e:
+        except admin.CacheOperationRefused as e:
             raise CommandFailed(str(e)) from None
 
     def ls(self, request: pb.ListRequest) -> pb.ListReply:
@@ -190,7 +190,7 @@ class StoreSource:
             raise CommandFailed(f"--trust-key / TORCHFARM_VERIFY_KEYS: {e}") from None
         try:
             return self.cache.import_bundle(io.BytesIO(data), trusted, served, unsigned)
-        except admin.Refused as e:
+        except admin.CacheOperationRefused as e:
             hint = "; --unsigned imports them anyway (no client loads them)"
             raise CommandFailed(f"{e}{hint if e.problem is admin.Problem.UNTRUSTED else ''}")
 
@@ -561,7 +561,7 @@ def import_(
         with open(path, "rb") as f:
             data = f.read()
         admin.parse_bundle(io.BytesIO(data))  # a file that is no bundle is refused before any call
-    except (OSError, admin.Refused) as e:
+    except (OSError, admin.CacheOperationRefused) as e:
         raise typer.BadParameter(f"{path}: {e}") from e
     reply = _run(
         (addr, token, redis_url, direct),

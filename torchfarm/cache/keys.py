@@ -21,12 +21,14 @@ the job board's scripts (cache/jobs.py) need it."""
 import hashlib
 import re
 
+from torchfarm.errors import TorchfarmError
+
 FORMAT = "tf6"
 DIGEST = re.compile(r"[0-9a-f]{64}")  # sha256, hex: what names an artifact
 _BLOB_NAME = re.compile(rf"{DIGEST.pattern}(\.details)?")
 
 
-class BadBlobName(ValueError):
+class BadBlobName(TorchfarmError, ValueError):
     """A blob name that is no sha256 digest: read back from a store that a hostile writer may
     have changed (an index entry naming `../x`), it never becomes a path or an object name."""
 

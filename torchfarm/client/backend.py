@@ -33,6 +33,7 @@ from torchfarm.compiler import guards, serialize, structure, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import key_parts, public_key
+from torchfarm.errors import FarmError, UntrustedEntry
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter import fake_device, load_prewarm, regions
@@ -280,7 +281,7 @@ def _compile_graph(
             fetched = _fetch(request, ask, settings, inputs, before)
         artifact, timings = fetched.artifact, fetched.timings
         if not guards.install(artifact.guards, inputs):
-            raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
+            raise FarmError("the artifact's shape guards do not hold for these inputs")
         compiled = _load(artifact, farm_options, serialize.local_device_index(gm), timings)
     except Exception as e:  # the farm must never break training
         if not settings.wait:  # nor make it wait: handled at the first call, as a later failure
@@ -325,7 +326,7 @@ def _prepare(
     try:
         fetched = fetch()
         if not guards.install(fetched.artifact.guards, inputs):
-            raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
+            raise FarmError("the artifact's shape guards do not hold for these inputs")
         _record_farm(label, fetched, started, started)
     except Exception as e:
         _record_unprepared(label, started, e)
@@ -357,7 +358,7 @@ def _target_for(target: pb.Target, device: str) -> pb.Target:
     if kind == target.device:
         return target
     if kind != "cpu":
-        raise remote.FarmError(f"a {kind} graph in a job prepared for {target.device}")
+        raise FarmError(f"a {kind} graph in a job prepared for {target.device}")
     cpu = pb.Target()
     cpu.CopyFrom(target)
     cpu.device = "cpu"
@@ -468,7 +469,7 @@ class DeferredGraph:
             fetched = self._job.result()
             artifact, timings = fetched.artifact, fetched.timings
             if not guards.hold(artifact.guards, args):
-                raise remote.FarmError("the artifact's shape guards do not hold for these inputs")
+                raise FarmError("the artifact's shape guards do not hold for these inputs")
             compiled = _load(artifact, self._options, self._device_index, timings)
         except Exception as e:  # the farm must never break training
             why = _farm_failed(e, self._label, self._submitted)
@@ -526,7 +527,7 @@ def _farm_failed(
 ) -> str:
     """Warns (once) that a graph is compiled locally (or what `instead` says) because of `e`;
     returns why, for the record."""
-    if isinstance(e, remote.UntrustedEntry):  # a miss: those bytes are never loaded
+    if isinstance(e, UntrustedEntry):  # a miss: those bytes are never loaded
         _warn_once(f"{e}; {instead}")
         return f"untrusted: {e}"
     log.info("%s: farm failed after %.2f s (%s)", label, time.monotonic() - started, e)

@@ -35,6 +35,7 @@ from torchfarm.compiler.exported import BLOB, SENT
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import public_key
 from torchfarm.contract.options import AOTI, canonical_options
+from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter import export_serde, standalone
@@ -85,7 +86,7 @@ def package_artifact(
         aoti.inductor_configs(options, SENT if weights else BLOB)
     settings = settings or ClientSettings.from_env()
     if not settings.addr:
-        raise remote.FarmError("no farm configured (TORCHFARM_ADDR)")
+        raise FarmError("no farm configured (TORCHFARM_ADDR)")
     job_target = _target(target, program)
     payload = exported.dumps(program, weights)
     key = public_key(payload, job_target, options)
@@ -103,9 +104,9 @@ def package_artifact(
         progress.close()
     artifact = remote.verified_artifact(received, key, trusted)
     if not artifact.package:
-        raise remote.FarmError(f"the farm's {compiler} entry of key {key[:16]} holds no package")
+        raise FarmError(f"the farm's {compiler} entry of key {key[:16]} holds no package")
     if compiler == AOTI and not weights and not artifact.HasField("package_weights"):
-        raise remote.FarmError(
+        raise FarmError(
             f"the farm's package of key {key[:16]} has no weight blob layout (a worker from "
             "before issue 52?)"
         )
@@ -152,7 +153,7 @@ def aoti_compile_and_package(
             weights=weights,
             settings=settings,
         )
-    except remote.FarmError as e:
+    except FarmError as e:
         if target is not None and _target(target, exported_program) != local_target(
             _device_of(exported_program)
         ):

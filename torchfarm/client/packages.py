@@ -46,6 +46,7 @@ from torchfarm.client import backend, remote
 from torchfarm.client.pool import pool
 from torchfarm.compiler import serialize, trace_state
 from torchfarm.contract.cache_key import public_key
+from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings, user_cache_dir
 from torchfarm.torch_adapter import dynamo_package
@@ -301,4 +302,4 @@ def _call(settings: ClientSettings, method: str, request):
             request, timeout=settings.inactivity_timeout_s, metadata=remote._metadata(settings, "")
         )
     except grpc.RpcError as e:
-        raise remote.FarmError(f"{e.code().name}: {e.details()}") from None
+        raise FarmError(f"{e.code().name}: {e.details()}") from None

@@ -37,6 +37,7 @@ import zstandard
 
 from torchfarm import signing
 from torchfarm.contract import busy
+from torchfarm.errors import FarmError, UntrustedEntry
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import ClientSettings
@@ -54,14 +55,6 @@ KEEPALIVE = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-
-
-class FarmError(RuntimeError):
-    """The farm could not provide an artifact; the message says why."""
-
-
-class UntrustedEntry(FarmError):
-    """An entry or artifact that no trusted key signed: never loaded, the graph compiles here."""
 
 
 class FarmBusy(FarmError):

@@ -16,6 +16,7 @@ import torch
 from torchfarm.compiler import files, guards, native, serialize, structure, trace_state
 from torchfarm.compiler.compilers import CompileContext
 from torchfarm.contract.modes import MODES
+from torchfarm.errors import NotSaveable
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import (
     autotune_progress,
@@ -115,7 +116,7 @@ def compile_payload(
     ):
         try:
             compiled = standalone.compile_graph(gm, inputs, config_patches(options))
-        except standalone.NotSaveable as e:  # say why AOTAutograd did not cache it
+        except NotSaveable as e:  # say why AOTAutograd did not cache it
             raise RuntimeError(
                 "Inductor compiled the graph but cannot save it: "
                 f"{'; '.join(cache_log.messages) or e}"

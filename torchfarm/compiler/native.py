@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator
 
 from torchfarm.compiler import files
+from torchfarm.errors import TorchfarmError
 from torchfarm.torch_adapter import cpp_libraries
 
 
-class MissingNativeObject(RuntimeError):
+class MissingNativeObject(TorchfarmError, RuntimeError):
     """The artifact lacks an object its code needs; the caller falls back to compiling."""
 
 

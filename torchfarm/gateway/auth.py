@@ -24,6 +24,8 @@ import threading
 import time
 from typing import NoReturn
 
+from torchfarm.errors import TorchfarmError
+
 log = logging.getLogger("torchfarm.gateway")
 OPEN_TENANT = "public"
 LEGACY = "legacy"  # the token id of every token not made by `torchfarm token`
@@ -131,7 +133,7 @@ class Refusal(enum.Enum):
     NOT_ADMIN = "not admin"  # a tenant's token on an admin RPC
 
 
-class Refused(Exception):
+class AccessRefused(TorchfarmError):
     def __init__(self, why: Refusal, message: str):
         super().__init__(message)
         self.why = why
@@ -157,7 +159,7 @@ class Authenticator:
         self._lock = threading.Lock()
 
     def tenant(self, metadata, peer: str) -> str:
-        """The caller's tenant (OPEN_TENANT on an open farm), else Refused."""
+        """The caller's tenant (OPEN_TENANT on an open farm), else AccessRefused."""
         if not self.tenants:
             return OPEN_TENANT
         token = _token(metadata)
@@ -167,7 +169,7 @@ class Authenticator:
         return name
 
     def admin(self, metadata, peer: str) -> str:
-        """The caller's admin name, else Refused (NOT_ADMIN for a tenant's token)."""
+        """The caller's admin name, else AccessRefused (NOT_ADMIN for a tenant's token)."""
         token = _token(metadata)
         name = self._lookup(token, peer, self.admins)
         if name is not None:
@@ -176,7 +178,7 @@ class Authenticator:
             self._failed(token, peer, Refusal.UNKNOWN)
         if not self.tenants:  # an open farm: a wrong admin token is a failed guess too
             self._failed(token, peer, Refusal.NOT_ADMIN)
-        raise Refused(Refusal.NOT_ADMIN, "admin RPCs need a token listed in TORCHFARM_ADMINS")
+        raise AccessRefused(Refusal.NOT_ADMIN, "admin RPCs need a token listed in TORCHFARM_ADMINS")
 
     def _lookup(self, token: str, peer: str, table: dict[str, str]) -> str | None:
         """`token`'s name in `table`, or None. A legacy token from an address out of guesses
@@ -206,13 +208,13 @@ class Authenticator:
         self._refuse_if_limited(bucket)
         self.limiter.failed(bucket)
         if why is Refusal.NOT_ADMIN:
-            raise Refused(why, "admin RPCs need a token listed in TORCHFARM_ADMINS")
-        raise Refused(why, "missing or unknown token")
+            raise AccessRefused(why, "admin RPCs need a token listed in TORCHFARM_ADMINS")
+        raise AccessRefused(why, "missing or unknown token")
 
     def _refuse_if_limited(self, bucket: Bucket) -> None:
         wait_s = self.limiter.retry_after_s(bucket)
         if wait_s:
-            raise Refused(
+            raise AccessRefused(
                 Refusal.LIMITED,
                 f"too many failed authentications from {bucket[0]}; retry in {wait_s:.1f} s",
             )
@@ -234,8 +236,8 @@ class Authenticator:
 
 
 def _token(metadata) -> str:
-    """The call's token; Refused (UNKNOWN, no failure counted: it guesses nothing) if none."""
+    """The call's token; AccessRefused (UNKNOWN, no failure counted: it guesses nothing) if none."""
     token = bearer_token(metadata)
     if not token:
-        raise Refused(Refusal.UNKNOWN, "missing or unknown token")
+        raise AccessRefused(Refusal.UNKNOWN, "missing or unknown token")
     return token

@@ -36,6 +36,7 @@ from torchfarm.cache.store import Store
 from torchfarm.contract import shape_guards
 from torchfarm.contract.cache_key import cache_key, job_id, private_key
 from torchfarm.contract.pools import describe, pool_name
+from torchfarm.errors import TorchfarmError
 from torchfarm.gateway import explain, metrics, prefetch
 from torchfarm.gateway.hit_ledger import HitLedger
 from torchfarm.gateway.recent_index import RecentIndex
@@ -51,7 +52,7 @@ QUEUE_GRACE_S = 5.0
 Enqueue = Callable[[pb.Job, str], None]  # (job, pool): queue the job on the pool's queue
 
 
-class TooLarge(Exception):
+class TooLarge(TorchfarmError):
     """The entry that holds does not fit where it was asked for (Coordinator.get)."""
 
 
@@ -141,7 +142,7 @@ class _Wait:
     source: str = "miss"
 
 
-class _NotQueued(Exception):
+class _NotQueued(TorchfarmError):
     """Posting or queueing a claimed job failed."""
 
 

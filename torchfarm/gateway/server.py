@@ -27,10 +27,11 @@ from grpc_reflection.v1alpha import reflection
 from torchfarm import queue, signing
 from torchfarm.cache import admin
 from torchfarm.cache.admin import CacheAdmin
-from torchfarm.cache.artifacts import VerifiedBlobs, WrongBlobStore
+from torchfarm.cache.artifacts import VerifiedBlobs
 from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
 from torchfarm.contract.options import canonical_options
+from torchfarm.errors import WrongBlobStore
 from torchfarm.gateway import auth, metrics
 from torchfarm.gateway.admission import MessageDeadlines, StreamSlots, StreamsWithoutToken
 from torchfarm.gateway.coordinator import (
@@ -93,7 +94,7 @@ def _caller(context, authenticate: Callable[[object, str], str]) -> str:
     with the refusal's status."""
     try:
         return authenticate(context.invocation_metadata(), context.peer() or "")
-    except auth.Refused as refused:
+    except auth.AccessRefused as refused:
         _abort(context, _REFUSED[refused.why], str(refused))
 
 
@@ -509,7 +510,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         """`operation`'s answer, or the RPC ends with the status of its refusal."""
         try:
             return operation()
-        except admin.Refused as refused:
+        except admin.CacheOperationRefused as refused:
             _abort(context, _PROBLEMS[refused.problem], str(refused))
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import ast
 
+from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter.triton_source_check import Refused
 
 # Inductor's selection name -> the ranks of its operands, as key_of lists them.
 OPS: dict[str, tuple[int, ...]] = {
@@ -76,7 +76,7 @@ def problem(op: str, inputs_key: str, precision: str, device: str) -> pb.GemmPro
         )
     try:
         check(found)
-    except Refused:
+    except BuildRefused:
         return None
     return found
 
@@ -92,36 +92,36 @@ def problems(benchmarked: list[tuple[str, str, str]], device: str) -> list[pb.Ge
 
 
 def check(gemm: pb.GemmProblem) -> None:
-    """Refused unless `gemm` is an op of OPS on operands of its ranks, of one known dtype,
+    """BuildRefused unless `gemm` is an op of OPS on operands of its ranks, of one known dtype,
     within MAX_TENSOR_BYTES, whose shapes the op accepts, within MAX_MULTIPLY_ADDS."""
     import torch
 
     ranks = OPS.get(gemm.op)
     if ranks is None:
-        raise Refused(f"not a GEMM the pool measures: {gemm.op[:40]!r}")
+        raise BuildRefused(f"not a GEMM the pool measures: {gemm.op[:40]!r}")
     if gemm.precision not in PRECISIONS:
-        raise Refused(f"unknown matmul precision {gemm.precision[:40]!r}")
+        raise BuildRefused(f"unknown matmul precision {gemm.precision[:40]!r}")
     if [len(i.size) for i in gemm.inputs] != list(ranks):
-        raise Refused(f"{gemm.op} takes operands of ranks {ranks}")
+        raise BuildRefused(f"{gemm.op} takes operands of ranks {ranks}")
     if len({i.dtype for i in gemm.inputs}) != 1 or gemm.inputs[0].dtype not in DTYPES:
-        raise Refused("operands of one dtype among " + ", ".join(DTYPES))
+        raise BuildRefused("operands of one dtype among " + ", ".join(DTYPES))
     for operand in gemm.inputs:
         if len(operand.stride) != len(operand.size):
-            raise Refused("a stride per dimension")
+            raise BuildRefused("a stride per dimension")
         if not all(0 < n <= MAX_NUMBER for n in operand.size) or not all(
             0 <= n <= MAX_NUMBER for n in (*operand.stride, operand.offset)
         ):
-            raise Refused("sizes, strides or offset out of range")
+            raise BuildRefused("sizes, strides or offset out of range")
         if _storage(operand) * DTYPES[operand.dtype] > MAX_TENSOR_BYTES:
-            raise Refused("an operand over the pool's limit")
+            raise BuildRefused("an operand over the pool's limit")
     try:
         result = getattr(torch, gemm.op)(*(_tensor(i, "meta") for i in gemm.inputs))
     except RuntimeError as e:
-        raise Refused(f"{gemm.op} refuses these shapes: {str(e)[:200]}") from None
+        raise BuildRefused(f"{gemm.op} refuses these shapes: {str(e)[:200]}") from None
     if result.numel() * result.element_size() > MAX_TENSOR_BYTES:
-        raise Refused("a result over the pool's limit")
+        raise BuildRefused("a result over the pool's limit")
     if result.numel() * gemm.inputs[-2].size[-1] > MAX_MULTIPLY_ADDS:  # the first matrix's K
-        raise Refused("more work than the pool measures")
+        raise BuildRefused("more work than the pool measures")
 
 
 def measure(gemm: pb.GemmProblem, device: str) -> None:

@@ -41,8 +41,9 @@ from torch._inductor.standalone_compile import AOTCompiledArtifact
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from torchfarm.errors import NotSaveable
+
 __all__ = [
-    "NotSaveable",
     "cache_dir",
     "cache_dir_at",
     "compile_graph",
@@ -54,10 +55,6 @@ __all__ = [
     "save",
     "throwaway_compiles",
 ]
-
-
-class NotSaveable(RuntimeError):
-    """Inductor compiled the graph, but AOTAutograd made no cache entry of it."""
 
 
 def mode_options(mode: str) -> dict:

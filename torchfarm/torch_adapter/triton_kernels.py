@@ -73,7 +73,7 @@ def results_found(place: Callable[[str, str, str], None]) -> Iterator[None]:
 
 def build(module: str, kernel_name: str, result: bytes = b"") -> bytes:
     """Compile the kernel `kernel_name` of the Inductor kernel module `module` into Triton's
-    cache dir (triton_source_check.Refused where the module is not one Inductor writes), with
+    cache dir (errors.BuildRefused where the module is not one Inductor writes), with
     the autotune result `result` where it is one Inductor's tuners could have chosen
     (`admissible`) and Inductor takes it for this kernel's configs; that result, rewritten,
     or b"" where none was taken."""

@@ -33,6 +33,8 @@ from __future__ import annotations
 import ast
 import types
 
+from torchfarm.errors import BuildRefused
+
 IMPORTS = frozenset(
     {
         "import triton",
@@ -84,10 +86,6 @@ _RANGES = ("range", "tl.range", "tl.static_range")
 _CONSTRUCTORS = ("DeviceProperties", "AttrsDescriptor", "AttrsDescriptor.from_dict")
 
 
-class Refused(ValueError):
-    """The module is not one Inductor writes: it is not built."""
-
-
 def _modules() -> dict[str, types.ModuleType]:
     import triton
     import triton.language as tl
@@ -134,12 +132,12 @@ def _resolved(node: ast.expr, modules: dict[str, types.ModuleType]) -> bool:
     value: object = modules[node.id]
     for name in reversed(names):
         if name.startswith("_") or not isinstance(value, types.ModuleType):
-            raise Refused(f"attribute {name!r} off a non-module")
+            raise BuildRefused(f"attribute {name!r} off a non-module")
         if name not in vars(value):
-            raise Refused(f"{name!r} is not in {value.__name__}")
+            raise BuildRefused(f"{name!r} is not in {value.__name__}")
         value = vars(value)[name]
     if isinstance(value, types.ModuleType) or not _kernel_object(value):
-        raise Refused(f"{ast.unparse(node)}.{'.'.join(reversed(names))}: not a Triton builtin")
+        raise BuildRefused(f"{ast.unparse(node)}.{'.'.join(reversed(names))}: not a Triton builtin")
     return True
 
 
@@ -156,7 +154,7 @@ def _literal(node: ast.expr, file_allowed: bool = False) -> None:
     if isinstance(node, ast.Dict):
         for key, value in zip(node.keys, node.values, strict=True):
             if key is None:
-                raise Refused("** in a dict")
+                raise BuildRefused("** in a dict")
             _literal(key)
             _literal(value)
         return
@@ -181,10 +179,10 @@ def _literal(node: ast.expr, file_allowed: bool = False) -> None:
                 _literal(argument)
             for keyword in node.keywords:
                 if keyword.arg is None:
-                    raise Refused("**kwargs")
+                    raise BuildRefused("**kwargs")
                 _literal(keyword.value)
             return
-    raise Refused(f"decorator argument not literal: {ast.unparse(node)[:80]}")
+    raise BuildRefused(f"decorator argument not literal: {ast.unparse(node)[:80]}")
 
 
 class _Body:
@@ -197,10 +195,10 @@ class _Body:
         self.locals: set[str] = set()
         args = fn.args
         if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or args.defaults:
-            raise Refused("only plain positional arguments")
+            raise BuildRefused("only plain positional arguments")
         for arg in args.args:
             if arg.annotation is not None and ast.unparse(arg.annotation) != "tl.constexpr":
-                raise Refused(f"annotation {ast.unparse(arg.annotation)[:60]}")
+                raise BuildRefused(f"annotation {ast.unparse(arg.annotation)[:60]}")
             self._bind(arg.arg)
         for statement in fn.body:
             self._statement(statement)
@@ -208,7 +206,7 @@ class _Body:
     def _bind(self, name: str) -> None:
         reserved = name in self.modules or name in self.helpers or name in BUILTINS
         if name.startswith("__") or reserved or name in HINT_ENUMS:
-            raise Refused(f"name {name!r} may not be bound")
+            raise BuildRefused(f"name {name!r} may not be bound")
         self.locals.add(name)
 
     def _target(self, target: ast.expr) -> None:
@@ -218,7 +216,7 @@ class _Body:
             for element in target.elts:
                 self._target(element)
         else:
-            raise Refused(f"assignment to {ast.unparse(target)[:60]}")
+            raise BuildRefused(f"assignment to {ast.unparse(target)[:60]}")
 
     def _statement(self, s: ast.stmt) -> None:
         if isinstance(s, ast.Assign):
@@ -227,16 +225,16 @@ class _Body:
                 self._target(target)
         elif isinstance(s, ast.AnnAssign):
             if ast.unparse(s.annotation) != "tl.constexpr" or s.value is None:
-                raise Refused("an annotated assignment other than NAME: tl.constexpr = ...")
+                raise BuildRefused("an annotated assignment other than NAME: tl.constexpr = ...")
             self._expression(s.value)
             self._target(s.target)
         elif isinstance(s, ast.AugAssign):
             self._expression(s.value)
             if not isinstance(s.target, ast.Name) or s.target.id not in self.locals:
-                raise Refused("augmented assignment to a non-local")
+                raise BuildRefused("augmented assignment to a non-local")
         elif isinstance(s, ast.Expr):
             if not isinstance(s.value, (ast.Call, ast.Constant)):
-                raise Refused("an expression statement that is no call")
+                raise BuildRefused("an expression statement that is no call")
             self._expression(s.value)
         elif isinstance(s, (ast.If, ast.While)):
             self._expression(s.test)
@@ -245,9 +243,9 @@ class _Body:
         elif isinstance(s, ast.For):
             loop = s.iter
             if not isinstance(loop, ast.Call) or ast.unparse(loop.func) not in _RANGES:
-                raise Refused("a for loop over something other than a range")
+                raise BuildRefused("a for loop over something other than a range")
             if s.orelse or any(k.arg is None for k in loop.keywords):
-                raise Refused("a for loop with else, or **kwargs")
+                raise BuildRefused("a for loop with else, or **kwargs")
             for argument in (*loop.args, *(k.value for k in loop.keywords)):
                 self._expression(argument)  # tl.range is a class: only its arguments are
             self._target(s.target)
@@ -257,35 +255,35 @@ class _Body:
             if s.value is not None:
                 self._expression(s.value)
         elif not isinstance(s, (ast.Pass, ast.Break, ast.Continue)):
-            raise Refused(f"statement {type(s).__name__}")
+            raise BuildRefused(f"statement {type(s).__name__}")
 
     def _expression(self, e: ast.expr) -> None:
         if isinstance(e, ast.Constant):
             if not isinstance(e.value, (int, float, bool, str, type(None))):
-                raise Refused(f"constant of type {type(e.value).__name__}")
+                raise BuildRefused(f"constant of type {type(e.value).__name__}")
         elif isinstance(e, ast.Name):
             if e.id not in self.locals and e.id not in self.helpers and e.id not in BUILTINS:
-                raise Refused(f"name {e.id!r}")
+                raise BuildRefused(f"name {e.id!r}")
         elif isinstance(e, ast.Attribute):
             if e.attr.startswith("_"):
-                raise Refused(f"attribute {e.attr!r}")
+                raise BuildRefused(f"attribute {e.attr!r}")
             if not _resolved(e, self.modules):  # an attribute of a value
                 if e.attr not in VALUE_ATTRIBUTES or isinstance(e.value, ast.Constant):
-                    raise Refused(f"attribute .{e.attr} of a value")
+                    raise BuildRefused(f"attribute .{e.attr} of a value")
                 self._expression(e.value)
         elif isinstance(e, ast.Call):
             if isinstance(e.func, ast.Name):
                 if e.func.id not in self.helpers and e.func.id not in BUILTINS:
-                    raise Refused(f"call of {e.func.id!r}")
+                    raise BuildRefused(f"call of {e.func.id!r}")
             else:
                 self._expression(e.func)
             for argument in e.args:
                 if isinstance(argument, ast.Starred):
-                    raise Refused("*args")
+                    raise BuildRefused("*args")
                 self._expression(argument)
             for keyword in e.keywords:
                 if keyword.arg is None:
-                    raise Refused("**kwargs")
+                    raise BuildRefused("**kwargs")
                 self._expression(keyword.value)
         elif isinstance(e, (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp)):
             for child in ast.iter_child_nodes(e):
@@ -302,21 +300,21 @@ class _Body:
             for element in e.elts:
                 self._expression(element)
         else:
-            raise Refused(f"expression {type(e).__name__}")
+            raise BuildRefused(f"expression {type(e).__name__}")
 
 
 def _plain_text(source: str) -> None:
     if any(not (" " <= ch <= "~" or ch == "\n") for ch in source):
-        raise Refused("characters other than printable ASCII")
+        raise BuildRefused("characters other than printable ASCII")
     for line in source.split("\n")[:2]:
         if line.lstrip().startswith("#") and "coding" in line:
-            raise Refused("a coding cookie")
+            raise BuildRefused("a coding cookie")
 
 
 def _kernel_decorators(fn: ast.FunctionDef) -> None:
     decorators = fn.decorator_list
     if len(decorators) != 2 or ast.unparse(decorators[1]) != "triton.jit":
-        raise Refused("the kernel's decorators are not a heuristic, then triton.jit")
+        raise BuildRefused("the kernel's decorators are not a heuristic, then triton.jit")
     heuristic = decorators[0]
     if not (
         isinstance(heuristic, ast.Call)
@@ -324,23 +322,23 @@ def _kernel_decorators(fn: ast.FunctionDef) -> None:
         and ast.unparse(heuristic.func.value) == "triton_heuristics"
         and heuristic.func.attr in HEURISTICS
     ):
-        raise Refused(f"heuristic {ast.unparse(heuristic)[:60]}")
+        raise BuildRefused(f"heuristic {ast.unparse(heuristic)[:60]}")
     if heuristic.args:
-        raise Refused("positional arguments to the heuristic")
+        raise BuildRefused("positional arguments to the heuristic")
     for keyword in heuristic.keywords:
         if keyword.arg is None:
-            raise Refused("**kwargs")
+            raise BuildRefused("**kwargs")
         _literal(keyword.value, file_allowed=keyword.arg == "filename")
 
 
 def check(source: str, kernel_name: str) -> None:
-    """Refused unless `source` is an Inductor Triton kernel module defining `kernel_name`."""
+    """BuildRefused unless `source` is an Inductor Triton kernel module defining `kernel_name`."""
     modules = _modules()
     _plain_text(source)
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
-        raise Refused(f"not Python: {e}") from None
+        raise BuildRefused(f"not Python: {e}") from None
     functions = [s for s in tree.body if isinstance(s, ast.FunctionDef)]
     helpers = {f.name for f in functions if f.name != kernel_name}
     found = False
@@ -348,22 +346,24 @@ def check(source: str, kernel_name: str) -> None:
         text = ast.unparse(statement)
         if isinstance(statement, (ast.Import, ast.ImportFrom)):
             if text not in IMPORTS:
-                raise Refused(f"import {text[:80]}")
+                raise BuildRefused(f"import {text[:80]}")
         elif isinstance(statement, ast.Expr) and text in MODULE_CALLS:
             pass
         elif isinstance(statement, ast.FunctionDef):
             if statement.returns is not None or statement.name.startswith("__"):
-                raise Refused(f"function {statement.name[:60]}")
+                raise BuildRefused(f"function {statement.name[:60]}")
             if statement.name == kernel_name:
                 _kernel_decorators(statement)
                 found = True
             elif [ast.unparse(d) for d in statement.decorator_list] != ["triton.jit"]:
-                raise Refused(f"helper {statement.name[:60]}: decorators other than triton.jit")
+                raise BuildRefused(
+                    f"helper {statement.name[:60]}: decorators other than triton.jit"
+                )
             _Body(statement, helpers, modules)
         else:
-            raise Refused(f"module statement {text[:60]}")
+            raise BuildRefused(f"module statement {text[:60]}")
     if not found:
-        raise Refused(f"no kernel named {kernel_name[:60]!r}")
+        raise BuildRefused(f"no kernel named {kernel_name[:60]!r}")
 
 
 def _dump(fn: ast.FunctionDef) -> str:
@@ -374,7 +374,7 @@ def _dump(fn: ast.FunctionDef) -> str:
 
 
 def same_as_validated(module: types.ModuleType, source: str) -> None:
-    """After the checked `source` ran as `module`: Refused unless each of its JIT functions
+    """After the checked `source` ran as `module`: BuildRefused unless each of its JIT functions
     is, as Triton will parse it, the function that was checked."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     from triton.runtime.jit import JITFunction
@@ -385,4 +385,6 @@ def same_as_validated(module: types.ModuleType, source: str) -> None:
         if isinstance(fn, JITFunction):
             parsed = fn.parse().body[0]
             if not isinstance(parsed, ast.FunctionDef) or checked.get(name) != _dump(parsed):
-                raise Refused(f"{name}: Triton would compile another function than the checked")
+                raise BuildRefused(
+                    f"{name}: Triton would compile another function than the checked"
+                )

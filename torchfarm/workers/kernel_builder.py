@@ -55,9 +55,9 @@ import time
 from collections.abc import Callable
 from typing import IO, BinaryIO
 
+from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter.triton_source_check import Refused
 from torchfarm.workers import compile_child, kernel_cache, sandbox, warm_fork
 from torchfarm.workers.compile_child import FRAME
 
@@ -344,7 +344,7 @@ def _build_in_fork(
             os.nice(10)  # a GEMM's timings are the pool's, so not measured behind them
         try:
             data, status = build(source, cache_dir, device, gpu_lock).SerializeToString(), 0
-        except Refused as e:  # the reply is why
+        except BuildRefused as e:  # the reply is why
             data, status = str(e)[:500].encode(), REFUSED
         with os.fdopen(write_end, "wb") as out:
             out.write(data)

@@ -16,11 +16,11 @@ import logging
 import time
 from typing import Any
 
-from torchfarm.cache.artifacts import CacheFull
 from torchfarm.cache.store import Store
 from torchfarm.compiler import compilers
 from torchfarm.contract.cache_key import STRUCTURE
 from torchfarm.contract.options import compiler_of
+from torchfarm.errors import CacheFull, TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.workers import entry, run_kernels, sandbox
@@ -47,7 +47,7 @@ class Ended:
     stored_bytes: int = 0
 
 
-class _Stop(Exception):
+class _Stop(TorchfarmError):
     """A step ended the job (its outcome written): the run stops with `result`."""
 
     def __init__(self, result: Result) -> None:

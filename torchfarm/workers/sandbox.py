@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import COMPILE_SHM_MB, WorkerSettings, visible_gpus
 from torchfarm.torch_adapter import gpu_benchmark_lock, isa_probe, precompiled_headers
@@ -79,7 +80,7 @@ _TOOL_ENV = ("CUDA_HOME", "TRITON_LIBCUDA_PATH", "TRITON_PTXAS_PATH")
 ABANDON_CHECK_S = 5.0  # how often a running compile asks whether anyone still waits for it
 
 
-class CompileFailed(RuntimeError):
+class CompileFailed(TorchfarmError, RuntimeError):
     """The compile child failed, crashed or ran out of time; the message says which, `kind`
     how the job ends (JobOutcome.FAILED or TIMED_OUT). `lasting`: the child raised, so
     compiling the same job again would fail the same way."""

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from torchfarm.cli import app
 from torchfarm.gateway import auth
-from torchfarm.gateway.auth import LEGACY, Authenticator, FailureLimiter, Refusal, Refused
+from torchfarm.gateway.auth import LEGACY, AccessRefused, Authenticator, FailureLimiter, Refusal
 
 PEER = "ipv4:10.0.0.7:51234"
 ALICE, ADMIN, STRANGER = auth.make_token(), auth.make_token(), auth.make_token()
@@ -33,7 +33,7 @@ def _authenticator(legacy_tokens: bool = True, tenants: bool = True):
 def _answer(call, token: str | None, peer: str = PEER) -> str | Refusal:
     try:
         return call(_metadata(token), peer)
-    except Refused as refused:
+    except AccessRefused as refused:
         return refused.why
 
 

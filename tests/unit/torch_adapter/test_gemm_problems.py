@@ -5,9 +5,9 @@ compile: tests/integration/torch_adapter/test_gemm_problems.py)."""
 
 import pytest
 
+from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import gemm_problems
-from torchfarm.torch_adapter.triton_source_check import Refused
 
 # An addmm of a GPT's attention projection, as a compile on an H200 keyed it (torch 2.11).
 ADDMM = (
@@ -68,12 +68,12 @@ def test_a_problem_out_of_range_is_refused():
         _broadcast_bmm(1 << 24),  # a few bytes of operands for 2^42 multiply-adds
         _bmm((8, 64, 96), (8, 96, 1 << 41)),
     ):
-        with pytest.raises(Refused):
+        with pytest.raises(BuildRefused):
             gemm_problems.check(forged)
     mixed = _bmm((8, 64, 96), (8, 96, 64))
     mixed.inputs[1].dtype = "torch.float16"
     negative = _bmm((8, 64, 96), (8, 96, 64))
     negative.inputs[0].stride[0] = -1
     for forged in (mixed, negative):
-        with pytest.raises(Refused):
+        with pytest.raises(BuildRefused):
             gemm_problems.check(forged)

@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("triton")
 
 from tests.unit.torch_adapter.recorded_triton_kernels import KERNELS, NAME  # noqa: E402
+from torchfarm.errors import BuildRefused  # noqa: E402
 from torchfarm.torch_adapter import triton_source_check  # noqa: E402
-from torchfarm.torch_adapter.triton_source_check import Refused  # noqa: E402
 
 SOURCE = KERNELS[NAME]
 
@@ -25,7 +25,7 @@ def test_loops_over_tritons_ranges_pass():
         body = f"    for r0_offset in {loop}:\n        r0_index = r0_offset + 1\n"
         triton_source_check.check(SOURCE.rstrip("\n") + "\n" + body, NAME)
     for loop in ("tl.range(0, 8, **{})", "tl.zeros(8)", "tl.range(0, getattr(tl, 'x'))"):
-        with pytest.raises(Refused):
+        with pytest.raises(BuildRefused):
             body = f"    for r0_offset in {loop}:\n        pass\n"
             triton_source_check.check(SOURCE.rstrip("\n") + "\n" + body, NAME)
 
@@ -54,7 +54,7 @@ def test_loops_over_tritons_ranges_pass():
     ],
 )
 def test_a_body_that_reaches_past_triton_is_refused(line):
-    with pytest.raises(Refused):
+    with pytest.raises(BuildRefused):
         triton_source_check.check(SOURCE.rstrip("\n") + "\n    " + line + "\n", NAME)
 
 
@@ -74,16 +74,16 @@ def test_a_body_that_reaches_past_triton_is_refused(line):
 )
 def test_a_module_that_runs_anything_but_inductors_template_is_refused(honest, hostile):
     assert honest in SOURCE
-    with pytest.raises(Refused):
+    with pytest.raises(BuildRefused):
         triton_source_check.check(SOURCE.replace(honest, hostile, 1), NAME)
 
 
 def test_a_module_without_the_kernel_named_is_refused():
-    with pytest.raises(Refused, match="no kernel"):
+    with pytest.raises(BuildRefused, match="no kernel"):
         triton_source_check.check("import triton\n", NAME)
-    with pytest.raises(Refused, match="decorators"):  # the kernel, taken for a helper
+    with pytest.raises(BuildRefused, match="decorators"):  # the kernel, taken for a helper
         triton_source_check.check(SOURCE, "triton_per_other_kernel")
-    with pytest.raises(Refused, match="not Python"):
+    with pytest.raises(BuildRefused, match="not Python"):
         triton_source_check.check("def (", NAME)
 
 
@@ -98,5 +98,5 @@ def test_a_function_triton_would_parse_differently_from_the_checked_one_is_refus
     checked = "import triton\n\n@triton.jit\ndef helper(x):\n    return x + 1\n"
     module = PyCodeCache.load(checked)
     triton_source_check.same_as_validated(module, checked)
-    with pytest.raises(Refused, match="helper"):
+    with pytest.raises(BuildRefused, match="helper"):
         triton_source_check.same_as_validated(module, checked.replace("x + 1", "x + 2"))
