@@ -10,6 +10,7 @@ import threading
 import typer
 
 from torchfarm.cache.cli import app as cache_app
+from torchfarm.settings import env
 
 WORKER_CHECK_S = 2.0  # how often `torchfarm up` looks for workers that exited
 
@@ -36,13 +37,13 @@ def up(
     device: str = typer.Option("cpu", help="what the workers compile for: cpu or cuda"),
     sandbox: str = typer.Option("bwrap", help="bwrap, or none (insecure)"),
     tenants: str = typer.Option(
-        "", envvar="TORCHFARM_TENANTS", help="tenant:sha256(token),... (empty: an open farm)"
+        "", envvar=env.name("TENANTS"), help="tenant:sha256(token),... (empty: an open farm)"
     ),
-    admins: str = typer.Option("", envvar="TORCHFARM_ADMINS", help="admin:sha256(token),..."),
-    tls_cert: str = typer.Option("", envvar="TORCHFARM_TLS_CERT", help="gateway's PEM chain"),
-    tls_key: str = typer.Option("", envvar="TORCHFARM_TLS_KEY", help="its PEM private key"),
+    admins: str = typer.Option("", envvar=env.name("ADMINS"), help="admin:sha256(token),..."),
+    tls_cert: str = typer.Option("", envvar=env.name("TLS_CERT"), help="gateway's PEM chain"),
+    tls_key: str = typer.Option("", envvar=env.name("TLS_KEY"), help="its PEM private key"),
     insecure: bool = typer.Option(
-        False, envvar="TORCHFARM_GATEWAY_INSECURE", help="plaintext beyond loopback"
+        False, envvar=env.name("GATEWAY_INSECURE"), help="plaintext beyond loopback"
     ),
 ) -> None:
     """Start an embedded local farm. Once every worker has compiled its canary it prints one
@@ -265,11 +266,7 @@ def prepare(
     from torchfarm.compiler.target import local_target
     from torchfarm.proto import torchfarm_pb2 as pb
 
-    if addr:
-        os.environ["TORCHFARM_ADDR"] = addr
-    if token:
-        os.environ["TORCHFARM_TOKEN"] = token
-    if not os.environ.get("TORCHFARM_ADDR"):
+    if not (addr or env.get("ADDR")):
         typer.echo("torchfarm prepare: no farm (set TORCHFARM_ADDR or --addr)", err=True)
         raise typer.Exit(2)
     module_name, _, function = entry.partition(":")
@@ -280,7 +277,8 @@ def prepare(
             job_target = json_format.Parse(f.read(), pb.Target())
     else:
         job_target = local_target(device)
-    summary = preparation.run(fn, job_target, world_size)
+    with env.override(ADDR=addr or None, TOKEN=token or None):
+        summary = preparation.run(fn, job_target, world_size)
     print(summary.table())
     raise typer.Exit(1 if summary.stopped or summary.count("failed") else 0)
 

@@ -21,6 +21,7 @@ import redis
 from torchfarm import signing
 from torchfarm.cache.store import Store
 from torchfarm.errors import FarmNotReady
+from torchfarm.settings import env as settings_env
 
 
 def free_port() -> int:
@@ -64,8 +65,8 @@ class LocalFarm:
         # A second redis-server for Celery and job state (as in docker-compose.yml); without
         # it they use database 1 of the cache's server.
         self.broker_port = 0 if separate_broker or cache_url else None
-        self.tenants = os.environ.get("TORCHFARM_TENANTS", "") if tenants is None else tenants
-        self.admins = os.environ.get("TORCHFARM_ADMINS", "") if admins is None else admins
+        self.tenants = settings_env.get("TENANTS") if tenants is None else tenants
+        self.admins = settings_env.get("ADMINS") if admins is None else admins
         self.sandbox, self.workers = sandbox, workers
         # Gateways on one Redis (the first is `addr`): each a name and its port, kept across
         # a restart of that gateway.
@@ -83,7 +84,7 @@ class LocalFarm:
         # large artifacts out of Redis with no server to start, and reads cost one file read.
         self.blob_url = (
             blob_url
-            or os.environ.get("TORCHFARM_BLOB_URL")
+            or settings_env.raw("BLOB_URL")
             or f"file://{os.path.join(self.workdir, 'blobs')}"
         )
         # Signing: the farm's own key, in its private workdir (0700); workers get the path,
@@ -226,18 +227,18 @@ class LocalFarm:
                 "--port",
                 str(port),
             ],
-            env={
-                "TORCHFARM_REDIS_URL": self.redis_url,
-                "TORCHFARM_BLOB_URL": self.blob_url,
-                "TORCHFARM_TENANTS": self.tenants,
-                "TORCHFARM_ADMINS": self.admins,
-                "TORCHFARM_BROKER_URL": self.broker_url,
-                "TORCHFARM_METRICS_PORT": str(metrics_port),
-                "TORCHFARM_TLS_CERT": self.tls[0] if self.tls else "",
-                "TORCHFARM_TLS_KEY": self.tls[1] if self.tls else "",
-                "TORCHFARM_GATEWAY_INSECURE": "1" if self.insecure else "0",
-                "TORCHFARM_VERIFY_KEYS": self.verify_keys,
-            },
+            env=settings_env.environ(
+                REDIS_URL=self.redis_url,
+                BLOB_URL=self.blob_url,
+                TENANTS=self.tenants,
+                ADMINS=self.admins,
+                BROKER_URL=self.broker_url,
+                METRICS_PORT=metrics_port,
+                TLS_CERT=self.tls[0] if self.tls else "",
+                TLS_KEY=self.tls[1] if self.tls else "",
+                GATEWAY_INSECURE=self.insecure,
+                VERIFY_KEYS=self.verify_keys,
+            ),
         )
 
     def start_worker(
@@ -261,15 +262,17 @@ class LocalFarm:
                 device or self.device,
             ],
             env={
-                "TORCHFARM_REDIS_URL": self.redis_url,
-                "TORCHFARM_BLOB_URL": self.blob_url,
-                "TORCHFARM_WORKER_METRICS_PORT": str(self.worker_metrics_ports[name]),
-                "TORCHFARM_BROKER_URL": self.broker_url,
-                "TORCHFARM_SIGNING_KEY": self.signing_key,
-                # the tenants' kernels live and go with this farm, like its cache
-                "TORCHFARM_KERNEL_CACHE": self.extra_env.get("TORCHFARM_KERNEL_CACHE")
-                or os.environ.get("TORCHFARM_KERNEL_CACHE")
-                or os.path.join(self.workdir, "kernels"),
+                **settings_env.environ(
+                    REDIS_URL=self.redis_url,
+                    BLOB_URL=self.blob_url,
+                    WORKER_METRICS_PORT=self.worker_metrics_ports[name],
+                    BROKER_URL=self.broker_url,
+                    SIGNING_KEY=self.signing_key,
+                    # the tenants' kernels live and go with this farm, like its cache
+                    KERNEL_CACHE=self.extra_env.get(settings_env.name("KERNEL_CACHE"))
+                    or settings_env.raw("KERNEL_CACHE")
+                    or os.path.join(self.workdir, "kernels"),
+                ),
                 **(env or {}),
             },
         )

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+
+from torchfarm.settings import env
 
 FIELDS = ("request_id", "job_id", "tenant", "key", "pool")  # `extra` fields a line may carry
 
@@ -47,9 +48,8 @@ class JsonFormatter(logging.Formatter):
 
 def setup(level: str, fmt: str | None = None) -> None:
     """Configure the root logger: `fmt` text or json (default TORCHFARM_LOG_FORMAT, text)."""
-    fmt = (fmt or os.environ.get("TORCHFARM_LOG_FORMAT") or "text").lower()
-    if fmt not in ("text", "json"):
-        raise ValueError(f"TORCHFARM_LOG_FORMAT must be text or json, not {fmt!r}")
+    fmt = (fmt or env.raw("LOG_FORMAT") or env.default("LOG_FORMAT")).lower()
+    env.check("LOG_FORMAT", fmt)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

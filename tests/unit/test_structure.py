@@ -247,3 +247,33 @@ def test_errors_py_draws_every_exception_class():
     tree = ast.get_docstring(ast.parse((PACKAGE / "errors.py").read_text())) or ""
     drawn = set(re.findall(r"\b\w+\b", tree))
     assert set(_exception_classes()) - drawn == set()
+
+
+def _variable_keys() -> set[str]:
+    """file:line of every string that is a whole TORCHFARM_* name (an environment key, not a
+    message naming one), outside the settings package."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        if where.parts[0] == "settings":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"TORCHFARM_[A-Z0-9_]+", node.value):
+                    found.add(f"{where}:{node.lineno}")
+    return found
+
+
+def test_torchfarm_variables_are_read_and_written_only_through_the_settings_table():
+    assert _variable_keys() == set()
+
+
+def test_every_torchfarm_variable_named_in_the_package_is_in_the_table():
+    from torchfarm.settings import env
+
+    named = {
+        name
+        for path in PACKAGE.rglob("*.py")
+        for name in re.findall(r"TORCHFARM_[A-Z0-9_]+", path.read_text())
+    }
+    assert named - set(env.BY_NAME) == set()

@@ -32,6 +32,7 @@ from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import guards, serialize, structure, trace_state
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
+from torchfarm.contract import modes
 from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.errors import FarmError, UntrustedEntry
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -127,7 +128,7 @@ def torchfarm_backend(
     does not serve at once runs eagerly until its code arrives (client/switching.py)."""
     settings = ClientSettings.from_env(addr=addr, token=token, wait=wait)
     farm_options = pb.Options(
-        mode=mode or "default",
+        mode=modes.named(mode),
         config_patches_json=json.dumps(options, sort_keys=True) if options else "",
         state=trace_state.capture(),
     )

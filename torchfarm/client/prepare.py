@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ import torch
 
 from torchfarm.compiler.target import torch_build
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import env
 from torchfarm.torch_adapter.fake_device import fake_device
 from torchfarm.torch_adapter.fake_ranks import fake_ranks
 from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
@@ -106,17 +106,15 @@ def preparing(target: pb.Target) -> Iterator[None]:
     through `torch.device(...)`'s function mode, which changes the graphs (`x + y` became
     `x.add(y)`), so the entry point names its devices as the job does."""
     token = _target.set(target)
-    skip = os.environ.get("TORCHFARM_SKIP_TRACING")
-    os.environ["TORCHFARM_SKIP_TRACING"] = "0"
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), fake_device(target.cuda_capability):
+        with (
+            env.override(SKIP_TRACING=False),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            fake_device(target.cuda_capability),
+        ):
             yield
     finally:
         _target.reset(token)
-        if skip is None:
-            os.environ.pop("TORCHFARM_SKIP_TRACING", None)
-        else:
-            os.environ["TORCHFARM_SKIP_TRACING"] = skip
 
 
 def _source(source: str) -> str:

@@ -20,12 +20,13 @@ from typing import Protocol
 
 from torchfarm.contract.options import AOTI, COMPILER_NAME, INDUCTOR
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import env
 
 BUILT_IN = {
     INDUCTOR: "torchfarm.compiler.inductor:InductorCompiler",
     AOTI: "torchfarm.compiler.aoti:AOTInductorCompiler",
 }
-DEFAULT = ",".join(BUILT_IN)
+DEFAULT = env.default("COMPILERS")  # every built-in (tests/unit/test_settings.py checks)
 
 
 @dataclasses.dataclass(frozen=True)

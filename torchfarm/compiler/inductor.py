@@ -15,7 +15,7 @@ import torch
 
 from torchfarm.compiler import files, guards, native, serialize, structure, trace_state
 from torchfarm.compiler.compilers import CompileContext
-from torchfarm.contract.modes import MODES
+from torchfarm.contract import modes
 from torchfarm.errors import NotSaveable
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter import (
@@ -67,10 +67,8 @@ _LOAD_CONFIG = {
 
 def config_patches(options: pb.Options) -> dict:
     """Inductor config patches for a mode plus the user's own (the user's win)."""
-    mode = options.mode or "default"
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    patches = standalone.mode_options(mode) if mode != "default" else {}
+    mode = modes.checked(options.mode)
+    patches = standalone.mode_options(mode) if mode != modes.DEFAULT else {}
     if options.config_patches_json:
         user = json.loads(options.config_patches_json)
         if not isinstance(user, dict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from torchfarm.contract.modes import MODES
+from torchfarm.contract import modes
 from torchfarm.proto import torchfarm_pb2 as pb
 
 AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -45,9 +45,7 @@ def canonical_options(options: pb.Options) -> pb.Options:
     """Options with the mode checked, the config patches re-encoded canonically (sorted,
     compact JSON), the trace state and the compiler's name checked; raises ValueError on
     anything malformed. Whether a pool runs the compiler is its workers' to say."""
-    mode = options.mode or "default"
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {options.mode!r}; one of {', '.join(MODES)}")
+    mode = modes.checked(options.mode)
     patches = json.loads(options.config_patches_json) if options.config_patches_json else {}
     if not isinstance(patches, dict):
         raise ValueError("config_patches_json must be a JSON object")

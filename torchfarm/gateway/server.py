@@ -47,7 +47,7 @@ from torchfarm.gateway.hit_ledger import HitLedger
 from torchfarm.gateway.packages import Packages
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import GatewaySettings, broker_url, parse_tenants
+from torchfarm.settings import GatewaySettings, broker_url, env, parse_tenants
 
 log = logging.getLogger("torchfarm.gateway")
 MAX_SIZE_HINTS = 4096
@@ -616,7 +616,7 @@ def build_server(settings: GatewaySettings, store: Store) -> tuple[grpc.Server, 
     )
     authenticator = auth.Authenticator(
         parse_tenants(settings.tenants),
-        parse_tenants(settings.admins, "TORCHFARM_ADMINS"),
+        parse_tenants(settings.admins, env.name("ADMINS")),
         auth.FailureLimiter(settings.auth_failures),
         settings.legacy_tokens,
     )

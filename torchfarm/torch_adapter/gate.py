@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import os
 import sys
 import warnings
+
+from torchfarm.settings import env
 
 # Releases whose whole private surface (every module of this package) was run: 2.13.0 (the
 # whole suite, CPU), 2.11.0, 2.12.1, 2.14.1 and 2.15.0 (unit tier + an end-to-end miss and
 # hit, CPU, in `make test-versions`, pinned in requirements/; 2.11.0 also on the GPU
 # machine). pyproject.toml's torch specifier admits the same releases.
 VERIFIED = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
-ALLOW_UNVERIFIED_ENV = "TORCHFARM_ALLOW_UNVERIFIED_TORCH"
+ALLOW_UNVERIFIED_ENV = env.name("ALLOW_UNVERIFIED_TORCH")
 
 
 def installed_version() -> str:
@@ -56,7 +57,7 @@ def unverified(version: str | None = None) -> str | None:
     if release(version) in VERIFIED:
         return None
     reason = f"torch {version} is not verified (verified: {', '.join(VERIFIED)})"
-    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+    if env.get("ALLOW_UNVERIFIED_TORCH"):
         _warn_allowed(reason)
         return None
     return reason

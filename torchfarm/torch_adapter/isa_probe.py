@@ -39,11 +39,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+from torchfarm.settings import env
+
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
 CHECKS_ARGUMENT = "--isa-checks"  # a child's: the probe's check_build results (JSON)
-# Set in the worker's main process before Celery forks its pool: where the probe's verdict
-# appears once it is in.
-_MARKER_ENV = "TORCHFARM_ISA_PROBE_MARKER"
 
 _PROBE = """
 import json
@@ -98,7 +97,7 @@ def children_may_trust_flags(timeout_s: float = 300) -> dict[str, bool] | None:
 def declare() -> str:
     """Worker main process, before its pool forks: where the probe's verdict will appear."""
     marker = os.path.join(tempfile.mkdtemp(prefix="torchfarm-isa-"), "children-may-trust-flags")
-    os.environ[_MARKER_ENV] = marker
+    env.export(ISA_PROBE_MARKER=marker)  # for the pool Celery forks
     return marker
 
 
@@ -126,7 +125,7 @@ def settle(marker: str, kept: str) -> None:
 
 def _agreement() -> str | None:
     """The probe's agreement as the marker holds it (None: not in, or it disagreed)."""
-    marker = os.environ.get(_MARKER_ENV, "")
+    marker = env.get("ISA_PROBE_MARKER")
     if not marker or not os.path.exists(marker):
         return None
     with open(marker) as f:

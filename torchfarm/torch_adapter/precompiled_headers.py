@@ -27,10 +27,9 @@ from __future__ import annotations
 import json
 import os
 
+from torchfarm.settings import env
+
 FLAG_ENV = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"  # Inductor's own name (2.13 on)
-# Set in the worker's main process before Celery forks its pool: the worker-owned directory
-# the headers are built into; its manifest appears once they are in.
-_DIR_ENV = "TORCHFARM_PRECOMPILED_HEADERS_DIR"
 MANIFEST = "manifest.json"
 
 # Run in the build child: compile one CPU kernel with headers on (Inductor precompiles the
@@ -60,7 +59,7 @@ def build_environment(child_env: dict[str, str]) -> dict[str, str]:
 
 def set_store(directory: str) -> None:
     """Worker main process, before its pool forks: the headers will be built into `directory`."""
-    os.environ[_DIR_ENV] = directory
+    env.export(PRECOMPILED_HEADERS_DIR=directory)  # its manifest appears once they are in
 
 
 def record(directory: str, built: list[str]) -> None:
@@ -75,7 +74,7 @@ def record(directory: str, built: list[str]) -> None:
 
 
 def _ready() -> tuple[str, list[str]]:
-    directory = os.environ.get(_DIR_ENV, "")
+    directory = env.get("PRECOMPILED_HEADERS_DIR")
     if not directory:  # not a worker
         return "", []
     try:

@@ -22,13 +22,13 @@ import os
 
 from triton.runtime.cache import FileCacheManager
 
-STAGED_ENV = "TORCHFARM_TRITON_STAGED"  # the staged entries' directory, inside the sandbox
+from torchfarm.settings import env
 
 
 def environment(staged: str) -> dict[str, str]:
     """The environment that makes every Triton compile of this process tree (set before any
     is started) look in `staged` after its own cache directory."""
-    return {"TRITON_CACHE_MANAGER": f"{__name__}:StagedFirst", STAGED_ENV: staged}
+    return {"TRITON_CACHE_MANAGER": f"{__name__}:StagedFirst", **env.environ(TRITON_STAGED=staged)}
 
 
 class StagedFirst(FileCacheManager):
@@ -36,7 +36,7 @@ class StagedFirst(FileCacheManager):
 
     def get_group(self, filename: str) -> dict[str, str] | None:
         group = super().get_group(filename)
-        staged = os.environ.get(STAGED_ENV)
+        staged = env.get("TRITON_STAGED")
         if group is not None or not staged or not self.cache_dir:
             return group
         entry = os.path.join(staged, self.key)

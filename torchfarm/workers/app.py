@@ -25,6 +25,7 @@ from torchfarm.cache import pools
 from torchfarm.cache.store import Store
 from torchfarm.compiler import compilers
 from torchfarm.compiler.target import local_target
+from torchfarm.contract import modes
 from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
@@ -80,7 +81,7 @@ def compile_graph(task, job_json: dict) -> str:
         _end_with_worker_error(task, store, job, e)
     metrics.record(
         _pool_of(task),
-        job.options.mode or "default",
+        modes.named(job.options.mode),
         ended.result.value,
         time.perf_counter() - started,
         ended.stored_bytes,

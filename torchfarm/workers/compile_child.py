@@ -61,6 +61,7 @@ from google.protobuf.message import DecodeError
 from torchfarm.compiler import compilers
 from torchfarm.contract.options import INDUCTOR, compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import env
 from torchfarm.workers import kernel_cache, warm_fork
 
 # Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
@@ -139,7 +140,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--backward-helper", action="store_true", help="be that helper")
     parser.add_argument(
-        "--kernel-names", choices=("unique", "content"), default="unique", help="settings.py"
+        "--kernel-names",
+        choices=env.setting("KERNEL_NAMES").choices,
+        default=env.default("KERNEL_NAMES"),
+        help="the pool's TORCHFARM_KERNEL_NAMES",
     )
     parser.add_argument(
         "--fork-server", action="store_true", help="fork one child per request (CPU pools)"

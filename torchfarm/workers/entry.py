@@ -9,6 +9,7 @@ import socket
 
 from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
+from torchfarm.contract import modes
 from torchfarm.contract.cache_key import key_parts, key_values, private_key, public_key
 from torchfarm.contract.pools import describe
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -29,7 +30,7 @@ def entry_meta(
         compile_seconds=round(artifact.compile_seconds, 3),
         tenant=job.tenant,
         private=job.private,
-        mode=job.options.mode or "default",
+        mode=modes.named(job.options.mode),
         pool=pool,
         target=describe(job.target),
         torch_version=job.target.torch_version,

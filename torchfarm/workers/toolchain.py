@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 
-from torchfarm.settings import WorkerSettings
+from torchfarm.settings import WorkerSettings, env
 from torchfarm.torch_adapter import isa_probe, precompiled_headers
 from torchfarm.workers import sandbox
 
@@ -72,7 +72,7 @@ def start_in_background(settings: WorkerSettings) -> None:
 def store_dir() -> str:
     """This toolchain's header store (created); a private temporary one where the cache root
     cannot be written."""
-    root = os.environ.get("TORCHFARM_TOOLCHAIN_CACHE") or os.path.join(
+    root = env.get("TOOLCHAIN_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "torchfarm", "toolchain"
     )
     try:

@@ -1,0 +1,332 @@
+"""One typed settings object per service, read from the TORCHFARM_* variables of the table
+(settings/env.py: each variable's type, default and docs line), and the arithmetic of a
+worker's defaults that depend on its host."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+from torchfarm.settings import env
+
+_S = TypeVar("_S")
+
+
+def _var(short: str) -> Any:
+    """A field read from TORCHFARM_<short>, with the table's default."""
+    return dataclasses.field(default=env.default(short), metadata={"env": short})
+
+
+def _from_env(cls: type[_S], overrides: dict[str, Any]) -> _S:
+    """`cls` from the environment; an override that is not None wins over its variable."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    values = {f.name: env.get(f.metadata["env"]) for f in fields if "env" in f.metadata}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)
+
+
+def _validate(settings: Any) -> None:
+    """Each field's value checked by its variable's entry in the table."""
+    for f in dataclasses.fields(settings):
+        env.setting(f.metadata["env"]).validate(getattr(settings, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    addr: str = _var("ADDR")
+    token: str = _var("TOKEN")
+    connect_timeout_s: float = _var("CONNECT_TIMEOUT")
+    compile_timeout_s: float = _var("COMPILE_TIMEOUT")
+    inactivity_timeout_s: float = _var("INACTIVITY_TIMEOUT")
+    progress: bool = _var("PROGRESS")
+    tls_ca: str = _var("TLS_CA")
+    private: bool = _var("PRIVATE")
+    verify_keys: str = _var("VERIFY_KEYS")
+    parallel_graphs: int = _var("PARALLEL_GRAPHS")
+    wait: bool = _var("WAIT")
+    skip_tracing: bool | None = _var("SKIP_TRACING")  # None: dynamo_package.DEFAULT_ON decides
+    regions: bool = _var("REGIONS")
+    package_key: str = _var("PACKAGE_KEY")
+
+    @classmethod
+    def from_env(cls, **overrides) -> ClientSettings:
+        return _from_env(cls, overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminSettings:
+    """`torchfarm cache`: the gateway's Admin service, with an operator's token."""
+
+    addr: str = _var("ADDR")
+    token: str = _var("ADMIN_TOKEN")
+    tls_ca: str = _var("TLS_CA")
+    timeout_s: float = _var("ADMIN_TIMEOUT")
+
+    @classmethod
+    def from_env(cls, **overrides) -> AdminSettings:
+        return _from_env(cls, overrides)
+
+
+def user_cache_dir() -> Path:
+    """This user's torchfarm files on a client machine: $XDG_CACHE_HOME/torchfarm, else
+    ~/.cache/torchfarm."""
+    return Path(os.environ.get("XDG_CACHE_HOME", "") or Path.home() / ".cache") / "torchfarm"
+
+
+def parse_tenants(spec: str, variable: str = env.name("TENANTS")) -> dict[str, str]:
+    """`name:sha256hex,...` -> {sha256hex: name}. Tokens are stored only as hashes."""
+    tenants = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, digest = item.partition(":")
+        if len(digest) != 64:
+            raise ValueError(f"{variable} entry {name!r}: expected name:<sha256 hex>")
+        tenants[digest.lower()] = name
+    return tenants
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewaySettings:
+    host: str = _var("GATEWAY_HOST")
+    port: int = _var("GATEWAY_PORT")
+    redis_url: str = _var("REDIS_URL")
+    broker_url: str = _var("BROKER_URL")
+    blob_url: str = _var("BLOB_URL")
+    tenants: str = _var("TENANTS")
+    max_payload_bytes: int = _var("MAX_PAYLOAD_BYTES")
+    compile_timeout_s: float = _var("GATEWAY_COMPILE_TIMEOUT")
+    threads: int = _var("GATEWAY_THREADS")
+    max_streams: int = _var("GATEWAY_MAX_STREAMS")  # 0: resolved here, from the threads
+    tenant_max_streams: int = _var("TENANT_MAX_STREAMS")  # 0: as well
+    message_timeout_s: float = _var("GATEWAY_MESSAGE_TIMEOUT")
+    chunk_bytes: int = _var("CHUNK_BYTES")
+    verified_mb: int = _var("GATEWAY_VERIFIED_MB")
+    recheck_s: float = _var("GATEWAY_RECHECK_S")
+    metrics_port: int = _var("METRICS_PORT")
+    metrics_host: str = _var("METRICS_HOST")
+    auth_failures: int = _var("AUTH_FAILURES")
+    legacy_tokens: bool = _var("LEGACY_TOKENS")
+    admins: str = _var("ADMINS")
+    tenant_max_compiles: int = _var("TENANT_MAX_COMPILES")
+    tenant_package_mb: int = _var("TENANT_PACKAGE_MB")
+    tls_cert: str = _var("TLS_CERT")
+    tls_key: str = _var("TLS_KEY")
+    insecure: bool = _var("GATEWAY_INSECURE")
+    verify_keys: str = _var("VERIFY_KEYS")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TORCHFARM_TLS_CERT and TORCHFARM_TLS_KEY go together")
+        # Frozen: the stream caps that default to shares of the threads are resolved here.
+        if not self.max_streams:
+            object.__setattr__(self, "max_streams", self.threads * 3 // 4)
+        if not self.tenant_max_streams:
+            object.__setattr__(self, "tenant_max_streams", max(1, self.threads // 4))
+        if not 0 < self.max_streams < self.threads:
+            raise ValueError(
+                f"TORCHFARM_GATEWAY_MAX_STREAMS ({self.max_streams}) must leave threads for "
+                f"short calls: at least 1, below TORCHFARM_GATEWAY_THREADS ({self.threads})"
+            )
+        if not 0 < self.tenant_max_streams <= self.max_streams:
+            raise ValueError(
+                f"TORCHFARM_TENANT_MAX_STREAMS ({self.tenant_max_streams}) must be at least 1 "
+                f"and at most TORCHFARM_GATEWAY_MAX_STREAMS ({self.max_streams})"
+            )
+
+    @property
+    def unauthenticated_streams(self) -> int:
+        """Streams without a token (health Watch, reflection) open at once: a pool of their
+        own beside the tenants' streams, a quarter of the threads those leave (at least 1)."""
+        return max(1, (self.threads - self.max_streams) // 4)
+
+    @classmethod
+    def from_env(cls, **overrides) -> GatewaySettings:
+        return _from_env(cls, overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    redis_url: str = _var("REDIS_URL")
+    broker_url: str = _var("BROKER_URL")
+    blob_url: str = _var("BLOB_URL")
+    pool: str = _var("POOL")
+    device: str = _var("DEVICE")
+    concurrency: int = _var("WORKER_CONCURRENCY")  # 0: default_concurrency(device)
+    warm_children: int = _var("WARM_CHILDREN")  # -1: as many as compiles at once
+    warm_up_timeout_s: float = _var("WARM_UP_TIMEOUT")
+    sandbox: str = _var("SANDBOX")
+    compile_timeout_s: float = _var("COMPILE_TIMEOUT_WORKER")
+    memory_limit_mb: int = _var("COMPILE_MEMORY_MB")  # -1: compile_memory_mb's, on CPU
+    cache_max_bytes: int = _var("CACHE_MAX_BYTES")
+    cache_ttl_s: float = _var("CACHE_TTL")
+    redelivery_s: float = _var("REDELIVERY_TIMEOUT")  # 0: visibility_timeout_s
+    metrics_port: int = _var("WORKER_METRICS_PORT")
+    metrics_host: str = _var("WORKER_METRICS_HOST")
+    op_libraries: str = _var("OP_LIBRARIES")
+    compilers: str = _var("COMPILERS")
+    failure_memory_s: float = _var("FAILURE_MEMORY")
+    compile_disk_mb: int = _var("COMPILE_DISK_MB")  # 0: default_disk_mb's
+    max_artifact_bytes: int = _var("MAX_ARTIFACT_BYTES")
+    sandbox_binds: tuple[str, ...] = _var("SANDBOX_BINDS")
+    signing_key: str = _var("SIGNING_KEY")
+    insecure_unsigned: bool = _var("INSECURE_UNSIGNED")
+    kernel_cache_mb: int = _var("KERNEL_CACHE_MB")
+    kernel_cache_dir: str = _var("KERNEL_CACHE")
+    spread_tuning: bool = _var("SPREAD_TUNING")
+    concurrent_backward: str = _var("CONCURRENT_BACKWARD")  # auto: resolved here
+    kernel_names: str = _var("KERNEL_NAMES")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        # Frozen: the defaults that depend on other fields are resolved once, here.
+        if not self.concurrency:
+            object.__setattr__(self, "concurrency", default_concurrency(self.device))
+        if self.warm_children == -1:
+            object.__setattr__(self, "warm_children", self.concurrency)
+        if self.concurrent_backward == "auto":
+            on = (os.cpu_count() or 1) >= CONCURRENT_BACKWARD_MIN_CORES and (
+                self.device == "cuda" or self._helper_fits()
+            )
+            object.__setattr__(self, "concurrent_backward", "1" if on else "0")
+        processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
+        share_mb = compile_share_mb(self.concurrency, self.warm_children * processes)
+        if not self.compile_disk_mb:
+            object.__setattr__(self, "compile_disk_mb", default_disk_mb(share_mb))
+        if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
+            object.__setattr__(self, "memory_limit_mb", 0)
+        elif self.memory_limit_mb == -1:
+            object.__setattr__(
+                self,
+                "memory_limit_mb",
+                compile_memory_mb(share_mb, self.compile_disk_mb, processes),
+            )
+
+    def _helper_fits(self) -> bool:
+        """Whether a CPU compile's default memory cap, split with a helper, still holds a
+        compile (an operator's own cap is taken as given)."""
+        if self.memory_limit_mb != -1:
+            return True
+        share_mb = compile_share_mb(self.concurrency, 2 * self.warm_children)
+        disk_mb = self.compile_disk_mb or default_disk_mb(share_mb)
+        return memory_cap_mb(share_mb, disk_mb, 2) >= MIN_COMPILE_MEMORY_MB
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """Seconds an unacknowledged task stays with its worker before it is redelivered."""
+        return self.redelivery_s or self.compile_timeout_s + 300
+
+    @classmethod
+    def from_env(cls, **overrides) -> WorkerSettings:
+        return _from_env(cls, overrides)
+
+
+def visible_gpus() -> tuple[str, ...]:
+    """The GPUs this worker may use, as CUDA_VISIBLE_DEVICES names them; without it, CUDA's
+    ordinals of the /dev/nvidiaN nodes (a container may see /dev/nvidia3 alone, as ordinal 0)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return tuple(g.strip() for g in listed.split(",") if g.strip())
+    try:
+        nodes = os.listdir("/dev")
+    except OSError:
+        return ()
+    count = sum(1 for n in nodes if n.startswith("nvidia") and n[6:].isdigit())
+    return tuple(str(i) for i in range(count))
+
+
+def default_concurrency(device: str) -> int:
+    """Compiles at once by default: on CPU a quarter of the cores (each compile runs
+    Inductor's parallel compile and the C++ compiler on several), at least 2 and at most 8;
+    on CUDA two per visible GPU (one autotunes while another lowers), or the CPU figure where
+    it is more: a graph split into regions (client/backend.py) arrives as several compiles at
+    once, each of them mostly host work."""
+    cpu = max(2, min(8, (os.cpu_count() or 1) // 4))
+    if device == "cuda":
+        return max(2 * len(visible_gpus()), cpu)
+    return cpu
+
+
+CONCURRENT_BACKWARD_MIN_CORES = 8  # TORCHFARM_CONCURRENT_BACKWARD=auto turns it on from here
+COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
+WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
+
+
+def host_memory_mb() -> int:
+    """This machine's memory, or its cgroup's limit where lower (a container's)."""
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            limit = min(limit, int(value) >> 20)
+    return limit
+
+
+def compile_share_mb(concurrency: int, warm_children: int) -> int:
+    """One running compile's share of the host's memory (MiB): what is left after an eighth
+    (at least 1 GiB) for the worker, Redis and the system, and WARM_CHILD_MB for each warm
+    child that waits while `concurrency` compiles run, split among those compiles. A compile's
+    share holds its address space, its RAM-backed work dir and its /dev/shm (docs/reliability.md,
+    "Memory arithmetic")."""
+    host = host_memory_mb()
+    free = host - max(1024, host // 8) - warm_children * WARM_CHILD_MB
+    return max(0, free // concurrency)
+
+
+def default_disk_mb(share_mb: int) -> int:
+    """A compile's RAM-backed work dir by default: a quarter of its share, 256 MiB to 4 GiB."""
+    return max(256, min(4096, share_mb // 4))
+
+
+def memory_cap_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
+    """A compile's share less its work dir and /dev/shm, split among the compile's
+    `processes` (the child, and its backward helper where on), at most 32 GiB."""
+    return min(32 << 10, (share_mb - disk_mb - COMPILE_SHM_MB) // processes)
+
+
+def compile_memory_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
+    """A compile child's default address-space cap (memory_cap_mb); a host too small for
+    its concurrency gets a clear error."""
+    cap = memory_cap_mb(share_mb, disk_mb, processes)
+    if cap < MIN_COMPILE_MEMORY_MB:
+        raise ValueError(
+            f"this host's memory ({host_memory_mb()} MiB) leaves a compile {share_mb} MiB: "
+            f"lower TORCHFARM_WORKER_CONCURRENCY or TORCHFARM_WARM_CHILDREN, or set "
+            f"TORCHFARM_COMPILE_MEMORY_MB and TORCHFARM_COMPILE_DISK_MB yourself"
+        )
+    return cap
+
+
+MIN_COMPILE_MEMORY_MB = 2048  # below this a CPU compile child cannot even start Inductor
+
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # the cache on a Redis Cluster
+
+
+def is_cluster(url: str) -> bool:
+    """Whether a Redis URL names a Redis (or Valkey) Cluster: redis+cluster://[:password@]
+    host:port, any one node of it (rediss+cluster:// over TLS)."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def broker_url(redis_url: str, broker: str) -> str:
+    """Celery's broker: given explicitly, or the cache's Redis server on database 1. A Redis
+    Cluster holds the cache only: Celery's queues and the job board need one server."""
+    if is_cluster(broker):
+        raise ValueError(
+            "TORCHFARM_BROKER_URL names a Redis Cluster: the broker (Celery's queues, the "
+            "job board) needs a single Redis or Valkey server (redis://...)"
+        )
+    if broker:
+        return broker
+    if is_cluster(redis_url):
+        raise ValueError(
+            "the cache is on a Redis Cluster (TORCHFARM_REDIS_URL); set TORCHFARM_BROKER_URL "
+            "to a single Redis or Valkey server for Celery's queues and the job board"
+        )
+    base, _, db = redis_url.rpartition("/")
+    return f"{base}/1" if db.isdigit() else f"{redis_url.rstrip('/')}/1"
