@@ -2,7 +2,7 @@
 Celery's app/defaults.py defines its options). The README's configuration table is generated
 from it (`python -m torchfarm.settings --markdown`), and every read of these variables goes
 through `get` here: nothing else in torchfarm reads or writes them in os.environ (a unit test
-checks), except to hand them to a child process (`environ`).
+checks), except to hand them to a child process (`environ`, `export`).
 
 Unset or blank, a variable has its default. Yes/no variables take 1/true/yes and 0/false/no.
 """
@@ -32,12 +32,13 @@ class Setting:
     must: str = ""
 
     def parse(self, text: str) -> Any:
-        """The value of the variable set to `text` (blank: the default)."""
-        text = text.strip()
-        if not text:
+        """The value of the variable set to `text` (blank: the default). A string is taken
+        as it is (a token or a key may hold any character), a choice without spaces."""
+        if not text.strip():
             return self.default
         if self.type is bool:
-            return text.lower() in TRUE if self.default is False else text.lower() not in FALSE
+            word = text.strip().lower()
+            return word in TRUE if self.default is False else word not in FALSE
         if self.type is tuple:
             return tuple(p.strip() for p in text.split(",") if p.strip())
         if self.type in (int, float):
@@ -45,8 +46,8 @@ class Setting:
                 return self.type(text)
             except ValueError:
                 kind = "a whole number" if self.type is int else "a number"
-                raise ValueError(f"{self.name} must be {kind}, not {text!r}") from None
-        return text
+                raise ValueError(f"{self.name} must be {kind}, not {text.strip()!r}") from None
+        return text.strip() if self.choices else text
 
     def validate(self, value: Any) -> None:
         """One message per setting for a value it does not take."""
@@ -57,14 +58,13 @@ class Setting:
             self._refuse(self.must, value)
 
     def _refuse(self, must: str, value: Any) -> None:
-        shown = (
-            f"{value:g}"
-            if isinstance(value, float)
-            else value
-            if type(value) is int
-            else repr(value)
-        )
-        raise ValueError(f"{self.name} must be {must}, not {shown}")
+        raise ValueError(f"{self.name} must be {must}, not {self._shown(value)}")
+
+    @staticmethod
+    def _shown(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value) if type(value) is int else repr(value)
 
     def text(self, value: Any) -> str:
         """`value` as this variable would be set to it."""
@@ -72,7 +72,9 @@ class Setting:
             return "" if value is None else "1" if value else "0"
         if self.type is tuple:
             return ",".join(value)
-        return f"{value:g}" if isinstance(value, float) else str(value)
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        return str(value)
 
     def row(self) -> str:
         cells = (f"`{self.name}`", self.owner, self.shown or self.text(self.default), self.doc)
