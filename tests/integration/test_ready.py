@@ -19,7 +19,7 @@ from torchfarm.contract.pools import pool_name
 from torchfarm.gateway.server import POOL_HEALTH_PREFIX
 from torchfarm.local_farm import FarmNotReady, LocalFarm
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
-from torchfarm.settings import default_concurrency
+from torchfarm.settings.sizing import default_concurrency
 
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
 """One typed settings object per service, read from the TORCHFARM_* variables of the table
-(settings/env.py: each variable's type, default and docs line), and the arithmetic of a
-worker's defaults that depend on its host."""
+(settings/env.py: each variable's type, default and docs line); the worker's defaults that
+depend on its host are worked out in settings/sizing.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torchfarm.settings import env
+from torchfarm.settings import env, sizing
 
 _S = TypeVar("_S")
 
@@ -153,12 +153,12 @@ class WorkerSettings:
     blob_url: str = _var("BLOB_URL")
     pool: str = _var("POOL")
     device: str = _var("DEVICE")
-    concurrency: int = _var("WORKER_CONCURRENCY")  # 0: default_concurrency(device)
+    concurrency: int = _var("WORKER_CONCURRENCY")  # 0: sizing.default_concurrency(device)
     warm_children: int = _var("WARM_CHILDREN")  # -1: as many as compiles at once
     warm_up_timeout_s: float = _var("WARM_UP_TIMEOUT")
     sandbox: str = _var("SANDBOX")
     compile_timeout_s: float = _var("COMPILE_TIMEOUT_WORKER")
-    memory_limit_mb: int = _var("COMPILE_MEMORY_MB")  # -1: compile_memory_mb's, on CPU
+    memory_limit_mb: int = _var("COMPILE_MEMORY_MB")  # -1: sizing.compile_memory_mb's, on CPU
     cache_max_bytes: int = _var("CACHE_MAX_BYTES")
     cache_ttl_s: float = _var("CACHE_TTL")
     redelivery_s: float = _var("REDELIVERY_TIMEOUT")  # 0: visibility_timeout_s
@@ -167,7 +167,7 @@ class WorkerSettings:
     op_libraries: str = _var("OP_LIBRARIES")
     compilers: str = _var("COMPILERS")
     failure_memory_s: float = _var("FAILURE_MEMORY")
-    compile_disk_mb: int = _var("COMPILE_DISK_MB")  # 0: default_disk_mb's
+    compile_disk_mb: int = _var("COMPILE_DISK_MB")  # 0: sizing.default_disk_mb's
     max_artifact_bytes: int = _var("MAX_ARTIFACT_BYTES")
     sandbox_binds: tuple[str, ...] = _var("SANDBOX_BINDS")
     signing_key: str = _var("SIGNING_KEY")
@@ -182,25 +182,25 @@ class WorkerSettings:
         _validate(self)
         # Frozen: the defaults that depend on other fields are resolved once, here.
         if not self.concurrency:
-            object.__setattr__(self, "concurrency", default_concurrency(self.device))
+            object.__setattr__(self, "concurrency", sizing.default_concurrency(self.device))
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
         if self.concurrent_backward == "auto":
-            on = (os.cpu_count() or 1) >= CONCURRENT_BACKWARD_MIN_CORES and (
+            on = (os.cpu_count() or 1) >= sizing.CONCURRENT_BACKWARD_MIN_CORES and (
                 self.device == "cuda" or self._helper_fits()
             )
             object.__setattr__(self, "concurrent_backward", "1" if on else "0")
         processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
-        share_mb = compile_share_mb(self.concurrency, self.warm_children * processes)
+        share_mb = sizing.compile_share_mb(self.concurrency, self.warm_children * processes)
         if not self.compile_disk_mb:
-            object.__setattr__(self, "compile_disk_mb", default_disk_mb(share_mb))
+            object.__setattr__(self, "compile_disk_mb", sizing.default_disk_mb(share_mb))
         if self.memory_limit_mb == -1 and self.device == "cuda":  # no cap applies on CUDA
             object.__setattr__(self, "memory_limit_mb", 0)
         elif self.memory_limit_mb == -1:
             object.__setattr__(
                 self,
                 "memory_limit_mb",
-                compile_memory_mb(share_mb, self.compile_disk_mb, processes),
+                sizing.compile_memory_mb(share_mb, self.compile_disk_mb, processes),
             )
 
     def _helper_fits(self) -> bool:
@@ -208,9 +208,9 @@ class WorkerSettings:
         compile (an operator's own cap is taken as given)."""
         if self.memory_limit_mb != -1:
             return True
-        share_mb = compile_share_mb(self.concurrency, 2 * self.warm_children)
-        disk_mb = self.compile_disk_mb or default_disk_mb(share_mb)
-        return memory_cap_mb(share_mb, disk_mb, 2) >= MIN_COMPILE_MEMORY_MB
+        share_mb = sizing.compile_share_mb(self.concurrency, 2 * self.warm_children)
+        disk_mb = self.compile_disk_mb or sizing.default_disk_mb(share_mb)
+        return sizing.memory_cap_mb(share_mb, disk_mb, 2) >= sizing.MIN_COMPILE_MEMORY_MB
 
     @property
     def visibility_timeout_s(self) -> float:
@@ -220,88 +220,6 @@ class WorkerSettings:
     @classmethod
     def from_env(cls, **overrides) -> WorkerSettings:
         return _from_env(cls, overrides)
-
-
-def visible_gpus() -> tuple[str, ...]:
-    """The GPUs this worker may use, as CUDA_VISIBLE_DEVICES names them; without it, CUDA's
-    ordinals of the /dev/nvidiaN nodes (a container may see /dev/nvidia3 alone, as ordinal 0)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return tuple(g.strip() for g in listed.split(",") if g.strip())
-    try:
-        nodes = os.listdir("/dev")
-    except OSError:
-        return ()
-    count = sum(1 for n in nodes if n.startswith("nvidia") and n[6:].isdigit())
-    return tuple(str(i) for i in range(count))
-
-
-def default_concurrency(device: str) -> int:
-    """Compiles at once by default: on CPU a quarter of the cores (each compile runs
-    Inductor's parallel compile and the C++ compiler on several), at least 2 and at most 8;
-    on CUDA two per visible GPU (one autotunes while another lowers), or the CPU figure where
-    it is more: a graph split into regions (client/backend.py) arrives as several compiles at
-    once, each of them mostly host work."""
-    cpu = max(2, min(8, (os.cpu_count() or 1) // 4))
-    if device == "cuda":
-        return max(2 * len(visible_gpus()), cpu)
-    return cpu
-
-
-CONCURRENT_BACKWARD_MIN_CORES = 8  # TORCHFARM_CONCURRENT_BACKWARD=auto turns it on from here
-COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
-WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
-
-
-def host_memory_mb() -> int:
-    """This machine's memory, or its cgroup's limit where lower (a container's)."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            value = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if value.isdigit():
-            limit = min(limit, int(value) >> 20)
-    return limit
-
-
-def compile_share_mb(concurrency: int, warm_children: int) -> int:
-    """One running compile's share of the host's memory (MiB): what is left after an eighth
-    (at least 1 GiB) for the worker, Redis and the system, and WARM_CHILD_MB for each warm
-    child that waits while `concurrency` compiles run, split among those compiles. A compile's
-    share holds its address space, its RAM-backed work dir and its /dev/shm (docs/reliability.md,
-    "Memory arithmetic")."""
-    host = host_memory_mb()
-    free = host - max(1024, host // 8) - warm_children * WARM_CHILD_MB
-    return max(0, free // concurrency)
-
-
-def default_disk_mb(share_mb: int) -> int:
-    """A compile's RAM-backed work dir by default: a quarter of its share, 256 MiB to 4 GiB."""
-    return max(256, min(4096, share_mb // 4))
-
-
-def memory_cap_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
-    """A compile's share less its work dir and /dev/shm, split among the compile's
-    `processes` (the child, and its backward helper where on), at most 32 GiB."""
-    return min(32 << 10, (share_mb - disk_mb - COMPILE_SHM_MB) // processes)
-
-
-def compile_memory_mb(share_mb: int, disk_mb: int, processes: int = 1) -> int:
-    """A compile child's default address-space cap (memory_cap_mb); a host too small for
-    its concurrency gets a clear error."""
-    cap = memory_cap_mb(share_mb, disk_mb, processes)
-    if cap < MIN_COMPILE_MEMORY_MB:
-        raise ValueError(
-            f"this host's memory ({host_memory_mb()} MiB) leaves a compile {share_mb} MiB: "
-            f"lower TORCHFARM_WORKER_CONCURRENCY or TORCHFARM_WARM_CHILDREN, or set "
-            f"TORCHFARM_COMPILE_MEMORY_MB and TORCHFARM_COMPILE_DISK_MB yourself"
-        )
-    return cap
-
-
-MIN_COMPILE_MEMORY_MB = 2048  # below this a CPU compile child cannot even start Inductor
 
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # the cache on a Redis Cluster

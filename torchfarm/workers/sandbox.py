@@ -35,7 +35,8 @@ from typing import IO
 
 from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import COMPILE_SHM_MB, WorkerSettings, visible_gpus
+from torchfarm.settings import WorkerSettings
+from torchfarm.settings.sizing import COMPILE_SHM_MB, visible_gpus
 from torchfarm.torch_adapter import gpu_benchmark_lock, isa_probe, precompiled_headers
 from torchfarm.workers import child_pool, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text

@@ -4,11 +4,11 @@ dir and /dev/shm were not counted)."""
 
 import pytest
 
-from torchfarm.settings import (
+from torchfarm.settings import WorkerSettings
+from torchfarm.settings.sizing import (
     COMPILE_SHM_MB,
     MIN_COMPILE_MEMORY_MB,
     WARM_CHILD_MB,
-    WorkerSettings,
     host_memory_mb,
 )
 

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from torchfarm.settings import WorkerSettings, default_concurrency, visible_gpus
+from torchfarm.settings import WorkerSettings
+from torchfarm.settings.sizing import default_concurrency, visible_gpus
 from torchfarm.workers import sandbox
 
 

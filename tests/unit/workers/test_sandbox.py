@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from torchfarm import settings as settings_module
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings, compile_memory_mb, compile_share_mb
+from torchfarm.settings import WorkerSettings, sizing
+from torchfarm.settings.sizing import compile_memory_mb, compile_share_mb
 from torchfarm.workers import child_pool, sandbox
 from torchfarm.workers.compile_child import FRAME
 
@@ -254,7 +254,7 @@ def test_the_backward_helper_is_on_by_default_from_eight_cores_where_memory_allo
     for name in ("TORCHFARM_CONCURRENT_BACKWARD", "TORCHFARM_COMPILE_MEMORY_MB"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(settings_module, "host_memory_mb", lambda: memory_mb)
+    monkeypatch.setattr(sizing, "host_memory_mb", lambda: memory_mb)
     assert WorkerSettings.from_env().concurrent_backward == on
     cuda = WorkerSettings.from_env(device="cuda").concurrent_backward
     assert cuda == ("1" if cores >= 8 else "0")
