@@ -32,13 +32,6 @@ CLIENT_OFFENDERS = {
     "client/remote.py::_get_once",
     "client/switching.py::SwitchingGraph.__init__",
 }
-# files that still use a private torch name outside torch_adapter/ (issue 51, item 5)
-PRIVATE_TORCH_OFFENDERS = {
-    "client/exported.py",
-    "client/prepare.py",
-    "compiler/aoti.py",
-    "compiler/structure.py",
-}
 KNOWN_CYCLES = [{"torchfarm.client.backend", "torchfarm.client.prepare"}]  # issue 51, item 1
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
 ROOT = "TorchfarmError"
@@ -128,8 +121,7 @@ def _private_torch_sites() -> set[str]:
 
 
 def test_private_torch_names_stay_behind_the_adapter():
-    files = {site.partition(":")[0] for site in _private_torch_sites()}
-    assert files <= PRIVATE_TORCH_OFFENDERS, sorted(_private_torch_sites())
+    assert sorted(_private_torch_sites()) == []
 
 
 def _imports() -> dict[str, set[str]]:

@@ -38,7 +38,7 @@ from torchfarm.contract.options import AOTI, canonical_options
 from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import export_serde, standalone
+from torchfarm.torch_adapter import aoti_compile, export_serde, standalone
 
 log = logging.getLogger("torchfarm.client")
 
@@ -162,9 +162,7 @@ def aoti_compile_and_package(
         configs = dict(inductor_configs or {})
         if mode != "default":
             configs = {**standalone.mode_options(mode), **configs}
-        return torch._inductor.aoti_compile_and_package(
-            exported_program, package_path=path, inductor_configs=configs
-        )
+        return aoti_compile.compile_and_package(exported_program, path, configs)
     writing = time.monotonic()
     aoti.write_package(path, artifact, exported_program)
     log.info(

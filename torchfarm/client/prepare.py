@@ -94,7 +94,7 @@ def run(entry: Callable[[], object], target: pb.Target, world_size: int = 1) -> 
         except Exception as e:  # the graphs before it stay prepared
             stopped = _where(e)
         backend.finish_prepared()
-    torch._dynamo.reset()  # the frames traced on fake tensors must not serve real calls
+    torch.compiler.reset()  # the frames traced on fake tensors must not serve real calls
     rows = [(r.label, _source(r.source), r.seconds) for r in backend.history[first:]]
     return Summary(rows, stopped, time.monotonic() - started)
 

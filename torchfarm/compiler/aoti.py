@@ -30,7 +30,12 @@ from torchfarm.compiler.compilers import CompileContext
 from torchfarm.compiler.exported import BLOB, SENT
 from torchfarm.compiler.inductor import ARTIFACT_FORMAT, config_patches
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import aoti_load, aoti_weights_blob, autotune_progress
+from torchfarm.torch_adapter import (
+    aoti_compile,
+    aoti_load,
+    aoti_weights_blob,
+    autotune_progress,
+)
 
 # What a package built without the user's weights needs (see above).
 _WITHOUT_WEIGHTS = {
@@ -138,10 +143,8 @@ class AOTInductorCompiler:
             autotune_progress.reporting(context.on_stage),
             aoti_weights_blob.recording() as recorded,
         ):
-            path = torch._inductor.aoti_compile_and_package(
-                program,
-                package_path=os.path.join(directory, "model.pt2"),
-                inductor_configs=configs,
+            path = aoti_compile.compile_and_package(
+                program, os.path.join(directory, "model.pt2"), configs
             )
             if weights == BLOB:
                 with zipfile.ZipFile(path) as archive:
@@ -226,8 +229,7 @@ def load(
     """The package at `path`, loaded by torch's own loader (without Inductor's CPU probe:
     torch_adapter/aoti_load.py); with `weights` (an exported program of the same
     architecture, or its tensors by name), fed those in place of the package's own."""
-    with aoti_load.without_isa_probe():
-        compiled = torch._inductor.aoti_load_package(path)
+    compiled = aoti_load.load_package(path)
     if weights is None:
         return compiled
     tensors = weights_of(weights)

@@ -13,6 +13,8 @@ import hashlib
 
 import torch
 
+from torchfarm.torch_adapter.operators import is_operator
+
 _FORMAT = b"torchfarm-structure-v1"
 
 
@@ -24,7 +26,7 @@ def _target(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, str):  # call_method, call_module
         return f"{node.op}:{target}"
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+    if is_operator(target):
         return f"{node.op}:{target}"
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", "?")

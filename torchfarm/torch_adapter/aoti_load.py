@@ -7,9 +7,10 @@ capability, only to warn where the package's metadata differs. The ISA comes fro
 1.1 s of a 1.2 s load on the 2-core CPU box (cProfile), whoever built the package, and a
 serving process starts with an empty cache dir. While `without_isa_probe` is entered the
 loader gets the same information less the ISA (platform, machine, compute capability): every
-comparison but that one still warns.
+comparison but that one still warns. `load_package` is torch's loader called so.
 
-Uses `torch._inductor.codecache.get_device_information` (looked up by `_load_aoti` when it
+Uses `torch._inductor.aoti_load_package` (torch's documented loader, under a private module
+name), `torch._inductor.codecache.get_device_information` (looked up by `_load_aoti` when it
 runs) and `torch._dynamo.device_interface.get_interface_for_device`. Verified: torch 2.11.0,
 2.13.0 and 2.15.0 (CPU).
 """
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from unittest import mock
 
+import torch._inductor
 from torch._dynamo.device_interface import get_interface_for_device
 from torch._inductor import codecache
 
@@ -43,3 +45,9 @@ def without_isa_probe() -> Iterator[None]:
     building Inductor's ISA test programs."""
     with mock.patch.object(codecache, "get_device_information", _device_information):
         yield
+
+
+def load_package(path: str):
+    """The AOTInductor package at `path`, loaded by torch's loader without the ISA probe."""
+    with without_isa_probe():
+        return torch._inductor.aoti_load_package(path)

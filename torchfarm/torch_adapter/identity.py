@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch._dynamo import source as sources
 
+from torchfarm.torch_adapter.operators import is_operator
+
 # One step of a path: ("local" | "global" | "attr" | "generic_attr" | "item" | "key_at" |
 # "defaults" | "kwdefaults" | "type", name or index)
 Step = tuple[str, Any]
@@ -130,7 +132,7 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         items = [fingerprint(v, depth + 1) for v in value.values()]
         return None if None in items else f"dict:{sorted(zip(value, items))}"  # type: ignore[type-var]
-    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if is_operator(value):
         return f"op:{value}"
     if isinstance(value, _BUILTINS):
         owner = getattr(value, "__self__", None)
