@@ -14,8 +14,7 @@ Inductor cache, side by side in one run:
 
 Farm requests are private (TORCHFARM_PRIVATE=1) except in the last row. Prints a table and
 the ratios; `--json PATH` too. `--novel-only`: local cold B and the farm's miss of B on an
-empty farm (a novel miss), whole and, for another tenant, as regions (TORCHFARM_REGIONS=1:
-B's three blocks are of one shape). Every other row runs with TORCHFARM_REGIONS=0.
+empty farm (a novel miss).
 
     .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--novel-only] [--json PATH]
 """
@@ -99,12 +98,10 @@ def measure(
     addr: str = "",
     token: str = "",
     private: bool = True,
-    regions: bool = False,
 ):
     env = dict(
         os.environ,
         **caches,
-        TORCHFARM_REGIONS="1" if regions else "0",
         TORCHFARM_ADDR=addr,
         TORCHFARM_TOKEN=token,
         TORCHFARM_PRIVATE="1" if private else "0",
@@ -175,16 +172,13 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
             wait_for_precompiled_headers(farm)
 
-            def farm_miss(
-                name: str, tenant: str, private: bool = True, regions: bool = False
-            ) -> dict:
+            def farm_miss(name: str, tenant: str, private: bool = True) -> dict:
                 caches = local_caches(scratch)
                 token = TOKENS[tenant]
-                return measure("torchfarm", name, caches, farm.addr, token, private, regions)
+                return measure("torchfarm", name, caches, farm.addr, token, private)
 
             add("farm miss B, empty", farm_miss("B", "bob"), "miss")
-            if args.novel_only:  # the same, another tenant: its blocks as regions
-                add("farm miss B, empty, regions", farm_miss("B", "alice", regions=True), "miss")
+            if args.novel_only:
                 continue
             add("farm miss A", farm_miss("A", "alice"), "miss")
             add("farm miss B after A", farm_miss("B", "alice"), "miss")
@@ -205,9 +199,8 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
     for name, seconds in medians.items():
         print(f"| {name} | {seconds:.1f} |")
     if args.novel_only:
-        for row in ("farm miss B, empty", "farm miss B, empty, regions"):
-            print(f"\n{row} / local cold B: {medians[row] / medians['local cold B']:.2f}", end="")
-        print()
+        row = "farm miss B, empty"
+        print(f"\n{row} / local cold B: {medians[row] / medians['local cold B']:.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(medians, f, indent=1)

@@ -62,23 +62,6 @@ class BlockMLP(nn.Module):
         return self.head(self.blocks(x))
 
 
-class Stack(nn.Module):
-    """A model's layers: transformer blocks of one shape in a ModuleList, between an input
-    projection and a head (regional compilation: torch_adapter/regions.py)."""
-
-    def __init__(self, depth: int = 2, dim: int = 48):
-        super().__init__()
-        self.inp = nn.Linear(16, dim)
-        self.layers = nn.ModuleList(TransformerBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, 10)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 MODELS = {
     "mlp": (MLP, lambda: torch.randn(8, 32)),
     "cnn": (SmallCNN, lambda: torch.randn(4, 3, 16, 16)),
@@ -87,9 +70,6 @@ MODELS = {
     "transformer96": (lambda: TransformerBlock(dim=96), lambda: torch.randn(2, 16, 96)),
     "mlp12": (lambda: MLP(out=12), lambda: torch.randn(8, 32)),
     "blocks": (BlockMLP, lambda: torch.randn(16, 512)),
-    # siblings of another depth, compiled only by test_regions
-    "stack2": (lambda: Stack(depth=2), lambda: torch.randn(2, 16, 16)),
-    "stack3": (lambda: Stack(depth=3), lambda: torch.randn(2, 16, 16)),
 }
 
 

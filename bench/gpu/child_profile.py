@@ -3,8 +3,7 @@
     child_profile.py MODEL OUTDIR        (MODEL: a bench model or coverage:NAME)
 
 The parent traces one training step of MODEL with a backend that keeps each graph's
-CompileRequest (a graph of repeated blocks also as its distinct regions, as
-TORCHFARM_REGIONS=1 sends them) and runs eagerly. Each distinct request is then compiled in
+CompileRequest and runs eagerly. Each distinct request is then compiled in
 a fresh process warmed as a GPU pool's compile child is (workers/compile_child.warm_up), on
 empty Inductor and Triton caches, the backward in the same process (no helper), under
 cProfile: once warmed without the throwaway compile (workers/warm_compile.py), once with it,
@@ -31,14 +30,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def requests(name: str) -> list[tuple[str, bytes]]:
-    """(label, serialized CompileRequest) of each distinct graph and region of one step."""
+    """(label, serialized CompileRequest) of each distinct graph of one step."""
     sys.path.insert(0, HERE)
     from client import build, make_step
 
     from torchfarm.compiler import serialize, trace_state
     from torchfarm.compiler.target import local_target
     from torchfarm.proto import torchfarm_pb2 as pb
-    from torchfarm.torch_adapter import regions
 
     kept: dict[bytes, tuple[str, bytes]] = {}
 
@@ -53,11 +51,7 @@ def requests(name: str) -> list[tuple[str, bytes]]:
         kept.setdefault(request.graph, (label, request.SerializeToString()))
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list):
-        label = f"graph {len({lbl.split(',')[0] for lbl, _ in kept.values()}) + 1}"
-        keep(gm, f"{label}, whole ({len(gm.graph.nodes)} nodes)")
-        split = regions.split(gm)
-        for number, region in enumerate(split.regions if split else []):
-            keep(region.gm, f"{label}, region {number} ({len(region.gm.graph.nodes)} nodes)")
+        keep(gm, f"graph {len(kept) + 1} ({len(gm.graph.nodes)} nodes)")
         return gm.forward
 
     model, inputs, spec = build(name)

@@ -111,29 +111,6 @@ def step_ms(step, x, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def settle(step, x, timeout_s: float = 180.0, pause_s: float = 0.25) -> float:
-    """Steps until every graph that ran its regions' code (TORCHFARM_REGIONS) has switched to
-    its whole graph's, which the farm compiles meanwhile: the steady state is that code.
-    Seconds it took (0 without regions).
-
-    A step, then `pause_s` idle: a graph switches at its first call after the whole code
-    arrived, so a step now and then is enough. Stepping without a pause kept the one GPU busy
-    while the farm's worker, on that same GPU here (a pool's are its own), benchmarked the
-    whole graph's max-autotune candidates: each measured beside a training loop."""
-    from torchfarm.client.backend import history
-
-    def waiting() -> set[str]:
-        split = {r.label.split(", region ")[0] for r in history if ", region " in r.label}
-        return split - {r.label for r in history if r.switched}
-
-    started = time.perf_counter()
-    while waiting() and time.perf_counter() - started < timeout_s:
-        step(*x)
-        torch.cuda.synchronize()
-        time.sleep(pause_s)
-    return time.perf_counter() - started
-
-
 def ptxas_calls() -> int:
     path = os.environ.get("TF_PTXAS_LOG", "")
     if not path or not os.path.exists(path):
@@ -306,7 +283,6 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
         errors += [rel_err(o_out, r_out)] + [rel_err(g, r) for g, r in zip(o_grads, r_grads)]
     torch.save({"out": out.cpu(), "grads": [g.cpu() for g in grads]}, outfile)
     steady = os.environ.get("BENCH_STEADY", "1") == "1"
-    settle_s = settle(compiled, x) if steady else 0.0
     compiled_ms, eager_ms = (step_ms(compiled, x), step_ms(eager, x)) if steady else (0.0, 0.0)
     from torchfarm.client.backend import history
 
@@ -320,7 +296,6 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                 "first_step_s": round(first_s, 2),
                 "max_rel_err": max(errors),
                 "compiled_ms": round(compiled_ms, 3),
-                "settle_s": round(settle_s, 2),
                 "eager_ms": round(eager_ms, 3),
                 "ptxas_calls": ptxas_first,
                 "kernels_tuned_at_run": tuned_first,

@@ -1,27 +1,23 @@
 """Runtime parity in one process: the farm-compiled and the locally compiled model, on the
 same weights and inputs, with the kernels each compile generated; prints one JSON line.
 
-Compiles: the farm's first, until its split graphs run their whole graph's code (`settle`)
-and the machine is quiet (the pool builds the farm's kernels and measures its GEMMs), then the
-local one. So neither tunes beside the other on the one GPU: a user's compile has its GPU to
-itself, and a farm's pool GPUs of its own (before 2026-11-28 the farm's whole-graph compile,
-which starts once its regions run, tuned beside the local max-autotune compile; until 423dac2
-it tuned beside `settle`'s back-to-back training steps, which now come one every 0.25 s).
+Compiles: the farm's first, until the machine is quiet (the pool builds the farm's kernels and
+measures its GEMMs), then the local one. So neither tunes beside the other on the one GPU: a
+user's compile has its GPU to itself, and a farm's pool GPUs of its own.
 
-Timing: once the farm's split graphs run their whole code and the machine
-is quiet (the farm's replaced children warm up after a miss, on the same CPUs and GPU), the
-farm's and the local step alternate in PAIRS rounds of one step each (bench/step_parity.py:
-F L, L F), each step timed alone by CUDA events, Python's collector off; the eager step is
-timed apart. Interleaving single steps cancels the drift of clocks and of the host that the
-means of longer rounds caught; the figure is the ratio of the median steps, with a bootstrap
-95% interval over the rounds. A timed step is a training step (forward, loss, backward) without
-the copies of the outputs that the correctness check takes.
+Timing: once the machine is quiet (the farm's replaced children warm up after a miss, on the
+same CPUs and GPU), the farm's and the local step alternate in PAIRS rounds of one step each
+(bench/step_parity.py: F L, L F), each step timed alone by CUDA events, Python's collector off;
+the eager step is timed apart. Interleaving single steps cancels the drift of clocks and of the
+host that the means of longer rounds caught; the figure is the ratio of the median steps, with
+a bootstrap 95% interval over the rounds. A timed step is a training step (forward, loss,
+backward) without the copies of the outputs that the correctness check takes.
 
 Code: the Triton kernels that the local compile's code runs and those of the farm's artifacts
 (their wrappers, in Inductor's cache dir; the farm's load under <cache dir>/torchfarm/),
 compared by their bodies from `@triton.jit` on with the kernel's name taken out:
 `kernels_local_not_farm` 0 says every kernel the local code runs is in the farm's code, the
-same source (the farm's count includes its split graphs' regions, which ran until it settled).
+same source.
 `gemm_picks`: for each GEMM both sides timed (max-autotune), the candidate each picked, from
 the local compile's timings file and the worker's kept ones.
 
@@ -61,7 +57,7 @@ import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from client import build, make_step, rel_err, settle  # noqa: E402
+from client import build, make_step, rel_err  # noqa: E402
 from step_parity import timed_figures, wait_quiet  # noqa: E402
 
 _KERNEL = re.compile(r"async_compile\.triton\(\s*'(\w+)',\s*'''(.*?)'''", re.DOTALL)
@@ -275,7 +271,6 @@ def main(name: str, pairs: int, mode: str) -> None:
     uncached = inductor_config.patch(force_disable_caches=True, autotune_local_cache=False)
     with uncached if control else contextlib.nullcontext():
         results["farm"] = checked["farm"](*xs)
-    settle_s = settle(checked["farm"], xs)  # split graphs (TORCHFARM_REGIONS) on their whole code
     waited_s = wait_quiet() if quiet else 0.0  # the pool's builds of the farm's kernels
     results["local"] = checked["local"](*xs)  # the local compile: alone on the GPU, as a user's
     errors = {
@@ -311,7 +306,6 @@ def main(name: str, pairs: int, mode: str) -> None:
                 "farm_vs_local_rel_err": errors["farm"],
                 **code,
                 "eager_vs_local_rel_err": errors["eager"],
-                "settle_s": round(settle_s, 2),
                 "quiet_after_s": round(quiet_after_s, 1),
                 "graphs": [r.source for r in history],
                 "quartiles_ms": {

@@ -80,7 +80,6 @@ SLOWEST_FIRST = (
     "test_limits.py",
     "test_sandbox.py",
     "test_concurrent_backward.py",
-    "test_regions.py",
     "test_nowait.py",
     "test_parallel_graphs.py",
     "test_warm_children.py",

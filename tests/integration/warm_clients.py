@@ -35,14 +35,12 @@ import time
 
 PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "grpc")
 # What torch reads only when it runs (the cache dirs; PATH, for the C++ compiler; the user's
-# cache home, where torchfarm keeps programs), a client script's own (WAIT_FOR_WHOLE), and
-# pytest's name of the test running now.
+# cache home, where torchfarm keeps programs) and pytest's name of the test running now.
 PER_CLIENT = (
     "TORCHINDUCTOR_CACHE_DIR",
     "TRITON_CACHE_DIR",
     "PATH",
     "XDG_CACHE_HOME",
-    "WAIT_FOR_WHOLE",
     "PYTEST_CURRENT_TEST",
 )
 

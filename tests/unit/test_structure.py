@@ -15,8 +15,6 @@ MAX_LINES, MAX_PARAMETERS = 60, 5
 # client/ until it is restructured around one object per graph (issue 51, item 1)
 CLIENT_OFFENDERS = {
     "client/backend.py::torchfarm_backend",
-    "client/backend.py::_whole_or_regions",
-    "client/backend.py::_whole_code",
     "client/backend.py::_compile_graph",
     "client/backend.py::_prepare",
     "client/backend.py::_eager_while_compiling",

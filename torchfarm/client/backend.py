@@ -37,7 +37,7 @@ from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.errors import FarmError, UntrustedEntry
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import fake_device, load_prewarm, regions
+from torchfarm.torch_adapter import fake_device, load_prewarm
 from torchfarm.torch_adapter.deferrable import deferrable
 from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
 from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
@@ -145,104 +145,7 @@ def torchfarm_backend(
     prepared_for = prepare.target()
     if prepared_for is not None:
         return _prepare(gm, settings, farm_options, label, started, prepared_for)
-    split = _regions(gm, settings, farm_options)
-    if split is not None:
-        return _whole_or_regions(gm, split, settings, farm_options, label, started)
     return _compile_graph(gm, example_inputs, settings, farm_options, label, started)
-
-
-def _regions(
-    gm: torch.fx.GraphModule, settings: ClientSettings, options: pb.Options
-) -> regions.Split | None:
-    """The graph split into its blocks' regions (torch_adapter/regions.py) where
-    TORCHFARM_REGIONS asks for it and every region can be fetched in the background; else
-    None. Not with CUDA graphs: one region's code may run at several places of a step."""
-    if not (settings.regions and settings.wait and settings.parallel_graphs) or not deferrable(gm):
-        return None
-    try:
-        if config_patches(options).get("triton.cudagraphs"):
-            return None
-        return regions.split(gm)
-    except Exception as e:  # never worse than the whole graph
-        log.info("graph not split into regions (%s: %s)", type(e).__name__, e)
-        return None
-
-
-def _whole_or_regions(
-    gm: torch.fx.GraphModule,
-    split: regions.Split,
-    settings: ClientSettings,
-    options: pb.Options,
-    label: str,
-    started: float,
-) -> Callable:
-    """A graph of repeated blocks: the whole graph's code where the farm has it. Else its
-    regions' (most of them hits for a sibling of a model the farm has seen); from the second
-    call on, once the first step's compiles are asked for, the farm compiles the whole graph
-    in the background, and the graph switches to it between two calls once it arrived, so
-    that the steady state runs code with no block boundary in it (a local compile's)."""
-    inputs = serialize.example_inputs(gm)
-    try:
-        request, ask, before = _asked(gm, settings, options, label, started)
-    except Exception as e:  # the farm must never break training
-        why = _farm_failed(e, label, started)
-        return _compile_locally(gm, inputs, options, label, started, why=why)
-    fetch = functools.partial(_fetch, request, ask, settings, inputs, before)
-    lookup: Job[Fetched] = Job(functools.partial(fetch, compile_on_miss=False))
-    lookup.run()  # one Hit call: the entry, or a miss that compiles nothing
-    if lookup.future.exception() is None:
-        return DeferredGraph(gm, lookup, options, label, started)
-    log.info("%s: whole graph not on the farm (%s)", label, lookup.future.exception())
-    by_payload: dict[bytes, Callable] = {}
-    compiled = []
-    try:
-        for number, region in enumerate(split.regions):
-            part = _request(region.gm, settings, options, f"{label}, region {number}")
-            if part.graph not in by_payload:
-                region_inputs = serialize.example_inputs(region.gm)
-                by_payload[part.graph] = _compile_graph(
-                    region.gm, region_inputs, settings, options, part.label, started, part
-                )
-            compiled.append(by_payload[part.graph])
-    except Exception as e:  # a region the payload cannot carry: the whole graph, now
-        log.info("%s: not split into regions (%s: %s)", label, type(e).__name__, e)
-        return _compile_graph(gm, inputs, settings, options, label, started, request)
-    log.info(
-        "%s: %d regions (%d distinct) until the whole graph is compiled",
-        label,
-        len(compiled),
-        len(by_payload),
-    )
-    whole: Job[Fetched] = Job(fetch)
-    return switching.SwitchingGraph(
-        split.stitched(compiled),
-        inputs,
-        whole,
-        functools.partial(_whole_code, options, serialize.local_device_index(gm), label, started),
-        label,
-        after_first_call=functools.partial(pool(settings.parallel_graphs).start, whole),
-    )
-
-
-def _whole_code(
-    options: pb.Options,
-    device_index: int | None,
-    label: str,
-    submitted: float,
-    job: Job,
-    graph: switching.SwitchingGraph,
-) -> switching.Switch | None:
-    """The whole graph's code to switch to from its regions' (SwitchingGraph counts the calls
-    that ran the regions as eager_calls); None keeps the regions' code (the farm failed)."""
-    try:
-        fetched = job.result()
-        compiled = _load(fetched.artifact, options, device_index, fetched.timings)
-    except Exception as e:
-        log.info("%s: stays on its regions' code (%s: %s)", label, type(e).__name__, e)
-        return None
-    _record_farm(label, fetched, submitted, submitted, switched=True)
-    log.info("%s: the whole graph's code after %d calls of its regions", label, graph.eager_calls)
-    return compiled, fetched.artifact.guards
 
 
 def _compile_graph(
@@ -252,13 +155,11 @@ def _compile_graph(
     farm_options: pb.Options,
     label: str,
     started: float,
-    request: pb.CompileRequest | None = None,
 ) -> Callable:
-    """One graph's code from the farm (or compiled here, or eager): `request` where the
-    caller built it already (a region's)."""
+    """One graph's code from the farm (or compiled here, or eager)."""
     inputs = serialize.example_inputs(gm)
     try:
-        request, ask, before = _asked(gm, settings, farm_options, label, started, request)
+        request, ask, before = _asked(gm, settings, farm_options, label, started)
         if not settings.wait:
             request.label = f"{label} (eager while compiling)"  # what the progress line shows
             answer = switching.FarmAnswer()
@@ -565,14 +466,12 @@ def _asked(
     options: pb.Options,
     label: str,
     started: float,
-    request: pb.CompileRequest | None = None,
 ) -> tuple[pb.CompileRequest, pb.Ask, dict[str, float]]:
-    """The graph's request (built here and shown to `request_observers`, unless the caller
-    built it: a region's), its Ask, and what they cost (payload_s, key_s since `started`)."""
-    if request is None:
-        request = _request(gm, settings, options, label)
-        for observe in request_observers:
-            observe(gm, request)
+    """The graph's request (shown to `request_observers`), its Ask, and what they cost
+    (payload_s, key_s since `started`)."""
+    request = _request(gm, settings, options, label)
+    for observe in request_observers:
+        observe(gm, request)
     payload_s = time.monotonic() - started
     ask = _ask(gm, request, serialize.example_inputs(gm))
     return request, ask, {"payload_s": payload_s, "key_s": time.monotonic() - started - payload_s}
@@ -601,14 +500,12 @@ def _fetch(
     inputs: list,
     before: dict[str, float],
     heard: Callable[[pb.Progress], None] | None = None,
-    compile_on_miss: bool = True,
 ) -> Fetched:
     """The graph's artifact: prefetched (its guards holding on `inputs`), else one Get; and
     the signature check. The farm's part, network and protobuf only (safe on a pool thread);
     the payload goes only on a miss. Also where the time went (GraphRecord.timings; `before`:
     payload_s and key_s). `heard` sees every progress event (no-wait mode tells a hit,
-    DOWNLOADING, from a compile, QUEUED on `missing`, by the first). Without `compile_on_miss` a
-    miss compiles nothing and raises FarmError."""
+    DOWNLOADING, from a compile, QUEUED on `missing`, by the first)."""
     prefetched = _prefetched(ask, inputs)
     if prefetched is not None:
         prefetched.timings.update(before)
@@ -629,7 +526,7 @@ def _fetch(
     try:
         received = remote.get(
             ask,
-            request if compile_on_miss else None,
+            request,
             settings,
             on_progress=on_progress,
             request_id=request_id,

@@ -50,10 +50,7 @@ class Pool:
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> Job[T]:
-        return self.start(Job(fn))
-
-    def start(self, job: Job[T]) -> Job[T]:
-        """Queue a job made earlier (one whose start waited for some later moment)."""
+        job = Job(fn)
         self._jobs.put(job)
         with self._lock:  # threads start on demand and then stay, waiting for jobs
             if len(self._threads) < self.size:

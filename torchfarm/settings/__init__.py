@@ -47,7 +47,6 @@ class ClientSettings:
     parallel_graphs: int = _var("PARALLEL_GRAPHS")
     wait: bool = _var("WAIT")
     skip_tracing: bool | None = _var("SKIP_TRACING")  # None: dynamo_package.DEFAULT_ON decides
-    regions: bool = _var("REGIONS")
     package_key: str = _var("PACKAGE_KEY")
 
     @classmethod

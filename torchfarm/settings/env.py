@@ -184,17 +184,6 @@ SETTINGS: tuple[Setting, ...] = (
         "enter the pool's",
     ),
     Setting(
-        "TORCHFARM_REGIONS",
-        bool,
-        False,
-        "client",
-        "1: a static graph of a model's repeated blocks (a ModuleList's layers) is, on a farm "
-        "miss, compiled as one graph per block shape (a sibling of another depth, another tenant "
-        "or the next version of the model finds them compiled), while the farm compiles the whole"
-        " graph from its second call; the graph then switches to the whole graph's code "
-        '(docs/architecture.md, "Regions")',
-    ),
-    Setting(
         "TORCHFARM_PARALLEL_GRAPHS",
         int,
         8,

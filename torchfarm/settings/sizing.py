@@ -26,8 +26,8 @@ def default_concurrency(device: str) -> int:
     """Compiles at once by default: on CPU a quarter of the cores (each compile runs
     Inductor's parallel compile and the C++ compiler on several), at least 2 and at most 8;
     on CUDA two per visible GPU (one autotunes while another lowers), or the CPU figure where
-    it is more: a graph split into regions (client/backend.py) arrives as several compiles at
-    once, each of them mostly host work."""
+    it is more: a step's graphs arrive as several compiles at once (client/pool.py), each of
+    them mostly host work."""
     cpu = max(2, min(8, (os.cpu_count() or 1) // 4))
     if device == "cuda":
         return max(2 * len(visible_gpus()), cpu)

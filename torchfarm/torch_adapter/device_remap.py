@@ -29,7 +29,8 @@ such an artifact was not compiled from a canonical payload.
 
 Rewritten too, harmlessly: the output code's benchmark harness and compile-time autotuning
 block. Left as compiled: comments, and `CompiledFxGraph._original_gm` (2.13+, a fake-tensor
-graph used only to wrap compiled regions, off by default), which keeps cuda:0.
+graph kept only under Inductor's `wrap_inductor_compiled_regions`, off by default), which keeps
+cuda:0.
 torch 2.15's own rank-agnostic codegen (`torch.compiler.config.compile_on_one_rank`) is not
 used: it changes Dynamo's guards and tracing on the client too.
 

@@ -4,9 +4,9 @@ Inductor does much of its work once per process, at its first compile: it import
 generators and passes lazily, registers its pattern-matcher replacements (traced on first
 use), hashes Triton's and torch's sources for its cache keys, and sets up benchmarking on the
 GPU. A local compile pays that once per process; a farm pays it in every child, so on every
-miss, once per region of a split graph. Measured on an H200 (torch 2.11,
-bench/gpu/child_profile.py), a warm child took 4.3-4.9 s for a graph of 9-23 nodes (an
-embedding, a language-model head, a loss), about half of it such once-only work.
+miss. Measured on an H200 (torch 2.11, bench/gpu/child_profile.py), a warm child took
+4.3-4.9 s for a graph of 9-23 nodes (an embedding, a language-model head, a loss), about half
+of it such once-only work.
 
 So a GPU child compiles a small training graph of the farm's own (a matmul, GELU and a
 reduction, forward and backward, through a request's path) while it warms up. Nothing of it

@@ -1,15 +1,11 @@
 """Run one model through the farm in a fresh process; print a JSON line of what happened.
 
 Usage: model_client.py MODEL {infer,train}   (TORCHFARM_ADDR / TORCHFARM_TOKEN from the env)
-With WAIT_FOR_WHOLE=1, a graph running its regions' code (TORCHFARM_REGIONS) is called
-until it has switched to its whole graph's code (at most 300 s), and `settled_err` is that
-code's forward against eager.
 """
 
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -37,13 +33,6 @@ def main(name: str, mode: str) -> None:
         with torch.no_grad():
             expected, out = model(x), compiled(x)
         grad_err = 0.0
-    settled_err = None
-    if os.environ.get("WAIT_FOR_WHOLE") == "1":
-        deadline = time.monotonic() + 300
-        while not any(r.switched for r in history) and time.monotonic() < deadline:
-            compiled(x)
-            time.sleep(0.2)
-        settled_err = (compiled(x).detach() - expected).abs().max().item()
     counters = torch._dynamo.utils.counters["inductor"]
     print(
         json.dumps(
@@ -52,7 +41,6 @@ def main(name: str, mode: str) -> None:
                 "whys": [r.why for r in history],
                 "out_err": (out - expected).abs().max().item(),
                 "grad_err": grad_err,
-                "settled_err": settled_err,
                 "local_inductor_compiles": counters["fxgraph_cache_miss"],
             }
         )
