@@ -20,7 +20,6 @@ CLIENT_OFFENDERS = {
     "client/backend.py::_eager_while_compiling",
     "client/backend.py::_farm_code",
     "client/backend.py::_record_farm",
-    "client/backend.py::_asked",
     "client/backend.py::_fetch",
     "client/backend.py::_compile_locally",
     "client/decorator.py::compile",
