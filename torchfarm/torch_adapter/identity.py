@@ -30,7 +30,7 @@ from torch._dynamo import source as sources
 from torchfarm.torch_adapter.operators import is_operator
 
 # One step of a path: ("local" | "global" | "attr" | "generic_attr" | "item" | "key_at" |
-# "defaults" | "kwdefaults" | "type", name or index)
+# "dict_key" | "defaults" | "kwdefaults" | "type", name or index)
 Step = tuple[str, Any]
 _DEPTH = 24  # nested containers a fingerprint follows before it gives up
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
@@ -73,6 +73,8 @@ def path(source: Any) -> tuple[Step, ...] | None:
             step = ("key_at", index.index)
         else:
             step = ("item", index)
+    elif isinstance(source, sources.ConstDictKeySource):  # the dict's key number i itself
+        step = ("dict_key", source.index)
     elif isinstance(source, sources.TypeSource):
         step = ("type", None)
     elif type(source) in _ATTRIBUTES:
@@ -96,6 +98,8 @@ def resolve(steps: tuple[Step, ...], frame_locals: Mapping, scope: Mapping) -> A
             value = value[name]
         elif kind == "key_at":  # as Dynamo reads it: past a subclass's __getitem__
             value = dict.__getitem__(value, list(dict.keys(value))[name])
+        elif kind == "dict_key":
+            value = list(dict.keys(value))[name]
         elif kind == "defaults":
             value = value.__defaults__[name]
         elif kind == "kwdefaults":

@@ -263,6 +263,19 @@ def test_a_generic_attribute_is_found_again_past_getattr():
     assert identity.resolve(steps, {"config": config}, {}) is Config.get_text_config
 
 
+def test_a_dicts_key_is_found_again():
+    """huggingface_hub's dataclass validators: a guard on a dict's first key (a class),
+    `list(dict.keys(G[...]._BASIC_TYPE_VALIDATORS))[0]`; without a path transformers'
+    output wrapper was left out of bert's and vit's packages (the zoo's restoring process
+    traced every frame)."""
+    from torch._dynamo import source as sources
+
+    source = sources.ConstDictKeySource(sources.GlobalSource("validators"), 1)
+    steps = identity.path(source)
+    assert steps == (("global", "validators"), ("dict_key", 1))
+    assert identity.resolve(steps, {}, {"validators": {int: None, str: None}}) is str
+
+
 def calls_a_local_after_a_break(x):
     act = helper  # a local of the resume function that runs the rest after the break
     y = x * 2
