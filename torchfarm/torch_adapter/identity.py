@@ -21,6 +21,7 @@ import enum
 import functools
 import hashlib
 import types
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,6 +121,8 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
         return f"module:{value.__name__}"
     if isinstance(value, type):
         return f"class:{value.__module__}.{value.__qualname__}"
+    if isinstance(value, typing._SpecialForm):  # typing.Union, typing.Literal: singletons
+        return f"typing:{value!r}"
     if isinstance(value, (tuple, list)):
         parts = [fingerprint(v, depth + 1) for v in value]
         return None if None in parts else f"{type(value).__name__}({','.join(parts)})"  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import sys
 import types
+import typing
 
 import pytest
 import torch
@@ -138,6 +139,8 @@ def test_fingerprints_name_what_a_fresh_process_can_find_again():
     assert fingerprint(_source("a")) == fingerprint(_source("bb"))
     assert fingerprint(_closure(2.0)) == fingerprint(_closure(torch.ones(1))) is not None
     assert fingerprint(object()) is None
+    # huggingface_hub's validators are keyed by typing's special forms
+    assert fingerprint(typing.Union) == "typing:typing.Union" != fingerprint(typing.Literal)
 
 
 def _closure(k):
