@@ -217,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
         " a later process installs it and traces no frame it can restore (docs/architecture.md, "
         '"Skipping Dynamo on a hit"). Needs `TORCHFARM_TOKEN` and a torch release in '
         "`dynamo_package.VERIFIED`",
-        shown="(per release: off on every release today)",
+        shown="(per release: on for 2.13, off elsewhere)",
     ),
     Setting(
         "TORCHFARM_PACKAGE_KEY",

@@ -57,9 +57,11 @@ VERIFIED = ("2.13.0", "2.15.0")
 # one process. The differential suite's default-argument case cannot pass there; on 2.11 the
 # skip is off and every compile traces.
 # The releases where the skip is on by default (TORCHFARM_SKIP_TRACING unset): those whose
-# third-party zoo passed with it in a training loop (issue 49). None yet: on transformers'
-# decoder LMs the identity checks failed on every call and Dynamo recompiled to its limit.
-DEFAULT_ON: tuple[str, ...] = ()
+# third-party zoo passed with it in a training loop (issue 49; docs/zoo.md): 2.13.0, every
+# model of the zoo that imports there (2026-11-28): no exception, no step off eager, no graph
+# or recompile beyond inductor's, both processes. 2.15.0 is verified by the differential
+# suite but its zoo has not run.
+DEFAULT_ON: tuple[str, ...] = ("2.13.0",)
 # Guards on an object's identity (a module, function, class, closure cell, dict version) and
 # guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
 # bypasses the whole frame), and loading the second raised AttributeError out of
