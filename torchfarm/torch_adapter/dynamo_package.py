@@ -48,19 +48,18 @@ from torchfarm.torch_adapter.gate import release
 
 log = logging.getLogger("torchfarm")
 
-VERIFIED = ("2.13.0", "2.15.0")
-# 2.11.0 left the list on 2026-11-28: a default argument changed after the install still ran
-# the restored code there (tests/unit/torch_adapter/test_dynamo_package.py, the rebound-global
-# test). The cause is 2.11's Dynamo itself: it emits no guard on a called function's
-# `__defaults__` (2.13 guards `G['scaled'].__defaults__[0]`), and plain
-# `torch.compile(fn, backend="eager")` on 2.11 also runs the old default after the change, in
-# one process. The differential suite's default-argument case cannot pass there; on 2.11 the
-# skip is off and every compile traces.
+VERIFIED = ("2.11.0", "2.13.0", "2.15.0")
+# On 2.11 a default argument changed after the install runs the restored code, as plain
+# torch.compile on 2.11 does in one process: its Dynamo emits no guard on a called function's
+# `__defaults__` (2.13 guards `G['scaled'].__defaults__[0]`). The unit test holds the skip to
+# what torch itself does there (tests/unit/torch_adapter/test_dynamo_package.py); a fresh
+# process, which checks the sources Dynamo inlined (an edited default included) and every
+# rebound global, is right on every release.
 # The releases where the skip is on by default (TORCHFARM_SKIP_TRACING unset): those whose
 # third-party zoo passed with it in a training loop (issue 49; docs/zoo.md): 2.13.0, every
 # model of the zoo that imports there (2026-11-28): no exception, no step off eager, no graph
-# or recompile beyond inductor's, both processes. 2.15.0 is verified by the differential
-# suite but its zoo has not run.
+# or recompile beyond inductor's, both processes. 2.11.0 and 2.15.0 are verified by the
+# differential suite but their zoo has not run.
 DEFAULT_ON: tuple[str, ...] = ("2.13.0",)
 # Guards on an object's identity (a module, function, class, closure cell, dict version) and
 # guards on a function's `__defaults__`: CompilePackage cannot serialize the first (it
