@@ -3,12 +3,12 @@
 # Debian packages (.debs: redis-server, bubblewrap), starts the whole farm there and runs one
 # part of bench/gpu/run.py. Results and farm logs land in $OUT.
 #
-#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo)
+#   device run, carry [.whl, .debs]:  bash bench/gpu/run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo|zoo_cpu|parity|sibling|novel|skipcheck)
 # coverage runs bench/coverage/suite.py (ONLY=a,b,... for a subset) on the GPU, with the
 # transformers that the machine's image already holds.
 # Prepare the carried files here once with `bash bench/gpu/fetch-deps.sh`.
 set -euo pipefail
-[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run.sh PART... (default|autotune|smoke|miss|hit|profile|prepare|spread|device|ddp|coverage|never_wait|aoti|zoo|zoo_cpu|parity|sibling|novel|skipcheck)" >&2; exit 2; }
 OUT=${OUT:-/tmp/torchfarm-bench}
 mkdir -p "$OUT"
 
@@ -72,6 +72,21 @@ for PART in "$@"; do  # each part starts a farm of its own
             (IFS=,; CUDA_VISIBLE_DEVICES=$g MODELS="${mine[*]}" BENCH_STEADY=1 PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-480}" python3 bench/gpu/run.py --part hit \
                 --out "$OUT/zoo-gpu$g" > "$OUT/zoo-gpu$g/log.txt" 2>&1 || echo "zoo gpu$g failed ($?)") &
+        done
+        wait
+    elif [ "$PART" = zoo_cpu ]; then  # issue 49: the CPU zoo (tests/zoo/runner.py, the skip on)
+        # with this machine's torch, on its cores: ZOO_GROUPS runners side by side, each with
+        # its own farm, pinned to cores of its own (no GPU); a JSON and a table per runner
+        ZOO_MODELS=${ZOO_MODELS:-$(python3 -c 'from tests.zoo import models; print(",".join(models.NAMES))')}
+        GROUPS=${ZOO_GROUPS:-5}; PER=$(( $(nproc) / GROUPS ))
+        IFS=, read -ra ALL <<< "$ZOO_MODELS"
+        for ((g = 0; g < GROUPS; g++)); do
+            mine=(); for ((i = g; i < ${#ALL[@]}; i += GROUPS)); do mine+=("${ALL[i]}"); done
+            [ ${#mine[@]} -gt 0 ] || continue
+            (IFS=,; CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$PER PYTHONUNBUFFERED=1 \
+                timeout "${ZOO_TIMEOUT:-540}" taskset -c $((g * PER))-$((g * PER + PER - 1)) \
+                python3 -m tests.zoo.runner --models "${mine[*]}" --json "$OUT/zoo-cpu-$g.json" \
+                > "$OUT/zoo-cpu-$g.txt" 2>&1 || echo "zoo_cpu group $g failed ($?)") &
         done
         wait
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
