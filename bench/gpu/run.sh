@@ -78,10 +78,10 @@ for PART in "$@"; do  # each part starts a farm of its own
         # with this machine's torch, on its cores: ZOO_GROUPS runners side by side, each with
         # its own farm, pinned to cores of its own (no GPU); a JSON and a table per runner
         ZOO_MODELS=${ZOO_MODELS:-$(python3 -c 'from tests.zoo import models; print(",".join(models.NAMES))')}
-        GROUPS=${ZOO_GROUPS:-5}; PER=$(( $(nproc) / GROUPS ))
+        NGROUPS=${ZOO_GROUPS:-5}; PER=$(( $(nproc) / NGROUPS ))
         IFS=, read -ra ALL <<< "$ZOO_MODELS"
-        for ((g = 0; g < GROUPS; g++)); do
-            mine=(); for ((i = g; i < ${#ALL[@]}; i += GROUPS)); do mine+=("${ALL[i]}"); done
+        for ((g = 0; g < NGROUPS; g++)); do
+            mine=(); for ((i = g; i < ${#ALL[@]}; i += NGROUPS)); do mine+=("${ALL[i]}"); done
             [ ${#mine[@]} -gt 0 ] || continue
             (IFS=,; CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$PER PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-540}" taskset -c $((g * PER))-$((g * PER + PER - 1)) \
