@@ -538,9 +538,10 @@ def dumps(package: CompilePackage) -> bytes:
     """The package's entry, and the modules its bytecode reads through globals, among them
     those Dynamo named by object id (`___module_collections_<id>_c3`; `_<id>_c0` for torch
     itself, install_global_by_id("", torch)): CompilePackage does not save them, and a
-    restored frame failed with NameError on transformers' GPT-2 without them (2.13); on 2.11
-    an identity guard on `G['_<id>_c0'].Tensor` found no such global, and transformers'
-    forward wrapper traced on every hit."""
+    restored frame failed with NameError on transformers' GPT-2 without them (2.13). So are
+    the modules the frame's identity checks start from: on 2.11 a guard on
+    `G['_<id>_c0'].Tensor`, a name its bytecode never reads, found no such global, and
+    transformers' forward wrappers traced on every hit (H200, llama and gpt2)."""
     if getattr(package, "_broken", False):
         raise PackageError("a step of the recording failed outside any frame (logged)")
     entry = package.cache_entry()
@@ -548,11 +549,17 @@ def dumps(package: CompilePackage) -> bytes:
     for code in entry.codes:
         scope = vars(sys.modules[code.python_module])
         for guarded in code.guarded_codes:
-            for name in _names(guarded.dynamo_code):
+            for name in _names(guarded.dynamo_code) | _check_roots(guarded):
                 value = scope.get(name)
                 if isinstance(value, types.ModuleType):
                     modules.setdefault(code.python_module, {})[name] = value.__name__
     return pickle.dumps((entry, modules))
+
+
+def _check_roots(guarded: Any) -> set[str]:
+    """The globals a frame's saved identity checks start from."""
+    steps = [identity.path(g.originating_source) for g, _ in guarded.torchfarm_checks or ()]
+    return {s[0][1] for s in steps if s and s[0][0] == "global"}
 
 
 def _names(code: Any) -> set[str]:

@@ -4,6 +4,7 @@ traced; a rebound global or a changed default after the install is traced again.
 
 import contextlib
 import itertools
+import re
 import sys
 import types
 import typing
@@ -326,3 +327,35 @@ def test_late_checks_pass_the_traced_object_or_its_twin_and_fail_any_other():
     assert checks({"act": types.FunctionType(helper.__code__, globals())})
     assert not checks({"act": torch.tanh})
     assert not checks({})  # the path is gone
+
+
+def tensor_type_check(x):
+    return x.relu() if type(x) in (torch.Tensor, list) else x
+
+
+def test_a_global_only_an_identity_check_reads_is_saved():
+    """2.11 guards `type(x)` through torch installed under its id (`G['_<id>_c0'].Tensor`), a
+    global the frame's bytecode never reads; a fresh process, which has no such global, traced
+    transformers' forward wrappers on every hit (H200, llama and gpt2)."""
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        graphs[dynamo_package.backend_id(gm)] = gm.forward
+        return gm.forward
+
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    package = dynamo_package.new_package()
+    dynamo_package.record(package, tensor_type_check)
+    dynamo_package.optimize(backend, package, None, False)(tensor_type_check)(x)
+    saved = dynamo_package.dumps(package)
+    torch._dynamo.reset()
+    counters.clear()
+    for name in [n for n in globals() if re.fullmatch(r"_\d+_c\d+", n)]:  # a fresh process's
+        del globals()[name]
+    restored = dynamo_package.new_package()
+    dynamo_package.install(restored, tensor_type_check, saved, graphs)
+    compiled = dynamo_package.optimize(backend, restored, None, False)(tensor_type_check)
+    assert torch.equal(compiled(x), tensor_type_check(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    torch._dynamo.reset()
