@@ -17,10 +17,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import client  # noqa: E402
 
-from torchfarm.client import backend  # noqa: E402
+from torchfarm.client import graph  # noqa: E402
 
 profiler = cProfile.Profile()
-original = backend._load
+original = graph.load
 
 
 @functools.wraps(original)
@@ -34,7 +34,7 @@ def profiled(*args, **kwargs):
 
 whole = os.environ.get("PROFILE_WHOLE") == "1"
 if not whole:
-    backend._load = profiled
+    graph.load = profiled
 try:
     if whole:
         profiler.enable()

@@ -17,7 +17,7 @@ from torch._inductor.compile_fx import compile_fx
 import torchfarm
 from tests.integration.helpers import TOKENS, direct_request, past_gateway_memory, run_client
 from tests.models import build
-from torchfarm.client import backend, remote
+from torchfarm.client import backend, records, remote
 from torchfarm.compiler.target import local_target
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -157,7 +157,7 @@ def test_farm_down_compiles_locally_with_one_warning():
         return y * 3
 
     compiled = torchfarm.compile(program, addr=f"127.0.0.1:{_closed_port()}")
-    backend._warned.clear()
+    records._warned.clear()
     x = torch.randn(4, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

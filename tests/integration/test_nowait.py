@@ -16,7 +16,7 @@ import torch
 import torchfarm
 from tests.integration.helpers import TOKENS
 from tests.integration.test_farm import _closed_port
-from torchfarm.client import backend
+from torchfarm.client import backend, records
 
 pytestmark = pytest.mark.integration
 ATOL = 1e-4
@@ -160,7 +160,7 @@ def test_a_failing_farm_keeps_the_graph_eager_with_one_warning(farm):
     for addr, token in ((farm.addr, "not-a-token"), (f"127.0.0.1:{_closed_port()}", "")):
         torch._dynamo.reset()
         backend.history.clear()
-        backend._warned.clear()
+        records._warned.clear()
         compiled = torchfarm.compile(f, addr=addr, token=token, wait=False)
         calls = 0
         with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,7 @@ from torchfarm import signing
 from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import entry_dict
 from torchfarm.cli import app
-from torchfarm.client import backend
+from torchfarm.client import backend, records
 from torchfarm.compiler import serialize, trace_state
 from torchfarm.compiler.inductor import ARTIFACT_FORMAT
 from torchfarm.compiler.target import local_target
@@ -70,7 +70,7 @@ def _graph_key(model: torch.nn.Module, x: torch.Tensor) -> str:
 def _run(farm, model: torch.nn.Module, x: torch.Tensor) -> list[str]:
     """Compile through the farm in this process; the torchfarm warnings it raised."""
     backend.history.clear()
-    backend._warned.clear()  # each run stands for a fresh process: one warning each
+    records._warned.clear()  # each run stands for a fresh process: one warning each
     compiled = torchfarm.compile(model, addr=farm.addr, token=TOKENS["alice"])
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")

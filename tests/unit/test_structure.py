@@ -14,14 +14,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torchfarm"
 MAX_LINES, MAX_PARAMETERS = 60, 5
 # client/ until it is restructured around one object per graph (issue 51, item 1)
 CLIENT_OFFENDERS = {
-    "client/backend.py::torchfarm_backend",
-    "client/backend.py::_compile_graph",
-    "client/backend.py::_prepare",
-    "client/backend.py::_eager_while_compiling",
-    "client/backend.py::_farm_code",
-    "client/backend.py::_record_farm",
-    "client/backend.py::_fetch",
-    "client/backend.py::_compile_locally",
     "client/decorator.py::compile",
     "client/exported.py::package_artifact",
     "client/exported.py::aoti_compile_and_package",
@@ -29,7 +21,7 @@ CLIENT_OFFENDERS = {
     "client/remote.py::_get_once",
     "client/switching.py::SwitchingGraph.__init__",
 }
-KNOWN_CYCLES = [{"torchfarm.client.backend", "torchfarm.client.prepare"}]  # issue 51, item 1
+KNOWN_CYCLES: list[set[str]] = []
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
 ROOT = "TorchfarmError"
 # BaseExceptions that are no errors, outside the root on purpose (errors.py says why)

@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from torchfarm.client import backend, remote
+from torchfarm.client import fetch, graph, records, remote
 from torchfarm.client.pool import pool
 from torchfarm.compiler import serialize, trace_state
 from torchfarm.contract.cache_key import public_key
@@ -180,8 +180,8 @@ class Skipper:
         self.graphs: dict[str, GraphRef] = {}
         self.restored = False
         self.saved = False
-        if _observe not in backend.request_observers:
-            backend.request_observers.append(_observe)
+        if _observe not in graph.request_observers:
+            graph.request_observers.append(_observe)
         self.package = self._restore()
 
     def _restore(self) -> dynamo_package.Package:
@@ -243,7 +243,7 @@ def _graph_ref(bid: str) -> GraphRef:
     """The farm request and artifact of a graph traced here; raises where the farm did not
     serve it (compiled locally: a later process would have nothing to fetch)."""
     request, sizes, device_index = _requests[bid]
-    record = next(r for r in reversed(backend.history) if r.label == request.label)
+    record = next(r for r in reversed(records.history) if r.label == request.label)
     if record.source not in _FARM_SOURCES or not record.digest:
         raise LookupError(f"{request.label} was not served by the farm ({record.source})")
     key = public_key(request.graph, request.target, request.options)
@@ -271,16 +271,16 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
             raise LookupError(
                 f"the farm served {fetched.header.digest[:16]}, the package needs {ref.digest[:16]}"
             )
-        loaded[bid] = backend._load(
+        loaded[bid] = graph.load(
             fetched.artifact, requests[bid].options, ref.device_index, fetched.timings
         )
-        backend._record_farm(requests[bid].label, fetched, started, started)
+        records.add_served(records.served(requests[bid].label, started, fetched))
     return loaded
 
 
 def fetch_graph(
     request: pb.CompileRequest, settings: ClientSettings, ref: GraphRef
-) -> backend.Fetched:
+) -> fetch.Fetched:
     """One graph's artifact as the backend fetches it (the one place that follows the
     backend's fetch path when it changes): one Get for the very entry the package names, by
     its key and digest; nothing of the graph is serialized or hashed (payload_s 0); the
@@ -293,7 +293,8 @@ def fetch_graph(
         digest=ref.digest,
     )
     symints = dynamo_package.sized_symints(ref.sizes)
-    return backend._fetch(request, ask, settings, symints, {"payload_s": 0.0, "key_s": 0.0})
+    question = fetch.Question(request, ask, symints, {"payload_s": 0.0, "key_s": 0.0})
+    return fetch.fetch(question, settings)
 
 
 def _call(settings: ClientSettings, method: str, request):

@@ -23,23 +23,34 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import time
 import traceback
 from collections.abc import Callable, Iterator
 
 import torch
 
+from torchfarm.client import records
+from torchfarm.client.fetch import Fetched
+from torchfarm.client.graph import FarmGraph
+from torchfarm.client.pool import Job
 from torchfarm.compiler.target import torch_build
+from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import env
-from torchfarm.torch_adapter.fake_device import fake_device
+from torchfarm.torch_adapter.deferrable import deferrable
+from torchfarm.torch_adapter.fake_device import as_traced_for_real, fake_device
 from torchfarm.torch_adapter.fake_ranks import fake_ranks
 from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
 
+log = logging.getLogger("torchfarm")
 # The target graphs are prepared for while `preparing` runs (client/backend.py asks).
 _target: contextvars.ContextVar[pb.Target | None] = contextvars.ContextVar(
     "torchfarm_prepare_target", default=None
 )
+# A preparation's static graphs, fetched in the background (as DeferredGraph's); `run` records
+# them.
+_prepared: list[tuple[FarmGraph, Job[Fetched]]] = []
 
 
 def target() -> pb.Target | None:
@@ -78,24 +89,22 @@ def run(entry: Callable[[], object], target: pb.Target, world_size: int = 1) -> 
     rank 0 in a process group that communicates nothing (torch_adapter/fake_ranks.py)."""
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, not {world_size}")
-    from torchfarm.client import backend  # noqa: PLC0415  (imports this module)
-
     if target.torch_version != torch_build():
         raise ValueError(
             f"prepare with the job's torch build: the target runs {target.torch_version}, "
             f"this is {torch_build()} (a CUDA build prepares on a machine without a GPU)"
         )
     started = time.monotonic()
-    first = len(backend.history)
+    first = len(records.history)
     stopped = ""
     with fake_ranks(world_size), preparing(target):
         try:
             entry()
         except Exception as e:  # the graphs before it stay prepared
             stopped = _where(e)
-        backend.finish_prepared()
+        _finish()
     torch.compiler.reset()  # the frames traced on fake tensors must not serve real calls
-    rows = [(r.label, _source(r.source), r.seconds) for r in backend.history[first:]]
+    rows = [(r.label, _source(r.source), r.seconds) for r in records.history[first:]]
     return Summary(rows, stopped, time.monotonic() - started)
 
 
@@ -115,6 +124,59 @@ def preparing(target: pb.Target) -> Iterator[None]:
             yield
     finally:
         _target.reset(token)
+
+
+def prepare_graph(graph: FarmGraph, target: pb.Target) -> Callable:
+    """The backend's route while preparing: the farm compiles the graph for `target` (or holds
+    it already); nothing is loaded, and the graph runs on the fake tensors it was traced on.
+    Its shape guards are installed as in a real run, so the graphs after it are traced from
+    the same ShapeEnv. A static graph is fetched in the background (DDP's buckets compile at
+    once); a failure is recorded, never compiled here."""
+    as_traced_for_real(graph.gm)
+    question = graph.ask(_target_for(target, graph.device))
+    if deferrable(graph.gm):
+        _prepared.append((graph, graph.submit(question)))
+        return graph.gm.forward
+    try:
+        fetched = graph.fetch(question)
+        graph.install_guards(fetched)
+        graph.record_served(fetched)
+    except Exception as e:
+        _unprepared(graph, e)
+    return graph.gm.forward
+
+
+def _finish() -> None:
+    """Wait for the preparation's background fetches and record each."""
+    while _prepared:
+        graph, job = _prepared.pop(0)
+        try:
+            graph.record_served(job.result(), deferred=True)
+        except Exception as e:
+            _unprepared(graph, e)
+
+
+def _unprepared(graph: FarmGraph, e: Exception) -> None:
+    why = f"farm: {type(e).__name__}: {e}"
+    records.history.append(records.stamped(graph.label, graph.started, "failed", why))
+    log.warning("%s: not prepared (%s)", graph.label, why)
+
+
+def _target_for(target: pb.Target, device: str) -> pb.Target:
+    """The prepared job's target for a graph on `device`: a CPU graph of a CUDA job runs on
+    that machine's CPU, which the target describes too (compiler/target.py)."""
+    kind = torch.device(device).type
+    if kind == target.device:
+        return target
+    if kind != "cpu":
+        raise FarmError(f"a {kind} graph in a job prepared for {target.device}")
+    cpu = pb.Target()
+    cpu.CopyFrom(target)
+    cpu.device = "cpu"
+    cpu.ClearField("cuda_capability")
+    cpu.ClearField("cuda_version")
+    cpu.ClearField("triton_version")
+    return cpu
 
 
 def _source(source: str) -> str:

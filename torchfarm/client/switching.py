@@ -17,17 +17,24 @@ runs on a load: the farm ships the objects).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import functools
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from torchfarm.client import records
+from torchfarm.client.fetch import Fetched
+from torchfarm.client.graph import FarmGraph
 from torchfarm.client.pool import Job
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter import load_prewarm
 from torchfarm.torch_adapter.guard_text import symbol_inputs
 
 log = logging.getLogger("torchfarm")
@@ -138,3 +145,42 @@ def announce(text: str, enabled: bool) -> None:
     if enabled and sys.stderr.isatty():
         sys.stderr.write(f"\r\033[K[torchfarm] {text}\n")
         sys.stderr.flush()
+
+
+def eager_while_compiling(graph: FarmGraph, job: Job[Fetched]) -> SwitchingGraph:
+    """The graph runs eagerly until `job` (the farm's fetch) brings its code; on a farm
+    failure it stays eager (no local compile: docs/architecture.md, "Never wait")."""
+    started = records.stamped(graph.label, graph.started, "eager-while-compiling")
+    records.history.append(dataclasses.replace(started, seconds=0.0))
+    log.info("%s: running eagerly while the farm compiles it", graph.label)
+    return SwitchingGraph(
+        graph.gm,
+        graph.inputs,
+        job,
+        functools.partial(_farm_code, graph),
+        graph.label,
+        after_first_call=load_prewarm.resume,
+    )
+
+
+def _farm_code(graph: FarmGraph, job: Job[Fetched], switching: SwitchingGraph) -> Switch | None:
+    """The graph's fetch is done: its loaded artifact to switch to; or, on a failure, None:
+    the graph stays eager (one warning)."""
+    try:
+        fetched = job.result()
+        compiled = graph.load(fetched)
+    except Exception as e:  # the farm must never break training, nor make it wait
+        why = graph.farm_failed(e, instead="running eagerly")
+        stays = records.stamped(graph.label, graph.started, "eager", why)
+        records.history.append(dataclasses.replace(stays, eager_calls=switching.eager_calls))
+        log.info("%s: eager (%s)", graph.label, why)
+        return None
+    served = records.served(graph.label, graph.started, fetched)
+    records.add_served(
+        dataclasses.replace(served, eager_calls=switching.eager_calls, switched=time.monotonic())
+    )
+    announce(
+        f"{graph.label}: switched to the farm's code after {switching.eager_calls} eager calls",
+        graph.settings.progress,
+    )
+    return compiled, fetched.artifact.guards

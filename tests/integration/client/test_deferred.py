@@ -7,11 +7,13 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
-from torchfarm.client import backend, remote
-from torchfarm.client.backend import DeferredGraph
+from torchfarm.client import backend, fetch, graph, remote
+from torchfarm.client.deferred import DeferredGraph
+from torchfarm.client.graph import FarmGraph
 from torchfarm.client.pool import Pool
 from torchfarm.compiler import guards
 from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.settings import ClientSettings
 
 
 def f(x, w):
@@ -33,9 +35,11 @@ def _static_graph() -> torch.fx.GraphModule:
 def _deferred(outcome) -> DeferredGraph:
     """The graph of `f`, its farm work being `outcome` (run on a pool thread)."""
     job = Pool(1).submit(outcome)
-    return DeferredGraph(
-        _static_graph(), job, pb.Options(mode="default"), "graph t", time.monotonic()
+    gm = _static_graph()
+    farm_graph = FarmGraph(
+        gm, [], ClientSettings.from_env(), pb.Options(mode="default"), "graph t", time.monotonic()
     )
+    return DeferredGraph(farm_graph, job)
 
 
 def _farm_down():
@@ -43,7 +47,7 @@ def _farm_down():
 
 
 def _artifact_whose_guards_fail():
-    return backend.Fetched(
+    return fetch.Fetched(
         pb.Artifact(guards=guards.parse("1 == 2", 0)), pb.ArtifactHeader(source="hit"), {}
     )
 
@@ -79,7 +83,7 @@ def test_a_failing_local_compile_at_the_first_call_runs_eagerly_even_where_dynam
     def refuse(*args):
         raise UnsupportedOperatorException(torch.ops.aten.relu.default)
 
-    monkeypatch.setattr(backend, "compile_locally", refuse)
+    monkeypatch.setattr(graph, "compile_locally", refuse)
     compiled = _deferred(_farm_down)
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     before = len(backend.history)

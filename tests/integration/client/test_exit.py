@@ -19,7 +19,8 @@ CLIENT = textwrap.dedent(
     """
     import sys
     import torch
-    from torchfarm.client.backend import DeferredGraph, torchfarm_backend
+    from torchfarm.client.backend import torchfarm_backend
+    from torchfarm.client.deferred import DeferredGraph
 
     def capture(gm, example_inputs):
         compiled = torchfarm_backend(gm, example_inputs, addr=sys.argv[1])

@@ -4,13 +4,17 @@ import subprocess
 import sys
 
 
-def test_resolving_the_backend_imports_the_load_path_and_prewarms_on_a_thread():
+def test_the_first_graph_imports_the_load_path_and_prewarms_on_a_thread():
     # A fresh interpreter: importing the backend (as Dynamo does for backend="torchfarm")
-    # imports the load's modules and starts the thread; a load's wait() sees it finished.
+    # starts nothing; its first graph imports the load's modules and starts the thread; a
+    # load's wait() sees it finished.
     code = """
 import sys
+import torch
 import torchfarm.client.backend
 from torchfarm.torch_adapter import load_prewarm
+assert load_prewarm._thread is None, "importing the backend started the prewarm"
+torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
 assert "torch._inductor.compile_fx" in sys.modules
 assert load_prewarm._thread is not None, "no prewarm started"
 load_prewarm.wait()
@@ -22,15 +26,17 @@ print("ok")
 
 
 def test_in_no_wait_mode_the_thread_starts_after_the_first_step_and_the_keys_parts_early():
-    # TORCHFARM_WAIT=0 (issue 27, finding 7): importing the backend imports the load's modules
-    # but starts no thread to take the GIL from the first step's tracing; `resume` (a no-wait
-    # graph's second call) starts it. The target's compiler probe runs on the connecting
-    # thread (a farm address that refuses: the probe does not wait for it).
+    # TORCHFARM_WAIT=0 (issue 27, finding 7): the first graph imports the load's modules but
+    # starts no thread to take the GIL from the first step's tracing; `resume` (a no-wait
+    # graph's second call) starts it. The target's compiler is probed (a farm address that
+    # refuses: the probe does not wait for it).
     code = """
 import os, socket, time
+import torch
 import torchfarm.client.backend
 from torchfarm.compiler import target
 from torchfarm.torch_adapter import load_prewarm
+torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
 assert "torch._inductor.compile_fx" in sys.modules
 assert load_prewarm._thread is None, "the prewarm thread started before the first step"
 load_prewarm.resume()

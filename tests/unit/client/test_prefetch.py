@@ -38,7 +38,7 @@ def test_a_manifest_is_fetched_in_the_background_once_per_key():
 
 
 def test_a_prefetched_entry_is_used_only_where_its_guards_hold():
-    from torchfarm.client import backend
+    from torchfarm.client import fetch
     from torchfarm.client.prefetch import program
     from torchfarm.compiler import guards
 
@@ -49,10 +49,10 @@ def test_a_prefetched_entry_is_used_only_where_its_guards_hold():
     }
     program.prefetch(
         pb.Manifest(entries=[pb.ManifestEntry(key=k, position=1) for k in artifacts]),
-        lambda entry: backend.Fetched(artifacts[entry.key], pb.ArtifactHeader(source="hit"), {}),
+        lambda entry: fetch.Fetched(artifacts[entry.key], pb.ArtifactHeader(source="hit"), {}),
         parallel=1,
     )
-    assert backend._prefetched(pb.Ask(key=failing), []) is None  # the normal Get runs
-    used = backend._prefetched(pb.Ask(key=holding), [])
+    assert fetch.prefetched(pb.Ask(key=failing), []) is None  # the normal Get runs
+    used = fetch.prefetched(pb.Ask(key=holding), [])
     assert used is not None and used.prefetched and used.header.source == "hit"
-    assert backend._prefetched(pb.Ask(key=holding), []) is None  # taken once
+    assert fetch.prefetched(pb.Ask(key=holding), []) is None  # taken once

@@ -86,11 +86,11 @@ def test_the_package_specifier_admits_exactly_the_verified_releases():
 
 
 def test_a_client_on_an_unverified_torch_compiles_locally_with_one_warning(monkeypatch):
-    from torchfarm.client import backend
+    from torchfarm.client import backend, records
 
     reason = "torch 2.14.0 is not verified (verified: 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0)"
     monkeypatch.setattr(torch_adapter, "UNVERIFIED", reason)
-    monkeypatch.setattr(backend, "_warned", set())
+    monkeypatch.setattr(records, "_warned", set())
     monkeypatch.setenv("TORCHFARM_ADDR", "127.0.0.1:1")  # never asked
     torch._dynamo.reset()
     model = torch.nn.Linear(4, 3)
