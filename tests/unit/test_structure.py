@@ -17,8 +17,6 @@ CLIENT_OFFENDERS = {
     "client/decorator.py::compile",
     "client/exported.py::package_artifact",
     "client/exported.py::aoti_compile_and_package",
-    "client/remote.py::get",
-    "client/remote.py::_get_once",
     "client/switching.py::SwitchingGraph.__init__",
 }
 KNOWN_CYCLES: list[set[str]] = []

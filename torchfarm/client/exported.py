@@ -99,7 +99,7 @@ def package_artifact(
     trusted = remote.verifier(settings, request_id)
     progress = ProgressLine(label, settings.progress)
     try:
-        received = remote.get(ask, request, settings, on_progress=progress, request_id=request_id)
+        received = remote.get(ask, request, settings, remote.Listeners(request_id, progress))
     finally:
         progress.close()
     artifact = remote.verified_artifact(received, key, trusted)

@@ -71,14 +71,10 @@ def fetch(
         progress(event)
 
     try:
-        received = remote.get(
-            ask,
-            request,
-            settings,
-            on_progress=on_progress,
-            request_id=request_id,
-            on_manifest=functools.partial(_prefetch, settings),
+        listeners = remote.Listeners(
+            request_id, on_progress, functools.partial(_prefetch, settings)
         )
+        received = remote.get(ask, request, settings, listeners)
     finally:
         progress.close()
     explanation = ""
@@ -119,7 +115,7 @@ def _fetch_entry(settings: ClientSettings, entry: pb.ManifestEntry) -> Fetched:
         private=settings.private,
         label=f"prefetch {entry.position}",
     )
-    received = remote.get(ask, None, settings, request_id=request_id)
+    received = remote.get(ask, None, settings, remote.Listeners(request_id))
     return _verified(received, entry.key, remote.verifier(settings, request_id))
 
 

@@ -266,24 +266,28 @@ class Received:
     missing: pb.Missing | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Listeners:
+    """Who hears one Get besides its caller: `request_id` appears in the gateway's and the
+    worker's log lines, `on_progress` sees its progress events, `on_manifest` a prefetch
+    manifest (sent before the head's artifact)."""
+
+    request_id: str = ""
+    on_progress: Callable[[pb.Progress], None] | None = None
+    on_manifest: Callable[[pb.Manifest], None] | None = None
+
+
 def get(
     ask: pb.Ask,
     request: pb.CompileRequest | None,
     settings: ClientSettings,
-    on_progress: Callable[[pb.Progress], None] | None = None,
-    request_id: str = "",
-    on_manifest: Callable[[pb.Manifest], None] | None = None,
+    listeners: Listeners = Listeners(),
 ) -> Received:
     """One graph in one call: `ask` first; `request` (the payload) only if the farm answers
-    `missing` (None: a miss ends the call, FarmError). `on_manifest` hears a prefetch
-    manifest, sent before the head's artifact. `request_id` appears in the gateway's and
-    the worker's log lines."""
+    `missing` (None: a miss ends the call, FarmError)."""
     stub = _stub(settings)
     return _failing_over(
-        settings,
-        functools.partial(
-            _get_once, stub, ask, request, settings, on_progress, request_id, on_manifest
-        ),
+        settings, functools.partial(_get_once, stub, ask, request, settings, listeners)
     )
 
 
@@ -292,19 +296,17 @@ def _get_once(
     ask: pb.Ask,
     request: pb.CompileRequest | None,
     settings: ClientSettings,
-    on_progress: Callable[[pb.Progress], None] | None,
-    request_id: str,
-    on_manifest: Callable[[pb.Manifest], None] | None,
+    listeners: Listeners,
 ) -> Received:
     """A small hit in one unary Hit call; else Get: after Hit's `missing`, with the ask and
     the payload sent together."""
     missed = None
     if settings.addr not in _without_hit:
         started = time.monotonic()
-        reply = _hit(stub, ask, settings, request_id)
+        reply = _hit(stub, ask, settings, listeners.request_id)
         if reply is not None and reply.HasField("header"):
-            if reply.HasField("manifest") and on_manifest:
-                on_manifest(reply.manifest)
+            if reply.HasField("manifest") and listeners.on_manifest:
+                listeners.on_manifest(reply.manifest)
             decoder = _Decoder(reply.header)
             rpc_s = time.monotonic() - started
             decoder.feed(reply.data)
@@ -329,15 +331,19 @@ def _get_once(
             missing.append(event)
             if request is not None:
                 outbox.put(pb.GetRequest(compile=request))
-        if request is not None and on_progress:  # the compile is on its way to a queue
-            on_progress(pb.Progress(stage=pb.Progress.QUEUED))
+        if request is not None and listeners.on_progress:  # the compile is on its way to a queue
+            listeners.on_progress(pb.Progress(stage=pb.Progress.QUEUED))
         outbox.put(None)
 
     call = stub.Get(
-        requests(), timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+        requests(),
+        timeout=settings.compile_timeout_s,
+        metadata=_metadata(settings, listeners.request_id),
     )
     try:
-        received = _receive(call, settings, on_progress, on_missing, on_manifest)
+        received = _receive(
+            call, settings, listeners.on_progress, on_missing, listeners.on_manifest
+        )
     finally:
         outbox.put(None)  # a hit: the request stream ends with the ask
     return dataclasses.replace(received, missing=missing[0] if missing else None)
