@@ -7,7 +7,7 @@ by who raises them; where each lives, and why:
 TorchfarmError
   client: the Dynamo backend, in the user's process
   + FarmError (RuntimeError) ........ here: raised across client/, caught by the CLI and users
-    + UntrustedEntry ................ here: raised by client/remote.py, a miss in backend.py
+    + UntrustedEntry ................ here: raised by client/remote.py, a miss in client/graph.py
     + FarmBusy ...................... client/remote.py: its retry loop's signal, caught there
     + GatewayLost ................... client/remote.py: likewise (another gateway is asked)
   local farm: `torchfarm up`

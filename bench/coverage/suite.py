@@ -88,7 +88,7 @@ def farm_failures(row: dict) -> list[str]:
     for phase in PHASES:
         # without local torch.compile in the row, the architecture is one PyTorch compiles
         local = row["first"]["phases"][phase].get("local", {"ok": True})
-        # split: handed back to Dynamo, as Inductor's own error would be (client/backend.py);
+        # split: handed back to Dynamo, as Inductor's own error would be (client/graph.py);
         # a hit in the first run is a graph equal to one compiled earlier in that run
         for run, wanted in (
             ("first", {"miss", "merged", "hit", "split"}),

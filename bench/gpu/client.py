@@ -301,7 +301,7 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
                 "kernels_tuned_at_run": tuned_first,
                 "tuned_sample": TUNED_AT_RUN[:2],
                 "graphs": [r.source for r in history],
-                # the farm's account of each graph (client/backend.py GraphRecord.timings),
+                # the farm's account of each graph (client/records.py GraphRecord.timings),
                 # summed over graphs: the hit profile
                 "timings": _summed([r.timings for r in history]),
                 # A hit's Triton kernels come ready from the artifact: binaries emitted and

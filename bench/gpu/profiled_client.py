@@ -20,7 +20,7 @@ import client  # noqa: E402
 from torchfarm.client import graph  # noqa: E402
 
 profiler = cProfile.Profile()
-original = graph.load
+original = graph.load_code
 
 
 @functools.wraps(original)
@@ -34,7 +34,7 @@ def profiled(*args, **kwargs):
 
 whole = os.environ.get("PROFILE_WHOLE") == "1"
 if not whole:
-    graph.load = profiled
+    graph.load_code = profiled
 try:
     if whole:
         profiler.enable()

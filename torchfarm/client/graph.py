@@ -123,7 +123,7 @@ class FarmGraph:
             raise FarmError("the artifact's shape guards do not hold for these inputs")
 
     def load(self, fetched: Fetched) -> Callable:
-        return load(fetched.artifact, self.options, self.device_index, fetched.timings)
+        return load_code(fetched.artifact, self.options, self.device_index, fetched.timings)
 
     def record_served(
         self, fetched: Fetched, awaited: float | None = None, deferred: bool = False
@@ -178,7 +178,7 @@ class FarmGraph:
         log.info("%s: %s in %.2f s (%s)", self.label, source, record.seconds, why)
 
 
-def load(
+def load_code(
     artifact: pb.Artifact, options: pb.Options, device_index: int | None, timings: dict
 ) -> Callable:
     """The artifact's code, on the caller's CUDA device `device_index` (the payload named

@@ -271,7 +271,7 @@ def _load_graphs(contents: Contents, settings: ClientSettings) -> dict[str, Call
             raise LookupError(
                 f"the farm served {fetched.header.digest[:16]}, the package needs {ref.digest[:16]}"
             )
-        loaded[bid] = graph.load(
+        loaded[bid] = graph.load_code(
             fetched.artifact, requests[bid].options, ref.device_index, fetched.timings
         )
         records.add_served(records.served(requests[bid].label, started, fetched))
