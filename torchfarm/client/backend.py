@@ -68,7 +68,6 @@ def torchfarm_backend(
         ),
         f"graph {next(_graph_numbers)}",
     )
-    _start(graph.settings)
     if not graph.settings.addr:
         warn_once("TORCHFARM_ADDR is not set: compiling locally")
         return graph.compile_locally()
@@ -78,13 +77,15 @@ def torchfarm_backend(
     prepared_for = prepare.target()
     if prepared_for is not None:
         return prepare.prepare_graph(graph, prepared_for)
+    _start(graph.settings)
     return _from_the_farm(graph)
 
 
 def _start(settings: ClientSettings) -> None:
-    """The process's one-time work, at its first graph, overlapping that graph's request: the
-    first load's (in no-wait mode from the second step: client/switching.py), and the
-    connection to the farm with its keys and the target's probes."""
+    """The process's one-time work for loading the farm's code, at its first graph bound for
+    the farm (not at import: importing the backend starts nothing), overlapping that graph's
+    request: the first load's (in no-wait mode from the second step: client/switching.py),
+    and the connection to the farm with its keys and the target's probes."""
     global _started
     if not _started:
         _started = True

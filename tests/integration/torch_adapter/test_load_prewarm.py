@@ -4,10 +4,17 @@ import subprocess
 import sys
 
 
+def _refusing_farm() -> dict[str, str]:
+    """This environment with a farm address that refuses connections."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        return dict(os.environ, TORCHFARM_ADDR=f"127.0.0.1:{closed.getsockname()[1]}")
+
+
 def test_the_first_graph_imports_the_load_path_and_prewarms_on_a_thread():
     # A fresh interpreter: importing the backend (as Dynamo does for backend="torchfarm")
-    # starts nothing; its first graph imports the load's modules and starts the thread; a
-    # load's wait() sees it finished.
+    # starts nothing; its first graph for the farm (one that refuses: compiled locally)
+    # imports the load's modules and starts the thread; a load's wait() sees it finished.
     code = """
 import sys
 import torch
@@ -21,7 +28,13 @@ load_prewarm.wait()
 assert not load_prewarm._thread.is_alive()
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_refusing_farm(),
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -48,10 +61,7 @@ while target._compiler.cache_info().currsize == 0:
     time.sleep(0.01)
 print("ok")
 """
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{closed.getsockname()[1]}"
-    env = dict(os.environ, TORCHFARM_WAIT="0", TORCHFARM_ADDR=addr)
+    env = dict(_refusing_farm(), TORCHFARM_WAIT="0")
     out = subprocess.run(
         [sys.executable, "-c", "import sys\n" + code],
         capture_output=True,
