@@ -77,17 +77,19 @@ def torchfarm_backend(
     prepared_for = prepare.target()
     if prepared_for is not None:
         return prepare.prepare_graph(graph, prepared_for)
-    _start(graph.settings)
+    start(graph.settings)
     return _from_the_farm(graph)
 
 
-def _start(settings: ClientSettings) -> None:
-    """The process's one-time work for loading the farm's code, at its first graph bound for
-    the farm (not at import: importing the backend starts nothing), overlapping that graph's
-    request: the first load's (in no-wait mode from the second step: client/switching.py),
-    and the connection to the farm with its keys and the target's probes."""
+def start(settings: ClientSettings) -> None:
+    """The process's one-time work for loading the farm's code, as early as the backend is
+    chosen (client/entry.py, the decorator; else at the first graph bound for the farm), so
+    that it overlaps Dynamo's trace: the first load's imports and prewarm (in no-wait mode
+    its thread from the second step: client/switching.py), and the connection to the farm
+    with its keys and the target's probes. Not without a farm address, nor while `torchfarm
+    prepare` runs the program (its fake tensors are no place for the load's imports)."""
     global _started
-    if not _started:
+    if not _started and settings.addr and prepare.target() is None:
         _started = True
         load_prewarm.start(defer=not settings.wait)
         remote.connect_early(settings, local_target)

@@ -35,8 +35,9 @@ def compile(
 ):
     """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments.
     `wait=False` runs a graph the farm must compile eagerly meanwhile (default: TORCHFARM_WAIT)."""
-    from torchfarm.client.backend import torchfarm_backend
+    from torchfarm.client.backend import start, torchfarm_backend
 
+    start(ClientSettings.from_env(addr=addr, token=token, wait=wait))  # overlaps the trace
     backend = functools.partial(
         torchfarm_backend, mode=mode, options=options, addr=addr, token=token, wait=wait
     )

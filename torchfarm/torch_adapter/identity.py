@@ -129,7 +129,7 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
     if isinstance(value, types.FunctionType):
         return _function(value)
     if isinstance(value, types.CodeType):
-        return f"code:{hashlib.sha256(_code(value).encode()).hexdigest()[:32]}"
+        return f"code:{_digest(value)}"
     if isinstance(value, types.MethodType):
         parts = [fingerprint(value.__func__, depth + 1), fingerprint(value.__self__, depth + 1)]
         return None if None in parts else f"method:{parts[0]}@{parts[1]}"
@@ -155,10 +155,17 @@ def fingerprint(value: Any, depth: int = 0) -> str | None:
 
 
 def _function(fn: types.FunctionType) -> str:
-    digest = hashlib.sha256(_code(fn.__code__).encode()).hexdigest()[:32]
     module = fn.__globals__.get("__name__", fn.__module__)
     qualname = getattr(fn.__code__, "co_qualname", fn.__qualname__)  # Python >= 3.11
-    return f"function:{module}.{qualname}:{digest}"
+    return f"function:{module}.{qualname}:{_digest(fn.__code__)}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(code: types.CodeType) -> str:
+    """Once per code object: a closure made anew on every call (a guarded local of a later
+    frame, dynamo_package.LateChecks) is fingerprinted on every call, and hashing a
+    transformers forward's code took 13-43 us."""
+    return hashlib.sha256(_code(code).encode()).hexdigest()[:32]
 
 
 def _code(code: types.CodeType) -> str:

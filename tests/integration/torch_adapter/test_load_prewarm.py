@@ -11,19 +11,21 @@ def _refusing_farm() -> dict[str, str]:
         return dict(os.environ, TORCHFARM_ADDR=f"127.0.0.1:{closed.getsockname()[1]}")
 
 
-def test_the_first_graph_imports_the_load_path_and_prewarms_on_a_thread():
-    # A fresh interpreter: importing the backend (as Dynamo does for backend="torchfarm")
-    # starts nothing; its first graph for the farm (one that refuses: compiled locally)
-    # imports the load's modules and starts the thread; a load's wait() sees it finished.
+def test_choosing_the_backend_imports_the_load_path_and_prewarms_on_a_thread():
+    # A fresh interpreter: importing the backend or its entry module starts nothing; Dynamo's
+    # lookup of backend="torchfarm" (in torch.compile, before any trace) imports the load's
+    # modules and starts the thread, so both overlap the first trace; a load's wait() sees
+    # it finished.
     code = """
 import sys
 import torch
-import torchfarm.client.backend
+import torchfarm.client.backend, torchfarm.client.entry
 from torchfarm.torch_adapter import load_prewarm
 assert load_prewarm._thread is None, "importing the backend started the prewarm"
-torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
+compiled = torch.compile(lambda x: x.sin() + 1, backend="torchfarm")
 assert "torch._inductor.compile_fx" in sys.modules
-assert load_prewarm._thread is not None, "no prewarm started"
+assert load_prewarm._thread is not None, "choosing the backend started no prewarm"
+compiled(torch.randn(4))
 load_prewarm.wait()
 assert not load_prewarm._thread.is_alive()
 print("ok")
@@ -39,8 +41,8 @@ print("ok")
 
 
 def test_in_no_wait_mode_the_thread_starts_after_the_first_step_and_the_keys_parts_early():
-    # TORCHFARM_WAIT=0 (issue 27, finding 7): the first graph imports the load's modules but
-    # starts no thread to take the GIL from the first step's tracing; `resume` (a no-wait
+    # TORCHFARM_WAIT=0 (issue 27, finding 7): choosing the backend imports the load's modules
+    # but starts no thread to take the GIL from the first step's tracing; `resume` (a no-wait
     # graph's second call) starts it. The target's compiler is probed (a farm address that
     # refuses: the probe does not wait for it).
     code = """
