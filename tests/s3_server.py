@@ -91,10 +91,14 @@ def seaweedfs(timeout_s: float = 60) -> Iterator[S3Server]:
                 time.sleep(0.2)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        # Killed, not terminated: weed 4's graceful stop did not end in 20 s (each stop cost
+        # the 15 s wait), and a throwaway server in a directory removed next has nothing to keep.
+        proc.kill()
+        proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
+        # the Unix sockets weed opens beside its gRPC and HTTP ports, left by a killed weed
+        sockets = [f"{name}-grpc-{port}" for name, port in grpc.items()]
+        sockets += [f"{name}-{ports[name]}" for name in ("filer", "s3")]
+        for name in sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/tmp/seaweedfs-{name}.sock")
