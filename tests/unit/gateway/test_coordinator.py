@@ -193,11 +193,12 @@ def test_a_run_that_ends_between_a_waiters_claim_and_its_post_keeps_its_outcome(
     assert len(queue.jobs) == 1
 
 
-def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
+def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store, monkeypatch):
     """The worker took the job (its stage is past QUEUED) and died without an outcome or a
     release (a Celery worker that exited on a full Redis): its claim lives on, but its
     heartbeat expires, and the waiter queues the job again instead of waiting for the claim's
     expiry (finding 2 of issue 27)."""
+    monkeypatch.setattr(coordinator_module, "PROGRESS_EVERY_S", 0.2)  # a look every 0.2 s
     queue = Queue()
     coordinator = Coordinator(store, queue, compile_timeout_s=600)
     events: list = []
@@ -205,7 +206,7 @@ def test_a_waiter_takes_over_a_job_whose_worker_stopped_beating(store):
     job = queue.next()
     assert store.jobs.take_lease(job.job_id, "worker")  # taken, lease fresh
     store.jobs.set_stage(job.job_id, pb.Progress.COMPILING)
-    time.sleep(2.5)
+    time.sleep(0.5)
     assert len(queue.jobs) == 1, "a job with a fresh heartbeat was queued again"
     store.jobs.redis.delete(keys.alive(job.job_id))  # the worker is gone: no more beats
     retried = queue.next()
@@ -231,9 +232,10 @@ def test_a_live_lease_keeps_a_long_compile_its_own(store):
     assert not store.jobs.take_over("j1", orphaned)  # once
 
 
-def test_a_full_redis_does_not_end_a_wait(store):
+def test_a_full_redis_does_not_end_a_wait(store, monkeypatch):
     """The waiter's refresh is bookkeeping: at maxmemory it is skipped, and the wait goes on
     to the artifact."""
+    monkeypatch.setattr(coordinator_module, "PROGRESS_EVERY_S", 0.2)  # a refresh every 0.2 s
     queue = Queue()
     coordinator = Coordinator(store, queue, compile_timeout_s=60)
     events: list = []
@@ -244,7 +246,7 @@ def test_a_full_redis_does_not_end_a_wait(store):
     store.jobs.redis.config_set("maxmemory-policy", "noeviction")
     store.jobs.redis.config_set("maxmemory", used // 2)
     try:
-        time.sleep(2.5)  # two refreshes refused
+        time.sleep(0.5)  # two refreshes refused
         assert thread.is_alive()
     finally:
         store.jobs.redis.config_set("maxmemory", 0)
@@ -375,7 +377,8 @@ def test_a_merged_waiter_takes_over_when_the_claimant_cannot_queue(store):
     assert _bytes(merged[-1]) == ARTIFACT and len(queue.jobs) == 1
 
 
-def test_a_job_is_abandoned_once_its_last_waiter_leaves_or_goes_silent(store):
+def test_a_job_is_abandoned_once_its_last_waiter_leaves_or_goes_silent(store, monkeypatch):
+    monkeypatch.setattr(coordinator_module, "PROGRESS_EVERY_S", 0.2)  # a cancel heard in 0.2 s
     queue = Queue()
     coordinator = Coordinator(store, queue, compile_timeout_s=60)
     active = {"first": True, "second": True}
@@ -520,17 +523,17 @@ def test_a_waiter_queues_again_a_job_lost_in_the_queue(store, monkeypatch):
     progress tick every second for up to 1,860 s; now, once a worker of the pool reports a
     free slot for QUEUE_GRACE_S while the job waited, a waiter queues it again. A busy pool
     keeps its queue (issue 27, finding 2)."""
-    monkeypatch.setattr(coordinator_module, "QUEUE_GRACE_S", 1.0)
-    monkeypatch.setattr(coordinator_module, "LIVENESS_EVERY_S", 0.2)
+    monkeypatch.setattr(coordinator_module, "QUEUE_GRACE_S", 0.5)
+    monkeypatch.setattr(coordinator_module, "LIVENESS_EVERY_S", 0.1)
     queue = Queue()
     coordinator = Coordinator(store, queue, compile_timeout_s=600)
     _beat(store, -1)  # every slot busy: the job waits its turn
     events: list = []
     thread = _in_background(events, coordinator, _call())
     job = queue.next()
-    time.sleep(2.5)
+    time.sleep(1.25)
     _beat(store, -1)
-    time.sleep(1)
+    time.sleep(0.5)
     assert len(queue.jobs) == 1, "a job waiting its turn was queued again"
     _beat(store, 60)  # a free slot for a minute, and the job still untaken: lost
     retried = queue.next()
