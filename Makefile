@@ -48,10 +48,13 @@ lint-and-unit:
 
 check: lint-and-unit
 
-# Two pytest-xdist workers: 66 s instead of 87 s on the 2-core box at load 2 (562 tests; 68
-# CPU-s instead of 47: each worker imports torch, Dynamo and Inductor and starts its servers).
+# Two pytest-xdist workers: each imports torch, Dynamo and Inductor (~7 CPU-s) and starts its
+# servers, but one waits (a server's start, a lease's TTL) while the other computes. The
+# .pyc of the project's and the tests' modules are written (PYTHONDONTWRITEBYTECODE emptied,
+# as these machines set it): from the second run on, each worker's collection takes ~2 CPU-s
+# less. 579 tests: ~45-60 s on the 2-core box at load 1-3 (tests/unit/conftest.py).
 unit: deps $(COMPOSE_SCHEMA)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
 
 integration: deps
 	$(PY) -m pytest -q -p no:cacheprovider -n $(INTEGRATION_WORKERS) --dist loadfile \
