@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from torchfarm.settings import env, sizing
 
-_S = TypeVar("_S")
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; the package supports 3.10
+    from typing_extensions import Self
 
 
 def _var(short: str) -> Any:
@@ -19,12 +20,17 @@ def _var(short: str) -> Any:
     return dataclasses.field(default=env.default(short), metadata={"env": short})
 
 
-def _from_env(cls: type[_S], overrides: dict[str, Any]) -> _S:
-    """`cls` from the environment; an override that is not None wins over its variable."""
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    values = {f.name: env.get(f.metadata["env"]) for f in fields if "env" in f.metadata}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**values)
+class _FromEnv:
+    """A settings class read from its TORCHFARM_* variables (the mixin of each service's)."""
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Self:
+        """The settings from the environment; an override that is not None wins over its
+        variable."""
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        values = {f.name: env.get(f.metadata["env"]) for f in fields if "env" in f.metadata}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
 
 
 def _validate(settings: Any) -> None:
@@ -34,7 +40,7 @@ def _validate(settings: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClientSettings:
+class ClientSettings(_FromEnv):
     addr: str = _var("ADDR")
     token: str = _var("TOKEN")
     connect_timeout_s: float = _var("CONNECT_TIMEOUT")
@@ -49,23 +55,15 @@ class ClientSettings:
     skip_tracing: bool | None = _var("SKIP_TRACING")  # None: dynamo_package.DEFAULT_ON decides
     package_key: str = _var("PACKAGE_KEY")
 
-    @classmethod
-    def from_env(cls, **overrides) -> ClientSettings:
-        return _from_env(cls, overrides)
-
 
 @dataclasses.dataclass(frozen=True)
-class AdminSettings:
+class AdminSettings(_FromEnv):
     """`torchfarm cache`: the gateway's Admin service, with an operator's token."""
 
     addr: str = _var("ADDR")
     token: str = _var("ADMIN_TOKEN")
     tls_ca: str = _var("TLS_CA")
     timeout_s: float = _var("ADMIN_TIMEOUT")
-
-    @classmethod
-    def from_env(cls, **overrides) -> AdminSettings:
-        return _from_env(cls, overrides)
 
 
 def user_cache_dir() -> Path:
@@ -86,7 +84,7 @@ def parse_tenants(spec: str, variable: str = env.name("TENANTS")) -> dict[str, s
 
 
 @dataclasses.dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(_FromEnv):
     host: str = _var("GATEWAY_HOST")
     port: int = _var("GATEWAY_PORT")
     redis_url: str = _var("REDIS_URL")
@@ -140,13 +138,9 @@ class GatewaySettings:
         own beside the tenants' streams, a quarter of the threads those leave (at least 1)."""
         return max(1, (self.threads - self.max_streams) // 4)
 
-    @classmethod
-    def from_env(cls, **overrides) -> GatewaySettings:
-        return _from_env(cls, overrides)
-
 
 @dataclasses.dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(_FromEnv):
     redis_url: str = _var("REDIS_URL")
     broker_url: str = _var("BROKER_URL")
     blob_url: str = _var("BLOB_URL")
@@ -215,10 +209,6 @@ class WorkerSettings:
     def visibility_timeout_s(self) -> float:
         """Seconds an unacknowledged task stays with its worker before it is redelivered."""
         return self.redelivery_s or self.compile_timeout_s + 300
-
-    @classmethod
-    def from_env(cls, **overrides) -> WorkerSettings:
-        return _from_env(cls, overrides)
 
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # the cache on a Redis Cluster
