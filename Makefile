@@ -1,6 +1,6 @@
 # The two commands: `make demo` and `make test`. Both create .venv and install what is missing.
 # `make check` is the edit-test loop: `make lint` (ruff + mypy) then `make unit`, the fast tier
-# (no process, no compile: tests/unit/conftest.py; about a minute on the 2-core box);
+# (no process, no compile: tests/unit/conftest.py; under a minute on the 2-core box);
 # `make test` runs both tiers and lint, as CI does.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -52,7 +52,8 @@ check: lint-and-unit
 # servers, but one waits (a server's start, a lease's TTL) while the other computes. The
 # .pyc of the project's and the tests' modules are written (PYTHONDONTWRITEBYTECODE emptied,
 # as these machines set it): from the second run on, each worker's collection takes ~2 CPU-s
-# less. 579 tests: ~45-60 s on the 2-core box at load 1-3 (tests/unit/conftest.py).
+# less. 580 tests: 41-49 s on the 2-core box at load 2-3.3 (55 CPU-s; 62-63 s and 63 CPU-s
+# before the S3 server's kill, the shorter coordinator ticks and tests/unit/conftest.py's exit).
 unit: deps $(COMPOSE_SCHEMA)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
 
