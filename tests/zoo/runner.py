@@ -145,6 +145,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "ratio": round(ratio, 3) if farm.get("steady_ms") else None,
                         "guard_us": farm["identity_guard"]["us_per_call"],
                         "guard_calls": farm["identity_guard"]["calls"],
+                        "guard_first_us": farm["identity_guard"].get("first_us"),
                         "sources": farm["sources"],
                         "local": len(farm["not_farm"]),
                         "not_farm": farm["not_farm"],

@@ -314,13 +314,13 @@ class LateChecks:
     guard and Dynamo traces the frame."""
 
     def __init__(self, checks: Sequence[tuple[tuple[identity.Step, ...], str]]) -> None:
-        self.checks = list(checks)
+        self.checks = [(identity.resolver(steps), expected) for steps, expected in checks]
         self.matched: list[Any] = [_UNSEEN] * len(self.checks)
 
     def __call__(self, frame_locals: Any) -> bool:
-        for i, (steps, expected) in enumerate(self.checks):
+        for i, (resolve, expected) in enumerate(self.checks):
             try:
-                value = identity.resolve(steps, frame_locals, {})
+                value = resolve(frame_locals, {})
             except Exception:  # the path is gone
                 return False
             if value is not self.matched[i]:

@@ -298,6 +298,16 @@ def test_a_dicts_key_is_found_again():
     assert identity.resolve(steps, {}, {"validators": {int: None, str: None}}) is str
 
 
+def test_a_path_is_one_expression_of_literals():
+    """LateChecks resolve their paths on every call, each path compiled once; a name that is
+    no str or int never reaches the expression."""
+    steps = (("local", "m"), ("attr", "__dict__"), ("key_at", 0), ("type", None))
+    assert identity.resolver(steps) is identity.resolver(steps)
+    assert identity.resolve(steps, {"m": types.SimpleNamespace(a=1.5)}, {}) is float
+    with pytest.raises(TypeError):
+        identity.resolver((("local", "m"), ("attr", types.SimpleNamespace())))
+
+
 def calls_a_local_after_a_break(x):
     act = helper  # a local of the resume function that runs the rest after the break
     y = x * 2
