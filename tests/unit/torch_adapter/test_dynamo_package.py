@@ -100,6 +100,8 @@ def _restore(fn, *args, recording=None):
     torch._dynamo.reset()
     counters.clear()
     bytecode_transformation._unique_id_counter = itertools.count()
+    for name in [n for n in globals() if re.fullmatch(r"_\d+_c\d+", n)]:  # Dynamo installed
+        del globals()[name]  # them by object id: a fresh process has none
     restored = dynamo_package.new_package()
     dynamo_package.install(restored, fn, saved, graphs)
     return dynamo_package.optimize(backend, restored, None, False)(fn)
@@ -347,25 +349,8 @@ def test_a_global_only_an_identity_check_reads_is_saved():
     """2.11 guards `type(x)` through torch installed under its id (`G['_<id>_c0'].Tensor`), a
     global the frame's bytecode never reads; a fresh process, which has no such global, traced
     transformers' forward wrappers on every hit (H200, llama and gpt2)."""
-    graphs = {}
-
-    def backend(gm, example_inputs):
-        graphs[dynamo_package.backend_id(gm)] = gm.forward
-        return gm.forward
-
     x = torch.randn(4, 8)
-    torch._dynamo.reset()
-    package = dynamo_package.new_package()
-    dynamo_package.record(package, tensor_type_check)
-    dynamo_package.optimize(backend, package, None, False)(tensor_type_check)(x)
-    saved = dynamo_package.dumps(package)
-    torch._dynamo.reset()
-    counters.clear()
-    for name in [n for n in globals() if re.fullmatch(r"_\d+_c\d+", n)]:  # a fresh process's
-        del globals()[name]
-    restored = dynamo_package.new_package()
-    dynamo_package.install(restored, tensor_type_check, saved, graphs)
-    compiled = dynamo_package.optimize(backend, restored, None, False)(tensor_type_check)
+    compiled = _restore(tensor_type_check, x)
     assert torch.equal(compiled(x), tensor_type_check(x))
     assert counters["stats"]["unique_graphs"] == 0
     torch._dynamo.reset()
