@@ -7,11 +7,12 @@ building Triton's driver stubs (a C compiler run) and hashing Triton. On an H100
 bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit. torch.compile(backend="inductor")
 pays the imports inside torch.compile and the rest along its first step, one after another.
 
-`start` runs at the farm backend's first graph (client/backend.py): it imports on the
-calling thread — imports on two threads at once can meet a half-initialised module of
-torch's circular imports — and leaves the hashing and the compiler run to a thread, where
-they overlap the graph's way to the farm and back. A load `wait`s for that thread: it never
-races it. In no-wait mode the first step runs eagerly and loads nothing,
+`start` runs when the farm's backend is chosen (client/entry.py, inside torch.compile, as
+Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
+two threads at once can meet a half-initialised module of torch's circular imports — and
+leaves the hashing and the compiler run to a thread, where they overlap Dynamo's tracing. A
+load `wait`s for that thread: it never races it. In no-wait mode the first step runs eagerly
+and loads nothing,
 and that thread, which takes the GIL between files, slowed Dynamo's tracing of it (issue 27,
 finding 7): there `start(defer=True)` imports only, and the thread starts at `resume` (after
 the first step) or in the first load's `wait`.
