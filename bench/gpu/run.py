@@ -42,8 +42,10 @@ prepare:  issue 30: for GPT and one coverage model (or MODELS=a,b,...): `torchfa
           in a process that sees no GPU (CUDA_VISIBLE_DEVICES empty), then the real first step
           on the GPU (every graph should be a hit), a normal farm hit (another fresh process)
           and local cold: the prepared first step over the normal hit.
-profile:  a GPT farm miss, then a hit with the artifact's load under cProfile (hit.prof and
-          the top functions in OUTDIR/hit-profile.txt): where a hit's load_s goes.
+profile:  for each of MODELS (default gpt): a farm miss, then a hit with the artifact's load
+          under cProfile (the top functions in OUTDIR/MODEL-hit-profile.txt), then whole
+          processes under cProfile: the farm hit, PyTorch's remote warm start and the skip
+          hit (MODEL-whole-*-profile.txt): where each warm start's time goes.
 spread:   issue 31: max-autotune-no-cudagraphs (MODE) for GPT (MODELS), the rows SPREAD_ROWS
           names (default check,local,farm,ranks): the seam checked in-process, local cold on
           one GPU, the farm's miss on a worker that spreads one compile's benchmarking over
@@ -345,20 +347,24 @@ class Runner:
         )
         self.run(model, "default", "local", "pt remote fill", tempfile.mkdtemp(), remote)
         self._profiled(model, "local", "whole-pt-remote", remote, whole=True)
+        self.run(model, "default", "farm-skip", "skip record", tempfile.mkdtemp())
+        self._profiled(model, "farm-skip", "whole-skip-hit", {}, whole=True)
 
     def _profiled(self, model: str, backend: str, name: str, extra: dict, whole: bool) -> None:
         import pstats
 
         cache = tempfile.mkdtemp()
         prof = os.path.join(tempfile.mkdtemp(), f"{name}.prof")
-        env = {**self.env(cache, self.farm.addr if backend == "farm" else ""), **extra}
+        env = {**self.env(cache, self.farm.addr if backend.startswith("farm") else ""), **extra}
+        if backend == "farm-skip":
+            env["TORCHFARM_SKIP_TRACING"] = "1"
         subprocess.run(
             [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
             + [model, "default", backend, os.path.join(self.tensors, f"profiled-{name}.pt")],
             env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": "1" if whole else "0"},
             check=False,
         )
-        with open(os.path.join(self.outdir, f"{name}-profile.txt"), "w") as f:
+        with open(os.path.join(self.outdir, f"{model}-{name}-profile.txt"), "w") as f:
             stats = pstats.Stats(prof, stream=f)
             stats.sort_stats("cumulative").print_stats(150)
             stats.sort_stats("tottime").print_stats(40)
@@ -691,7 +697,8 @@ def main() -> None:
                 runner.parity(model)
         elif args.part == "profile":
             with plain_redis() as redis_port:
-                runner.profile_hit(os.environ.get("MODELS", "gpt"), redis_port)
+                for model in os.environ.get("MODELS", "gpt").split(","):
+                    runner.profile_hit(model, redis_port)
         elif args.part == "novel":  # issue 28: MODELS, MODE
             mode = os.environ.get("MODE", "default")
             models = os.environ.get("MODELS", NOVEL_MODELS).split(",")
