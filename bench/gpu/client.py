@@ -23,11 +23,13 @@ and writes OUTFILE.rank<N>.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -236,6 +238,10 @@ def join_ranks() -> int:
     return dist.get_rank()
 
 
+# From the compile call to the end of the first step: the window a warm start is timed over.
+first_step_window: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
 def main(name: str, mode: str, backend: str, outfile: str) -> None:
     if backend == "prepare":
         return prepare_only(name, mode)
@@ -251,27 +257,28 @@ def main(name: str, mode: str, backend: str, outfile: str) -> None:
     torch.cuda.synchronize()
     # From torch.compile, as bench/first_result.py: resolving the backend is part of the cost
     # (backend="inductor" imports Inductor's compile_fx there, before the first step)
-    started = time.perf_counter()
-    if backend == "farm-skip":  # torchfarm.compile: Dynamo's package kept on the farm
-        import logging
+    with first_step_window():  # profiled_client.py: PROFILE_WHOLE=first profiles this
+        started = time.perf_counter()
+        if backend == "farm-skip":  # torchfarm.compile: Dynamo's package kept on the farm
+            import logging
 
-        import torchfarm
+            import torchfarm
 
-        logging.basicConfig(level=logging.WARNING)
-        logging.getLogger("torchfarm").setLevel(logging.INFO)  # the package's fate, on stderr
+            logging.basicConfig(level=logging.WARNING)
+            logging.getLogger("torchfarm").setLevel(logging.INFO)  # the package's fate, on stderr
 
-        compiled_model = torchfarm.compile(model, mode=mode)
-        restored = capture_restored_guards() if os.environ.get("BENCH_GUARD_DEBUG") else []
-    else:
-        compiled_model = torch.compile(
-            model,
-            backend={"farm": "torchfarm", "local": "inductor", "eager": "eager"}[backend],
-            mode=None if mode == "default" or backend == "eager" else mode,
-        )
-    compiled = make_step(compiled_model, model, spec)
-    out, grads = compiled(*x)
-    torch.cuda.synchronize()
-    first_s = time.perf_counter() - started
+            compiled_model = torchfarm.compile(model, mode=mode)
+            restored = capture_restored_guards() if os.environ.get("BENCH_GUARD_DEBUG") else []
+        else:
+            compiled_model = torch.compile(
+                model,
+                backend={"farm": "torchfarm", "local": "inductor", "eager": "eager"}[backend],
+                mode=None if mode == "default" or backend == "eager" else mode,
+            )
+        compiled = make_step(compiled_model, model, spec)
+        out, grads = compiled(*x)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - started
     if backend == "farm-skip":
         report_restored_guards(restored, model, x, spec)
     ptxas_first = ptxas_calls()

@@ -334,40 +334,44 @@ class Runner:
         return seconds
 
     def profile_hit(self, model: str, redis_port: int) -> None:
-        """A miss, then a hit with its load under cProfile (hit-profile.txt); then the whole
-        hit process and the whole of PyTorch's remote warm start under cProfile, side by side
-        (whole-farm-hit.txt, whole-pt-remote.txt): where each warm start's time goes."""
+        """A miss, then a hit with its load under cProfile (MODEL-hit-profile.txt); then the
+        farm hit, PyTorch's remote warm start and the skip hit under cProfile, side by side
+        (MODEL-whole-*-profile.txt and .prof): where each warm start's time goes. The whole
+        process, or with PROFILE_WINDOW=first the compile call to the first step's end only
+        (and the client's debug lines: the prewarm's steps)."""
+        window = os.environ.get("PROFILE_WINDOW", "1")
         self.run(model, "default", "farm", "farm miss", tempfile.mkdtemp())
-        self._profiled(model, "farm", "hit", {}, whole=False)
-        self._profiled(model, "farm", "whole-farm-hit", {}, whole=True)
+        if window == "1":
+            self._profiled(model, "farm", "hit", {}, "0")
+        self._profiled(model, "farm", "whole-farm-hit", {}, window)
         remote = dict(
             PT_REMOTE_GPU,
             TORCHINDUCTOR_REDIS_HOST="127.0.0.1",
             TORCHINDUCTOR_REDIS_PORT=str(redis_port),
         )
         self.run(model, "default", "local", "pt remote fill", tempfile.mkdtemp(), remote)
-        self._profiled(model, "local", "whole-pt-remote", remote, whole=True)
+        self._profiled(model, "local", "whole-pt-remote", remote, window)
         self.run(model, "default", "farm-skip", "skip record", tempfile.mkdtemp())
-        self._profiled(model, "farm-skip", "whole-skip-hit", {}, whole=True)
+        self._profiled(model, "farm-skip", "whole-skip-hit", {}, window)
 
-    def _profiled(self, model: str, backend: str, name: str, extra: dict, whole: bool) -> None:
+    def _profiled(self, model: str, backend: str, name: str, extra: dict, whole: str) -> None:
         import pstats
 
         cache = tempfile.mkdtemp()
-        prof = os.path.join(tempfile.mkdtemp(), f"{name}.prof")
+        prof = os.path.join(self.outdir, f"{model}-{name}.prof".replace(":", "-"))
         env = {**self.env(cache, self.farm.addr if backend.startswith("farm") else ""), **extra}
         if backend == "farm-skip":
             env["TORCHFARM_SKIP_TRACING"] = "1"
         subprocess.run(
             [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
             + [model, "default", backend, os.path.join(self.tensors, f"profiled-{name}.pt")],
-            env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": "1" if whole else "0"},
+            env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": whole},
             check=False,
         )
-        with open(os.path.join(self.outdir, f"{model}-{name}-profile.txt"), "w") as f:
+        with open(prof.replace(".prof", "-profile.txt"), "w") as f:
             stats = pstats.Stats(prof, stream=f)
-            stats.sort_stats("cumulative").print_stats(150)
-            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(250)
+            stats.sort_stats("tottime").print_stats(60)
 
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""

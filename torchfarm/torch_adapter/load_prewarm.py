@@ -7,6 +7,10 @@ building Triton's driver stubs (a C compiler run) and hashing Triton. On an H100
 bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit. torch.compile(backend="inductor")
 pays the imports inside torch.compile and the rest along its first step, one after another.
 
+Triton's driver build (a C compiler run, then `ptxas --version`) waits on subprocesses, not
+the GIL, so it runs on a thread of its own, started first, beside the hashing: with the skip a
+hit traces nothing, so nothing else hides this work and the first load waits for all of it.
+
 `start` runs when the farm's backend is chosen (client/entry.py, inside torch.compile, as
 Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
 two threads at once can meet a half-initialised module of torch's circular imports — and
@@ -18,7 +22,8 @@ finding 7): there `start(defer=True)` imports only, and the thread starts at `re
 the first step) or in the first load's `wait`.
 
 Uses `torch._inductor.compile_fx` (import), `torch._inductor.codecache.torch_key` and
-`torch.utils._triton.triton_hash_with_backend`. Verified (source read): torch 2.11.0,
+`torch.utils._triton.triton_backend` / `triton_hash_with_backend` and
+`torch._inductor.runtime.triton_compat.triton_key`. Verified (source read): torch 2.11.0,
 2.13.0, 2.15.0.
 """
 
@@ -27,9 +32,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+import time
 from collections.abc import Callable
 
-log = logging.getLogger("torchfarm")
+log = logging.getLogger("torchfarm.client")
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _deferred: list[Callable[[], object]] | None = None  # imported, its thread not started yet
@@ -77,19 +83,30 @@ def _imported() -> list[Callable[[], object]]:
         if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
             import triton.compiler.compiler  # noqa: F401
             import triton.runtime.driver  # noqa: F401
-            from torch._inductor.runtime import triton_compat  # noqa: F401
-            from torch.utils._triton import triton_hash_with_backend
+            from torch._inductor.runtime.triton_compat import triton_key
+            from torch.utils._triton import triton_backend, triton_hash_with_backend
 
-            work.append(triton_hash_with_backend)
+            driver = _beside(lambda: triton_backend().hash())
+            work += [driver.start, triton_key, driver.join, triton_hash_with_backend]
         return work
     except Exception as e:  # only ever a slower load: the load does the same work itself
         log.debug("prewarming the artifact load: %s", e)
         return []
 
 
+def _beside(build: Callable[[], object]) -> threading.Thread:
+    """A thread for work that waits on subprocesses, started and joined as steps of `_run`."""
+    return threading.Thread(
+        target=_run, args=([build],), name="torchfarm-prewarm-driver", daemon=True
+    )
+
+
 def _run(work: list[Callable[[], object]]) -> None:
     for step in work:
+        started = time.perf_counter()
         try:
             step()
         except Exception as e:
             log.debug("prewarming the artifact load: %s", e)
+        took = time.perf_counter() - started
+        log.debug("prewarm %s: %.3f s", getattr(step, "__qualname__", step), took)
