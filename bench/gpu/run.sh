@@ -23,6 +23,10 @@ rm -rf build /tmp/site/torchfarm /tmp/site/torchfarm-*.dist-info
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
 export PYTHONPATH=$PWD:/tmp/site
 python3 -m compileall -q -j 0 torchfarm bench >/dev/null
+# The image's own packages too: it was built with PYTHONDONTWRITEBYTECODE=1 and holds no .pyc
+# for torch, so each process compiled the ~170-220 torch modules a warm start imports from
+# source (1.2-1.6 s of it under cProfile, 2026-11-29), which no pip-installed torch does.
+python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 
 mkdir -p /tmp/debs
 for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/debs; done
@@ -60,18 +64,21 @@ for PART in "$@"; do  # each part starts a farm of its own
             --rows "${ROWS:-local,farm miss,farm hit,farm sent}" --json "$OUT/aoti.json" \
             || echo "aoti failed ($?)"
     elif [ "$PART" = zoo ]; then  # issue 49: the hit part's rows for ZOO_MODELS, split over
-        # the GPUs: one run.py (its own farm, its own GPU) per GPU, side by side, each model's
-        # processes one after another on its GPU; rows stream to $OUT/zoo-gpuN/log.txt
+        # ZOO_RUNNERS runners (default: one per GPU), each a run.py with its own farm on GPU
+        # r % GPUS and cores of its own, side by side, each model's processes one after another
+        # in its runner; rows stream to $OUT/zoo-runnerN/log.txt
         ZOO_MODELS=${ZOO_MODELS:-zoo:llama,zoo:qwen3,zoo:gpt2,zoo:gpt-neox,zoo:deberta-v2,zoo:chatglm-encoder,zoo:timm-convnext,zoo:unet}
         GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+        RUNNERS=${ZOO_RUNNERS:-$GPUS}; PER=$(( $(nproc) / RUNNERS ))
         IFS=, read -ra ALL <<< "$ZOO_MODELS"
-        for ((g = 0; g < GPUS; g++)); do
-            mine=(); for ((i = g; i < ${#ALL[@]}; i += GPUS)); do mine+=("${ALL[i]}"); done
+        for ((r = 0; r < RUNNERS; r++)); do
+            mine=(); for ((i = r; i < ${#ALL[@]}; i += RUNNERS)); do mine+=("${ALL[i]}"); done
             [ ${#mine[@]} -gt 0 ] || continue
-            mkdir -p "$OUT/zoo-gpu$g"
-            (IFS=,; CUDA_VISIBLE_DEVICES=$g MODELS="${mine[*]}" BENCH_STEADY=1 PYTHONUNBUFFERED=1 \
-                timeout "${ZOO_TIMEOUT:-480}" python3 bench/gpu/run.py --part hit \
-                --out "$OUT/zoo-gpu$g" > "$OUT/zoo-gpu$g/log.txt" 2>&1 || echo "zoo gpu$g failed ($?)") &
+            mkdir -p "$OUT/zoo-runner$r"
+            (IFS=,; CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=1 PYTHONUNBUFFERED=1 \
+                timeout "${ZOO_TIMEOUT:-480}" taskset -c $((r * PER))-$((r * PER + PER - 1)) \
+                python3 bench/gpu/run.py --part hit --out "$OUT/zoo-runner$r" \
+                > "$OUT/zoo-runner$r/log.txt" 2>&1 || echo "zoo runner $r failed ($?)") &
         done
         wait
     elif [ "$PART" = zoo_cpu ]; then  # issue 49: the CPU zoo (tests/zoo/runner.py, the skip on)
