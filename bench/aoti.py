@@ -104,7 +104,7 @@ def package_row(name: str, row: str, device: str, path: str) -> dict:
 
 def load_row(name: str, row: str, device: str, path: str) -> dict:
     """Load one row's package in this (fresh) process, as a serving process would, with
-    torchfarm's loader (torch's, without Inductor's CPU probe: torch_adapter/aoti_load.py),
+    torchfarm's loader (torch's, without Inductor's CPU probe: torch_adapter/load/aoti_load.py),
     whoever built it: the load, the first call, the step time and the difference from
     eager."""
     import torch._inductor.package  # noqa: F401

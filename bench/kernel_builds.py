@@ -31,7 +31,7 @@ from bench.sibling_kernels import SIBLINGS, Block  # noqa: E402
 from torchfarm.compiler.inductor import WORKER_CONFIG  # noqa: E402
 from torchfarm.proto import torchfarm_pb2 as pb  # noqa: E402
 from torchfarm.settings import WorkerSettings  # noqa: E402
-from torchfarm.torch_adapter import standalone  # noqa: E402
+from torchfarm.torch_adapter.compile import standalone  # noqa: E402
 from torchfarm.workers import kernel_builder, kernel_cache  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from torch import nn
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from tests.integration.helpers import wait_for_precompiled_headers  # noqa: E402
-from torchfarm.torch_adapter import precompiled_headers  # noqa: E402
+from torchfarm.torch_adapter.worker import precompiled_headers  # noqa: E402
 
 # Caches and headers of every measurement (~150 MB a header), removed at the end (main).
 SCRATCH = ""

@@ -18,7 +18,7 @@ from torch._C._dynamo.eval_frame import _debug_get_precompile_entries
 from torch._dynamo import bytecode_transformation
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from torchfarm.torch_adapter import dynamo_package
+from torchfarm.torch_adapter.trace import dynamo_package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]

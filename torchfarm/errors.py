@@ -31,7 +31,7 @@ TorchfarmError
   + MissingNativeObject (RuntimeError)  compiler/native.py: a fallback, never caught by name
   contract/settings: none (a bad value is a ValueError, a bad call a gRPC status)
 
-Outside the root: torch_adapter/concurrent_backward.py's Stopped is a BaseException, not an
+Outside the root: torch_adapter/compile/concurrent_backward.py's Stopped is a BaseException, not an
 error: it ends a helper's compile through torch's own `except Exception` handlers.
 """
 

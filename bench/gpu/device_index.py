@@ -48,7 +48,7 @@ class Model(torch.nn.Module):
 def child(index: int, rewrite: bool) -> dict:
     """One client process on cuda:`index`: eager step, then the farm-compiled step."""
     from torchfarm.client import backend  # noqa: PLC0415
-    from torchfarm.torch_adapter import device_remap  # noqa: PLC0415
+    from torchfarm.torch_adapter.load import device_remap  # noqa: PLC0415
 
     rewrites: list[dict] = []
     if rewrite:  # the whole rewrite even for 0 -> 0, and what it kept

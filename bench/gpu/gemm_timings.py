@@ -29,7 +29,8 @@ def compile_model(name: str, cache_dir: str, problems_out: str) -> None:
 
     from bench.gpu import models
     from torchfarm.proto import torchfarm_pb2 as pb
-    from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
+    from torchfarm.torch_adapter.compile import gemm_benchmarks
+    from torchfarm.torch_adapter.worker import gemm_problems
 
     model, inputs, spec = models.build(name)
     started = time.perf_counter()

@@ -23,8 +23,8 @@ def capture(name: str, fake: bool) -> list[dict]:
     from client import build, make_step
 
     from torchfarm.compiler import serialize
-    from torchfarm.torch_adapter.fake_device import as_traced_for_real, fake_device
-    from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
+    from torchfarm.torch_adapter.trace.fake_device import as_traced_for_real, fake_device
+    from torchfarm.torch_adapter.trace.fake_tensors import FakeTensorMode
 
     graphs: list[dict] = []
 

@@ -534,7 +534,7 @@ def spread_check(gpus: int) -> dict:
     against eager."""
     from torch._inductor import autotune_process
 
-    from torchfarm.torch_adapter import tuning_devices
+    from torchfarm.torch_adapter.compile import tuning_devices
 
     a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)

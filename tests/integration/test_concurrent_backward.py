@@ -1,7 +1,7 @@
 """A training graph's backward compiled beside its forward (issue 28): with
 TORCHFARM_CONCURRENT_BACKWARD=1 each compile child has a helper in its sandbox that compiles
 the backward while the child compiles the forward; the child's own backward is then a lookup
-of the helper's entry (torch_adapter/concurrent_backward.py). The GEMM candidates the helper
+of the helper's entry (torch_adapter/compile/concurrent_backward.py). The GEMM candidates the helper
 benchmarks are counted with the child's, the kernel cache off (the tier's default) or on."""
 
 import pytest

@@ -10,7 +10,7 @@ import torch
 from tests.models import build
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import device_remap
+from torchfarm.torch_adapter.load import device_remap
 
 
 def _compiled_on_the_worker(model, x):

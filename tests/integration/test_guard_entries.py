@@ -16,7 +16,7 @@ from torchfarm.client import backend
 from torchfarm.compiler import guards, inductor, serialize, trace_state
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import guard_text
+from torchfarm.torch_adapter.trace import guard_text
 
 pytestmark = pytest.mark.integration
 

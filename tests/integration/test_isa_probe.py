@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torchfarm.torch_adapter import isa_probe
+from torchfarm.torch_adapter.worker import isa_probe
 
 pytestmark = pytest.mark.integration
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 _PICK = """
 import json, sys
 from torch._inductor import cpu_vec_isa
-from torchfarm.torch_adapter import isa_probe
+from torchfarm.torch_adapter.worker import isa_probe
 built = []
 build = cpu_vec_isa.VecISA.check_build
 cpu_vec_isa.VecISA.check_build = lambda isa, code: built.append(str(isa)) or build(isa, code)

@@ -10,7 +10,7 @@ import torch
 from tests.models import build
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import standalone
+from torchfarm.torch_adapter.compile import standalone
 
 
 def _compiled_on_the_worker(model, x, dynamic: bool):

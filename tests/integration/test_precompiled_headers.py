@@ -19,7 +19,7 @@ from torchfarm.compiler.target import local_target
 from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.torch_adapter.worker import precompiled_headers
 from torchfarm.workers import sandbox, toolchain
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.torch_adapter.worker import precompiled_headers
 from torchfarm.workers import sandbox
 from torchfarm.workers.sandbox import ERROR_TAIL_BYTES, HostLayout
 

@@ -24,7 +24,7 @@ KNOWN_CYCLES: list[set[str]] = []
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
 ROOT = "TorchfarmError"
 # BaseExceptions that are no errors, outside the root on purpose (errors.py says why)
-NOT_ERRORS = {"torch_adapter/concurrent_backward.py::Stopped"}
+NOT_ERRORS = {"torch_adapter/compile/concurrent_backward.py::Stopped"}
 
 
 def _functions(tree: ast.AST, prefix: str = ""):

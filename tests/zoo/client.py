@@ -65,7 +65,7 @@ class GuardTimer:
     def __init__(self) -> None:
         self.calls, self.ns, self.first_ns = 0, 0, 0
         try:
-            from torchfarm.torch_adapter.dynamo_package import LateChecks
+            from torchfarm.torch_adapter.trace.dynamo_package import LateChecks
 
             original = LateChecks.__call__
         except (ImportError, AttributeError):  # the design moved on: nothing to time

@@ -31,8 +31,8 @@ from torchfarm.compiler.target import local_target
 from torchfarm.contract import modes
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import load_prewarm
-from torchfarm.torch_adapter.deferrable import deferrable
+from torchfarm.torch_adapter.load import load_prewarm
+from torchfarm.torch_adapter.trace.deferrable import deferrable
 
 # The client's public names: every graph's record, and the hook on its farm request.
 __all__ = ["GraphRecord", "history", "request_observers", "torchfarm_backend"]
@@ -51,7 +51,7 @@ def torchfarm_backend(
     """Compile one Dynamo graph on the farm; `options` are Inductor config patches, `farm`
     the settings torchfarm.compile overrides (addr, token, wait).
 
-    A static graph of torch's own operators (torch_adapter/deferrable.py: nothing to install
+    A static graph of torch's own operators (torch_adapter/trace/deferrable.py: nothing to install
     into Dynamo's ShapeEnv, no split to hand to Dynamo) is fetched in the background and the
     call returns at once, so that the graphs Dynamo hands over before running any
     (DDPOptimizer's buckets) compile in parallel; its first call waits for it. Any other

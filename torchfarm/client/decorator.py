@@ -1,7 +1,7 @@
 """`@torchfarm.compile(...)`: torch.compile through the farm, on a function, a module or a
 module class.
 
-With a token, on a torch that torch_adapter/dynamo_package.py verified, and with
+With a token, on a torch that torch_adapter/trace/dynamo_package.py verified, and with
 TORCHFARM_SKIP_TRACING=1 (unset: on only where the release is in dynamo_package.DEFAULT_ON),
 a function or module instance also gets a Dynamo package
 (client/packages.py): a later process skips Dynamo's tracing where the farm holds one. A module
@@ -71,7 +71,7 @@ def compile(
 
 def _skips_tracing(settings: ClientSettings) -> bool:
     from torchfarm import torch_adapter
-    from torchfarm.torch_adapter import dynamo_package
+    from torchfarm.torch_adapter.trace import dynamo_package
 
     wanted = settings.skip_tracing
     if wanted is None:
@@ -89,7 +89,7 @@ def _with_package(target, backend, settings: ClientSettings, options: dict):
     """Dynamo's wrapper around `target` with the package restored (or recording); the package
     is saved after the first call returns."""
     from torchfarm.client.packages import Skipper
-    from torchfarm.torch_adapter import dynamo_package
+    from torchfarm.torch_adapter.trace import dynamo_package
 
     skipper = Skipper(target, settings, options)
     compiled = dynamo_package.optimize(

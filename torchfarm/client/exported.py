@@ -38,7 +38,8 @@ from torchfarm.contract.options import AOTI, canonical_options
 from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import aoti_compile, export_serde, standalone
+from torchfarm.torch_adapter.compile import aoti_compile, standalone
+from torchfarm.torch_adapter.trace import export_serde
 
 log = logging.getLogger("torchfarm.client")
 

@@ -23,9 +23,12 @@ from torchfarm.contract.cache_key import key_parts, public_key
 from torchfarm.errors import FarmError, UntrustedEntry
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import load_prewarm
-from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
-from torchfarm.torch_adapter.local_compile import compile_locally, exceptions_allowed_to_be_fallback
+from torchfarm.torch_adapter.compile.local_compile import (
+    compile_locally,
+    exceptions_allowed_to_be_fallback,
+)
+from torchfarm.torch_adapter.load import load_prewarm
+from torchfarm.torch_adapter.trace.guard_text import hints, symbol_inputs
 
 log = logging.getLogger("torchfarm")
 # Called with each graph and its farm request: client/packages.py keeps them for the package

@@ -1,7 +1,7 @@
 """Skipping Dynamo's tracing on a hit (issue 19 item 4): a compiled function's Dynamo package.
 
 The first process traces as always; after the function's first call it saves, on the farm,
-what Dynamo produced (guards and transformed bytecode per frame, torch_adapter/dynamo_package.py)
+what Dynamo produced (guards, transformed bytecode per frame: torch_adapter/trace/dynamo_package.py)
 with, per Dynamo graph, the farm request that compiled it and the artifact served. A later
 process with the same key fetches that package at compile time, fetches every graph's artifact
 in parallel through the backend's own fetch path, loads them and installs the package: its
@@ -49,8 +49,8 @@ from torchfarm.contract.cache_key import public_key
 from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings, user_cache_dir
-from torchfarm.torch_adapter import dynamo_package
-from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
+from torchfarm.torch_adapter.trace import dynamo_package
+from torchfarm.torch_adapter.trace.guard_text import hints, symbol_inputs
 
 log = logging.getLogger("torchfarm")
 FORMAT = b"torchfarm-dynamo-package-1"

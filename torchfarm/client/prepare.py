@@ -11,7 +11,7 @@ target and options).
 
 A torch without the target's runtime (a CPU-only build, or a CUDA build on a machine with no
 GPU) still makes fake CUDA tensors; what it cannot do with them is patched for the run
-(torch_adapter/fake_device.py). The payload must come from the job's own torch build, so a
+(torch_adapter/trace/fake_device.py). The payload must come from the job's own torch build, so a
 CUDA job is prepared with its CUDA build, which runs on a machine without a GPU (a CPU-only
 build also aborts in autograd on fake CUDA tensors: it has no CUDA device guard). A step
 that stops (a device query, a value read from a fake tensor) is reported in one line; the
@@ -38,10 +38,10 @@ from torchfarm.compiler.target import torch_build
 from torchfarm.errors import FarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import env
-from torchfarm.torch_adapter.deferrable import deferrable
-from torchfarm.torch_adapter.fake_device import as_traced_for_real, fake_device
-from torchfarm.torch_adapter.fake_ranks import fake_ranks
-from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
+from torchfarm.torch_adapter.trace.deferrable import deferrable
+from torchfarm.torch_adapter.trace.fake_device import as_traced_for_real, fake_device
+from torchfarm.torch_adapter.trace.fake_ranks import fake_ranks
+from torchfarm.torch_adapter.trace.fake_tensors import FakeTensorMode
 
 log = logging.getLogger("torchfarm")
 # The target graphs are prepared for while `preparing` runs (client/backend.py asks).
@@ -86,7 +86,7 @@ class Summary:
 def run(entry: Callable[[], object], target: pb.Target, world_size: int = 1) -> Summary:
     """Run `entry` on fake tensors with every graph it compiles through the torchfarm backend
     prepared on the farm for `target`; for a data-parallel job of `world_size` ranks, as its
-    rank 0 in a process group that communicates nothing (torch_adapter/fake_ranks.py)."""
+    rank 0 in a process group that communicates nothing (torch_adapter/trace/fake_ranks.py)."""
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, not {world_size}")
     if target.torch_version != torch_build():

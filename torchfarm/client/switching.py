@@ -34,8 +34,8 @@ from torchfarm.client.graph import FarmGraph
 from torchfarm.client.pool import Job
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import load_prewarm
-from torchfarm.torch_adapter.guard_text import symbol_inputs
+from torchfarm.torch_adapter.load import load_prewarm
+from torchfarm.torch_adapter.trace.guard_text import symbol_inputs
 
 log = logging.getLogger("torchfarm")
 

@@ -30,12 +30,8 @@ from torchfarm.compiler.compilers import CompileContext
 from torchfarm.compiler.exported import BLOB, SENT
 from torchfarm.compiler.inductor import ARTIFACT_FORMAT, config_patches
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import (
-    aoti_compile,
-    aoti_load,
-    aoti_weights_blob,
-    autotune_progress,
-)
+from torchfarm.torch_adapter.compile import aoti_compile, aoti_weights_blob, autotune_progress
+from torchfarm.torch_adapter.load import aoti_load
 
 # What a package built without the user's weights needs (see above).
 _WITHOUT_WEIGHTS = {
@@ -227,7 +223,7 @@ def load(
     weights: torch.export.ExportedProgram | Mapping[str, torch.Tensor] | None = None,
 ):
     """The package at `path`, loaded by torch's own loader (without Inductor's CPU probe:
-    torch_adapter/aoti_load.py); with `weights` (an exported program of the same
+    torch_adapter/load/aoti_load.py); with `weights` (an exported program of the same
     architecture, or its tensors by name), fed those in place of the package's own."""
     compiled = aoti_load.load_package(path)
     if weights is None:

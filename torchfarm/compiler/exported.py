@@ -1,6 +1,6 @@
 """torch.export program <-> payload bytes (the ExportedProgram message), for AOTInductor.
 
-The client sends the program's JSON (torch_adapter/export_serde.py) and a TensorSpec per
+The client sends the program's JSON (torch_adapter/trace/export_serde.py) and a TensorSpec per
 parameter, buffer, constant and example input: names, dtypes, sizes, strides, devices, and
 their values only where the user sends the weights. The weights therefore stay on the user's
 machine by default, and the payload's bytes (the key) are the same for the same program
@@ -20,7 +20,7 @@ import re
 import torch
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import export_serde
+from torchfarm.torch_adapter.trace import export_serde
 
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype

@@ -5,7 +5,7 @@ compile loses them and `CompiledArtifact.load` checks none, so the worker return
 client installs them into Dynamo's ShapeEnv (as FxGraphCache does on a hit). They travel as a
 ShapeGuards tree (see contract/shape_guards.py), never as text a client evaluates: the farm is
 not trusted to run code on clients. Torch's side (its guard text, the SymInts' sizes) is
-torch_adapter/guard_text.py.
+torch_adapter/trace/guard_text.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter.guard_text import ShapeEnv, guard_text, hints, symbol_inputs
+from torchfarm.torch_adapter.trace.guard_text import ShapeEnv, guard_text, hints, symbol_inputs
 
 log = logging.getLogger("torchfarm")
 

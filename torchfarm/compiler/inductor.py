@@ -18,20 +18,13 @@ from torchfarm.compiler.compilers import CompileContext
 from torchfarm.contract import modes
 from torchfarm.errors import NotSaveable
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import (
-    autotune_progress,
-    autotune_results,
-    device_remap,
-    fake_tensors,
-    precompiled_headers,
-    standalone,
-    static_inputs,
-    triton_bundle,
-    tuning_devices,
-)
-from torchfarm.torch_adapter.autograd_cache_log import AutogradCacheLog
-from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
-from torchfarm.torch_adapter.shape_env import ShapeEnv
+from torchfarm.torch_adapter.compile import autotune_progress, standalone, tuning_devices
+from torchfarm.torch_adapter.compile.autograd_cache_log import AutogradCacheLog
+from torchfarm.torch_adapter.load import autotune_results, device_remap, triton_bundle
+from torchfarm.torch_adapter.load.cudagraphs_on_load import cudagraphs_on_load
+from torchfarm.torch_adapter.trace import fake_tensors, static_inputs
+from torchfarm.torch_adapter.trace.shape_env import ShapeEnv
+from torchfarm.torch_adapter.worker import precompiled_headers
 
 # 2: guards as a ShapeGuards tree, not Python text (issue 17); 3: `inductor` holds AOTAutograd's
 # bundled entry, loaded from memory (issue 19), not a CompiledArtifact file
@@ -44,7 +37,7 @@ ARTIFACT_FORMAT = 3
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
 # Ship every Triton kernel built: its binaries and statically launchable autotuners go into
 # the artifact (TritonBundler), so a GPU hit runs no Triton compile, no ptxas and no
-# launcher build (torch_adapter/triton_bundle.py); both are torch's defaults outside fbcode,
+# launcher build (torch_adapter/load/triton_bundle.py); both are torch's defaults outside fbcode,
 # set here so that no environment variable turns them off.
 WORKER_CONFIG = {
     "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
@@ -88,7 +81,7 @@ def compile_payload(
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
     `on_stage(AUTOTUNING)` / `on_stage(COMPILING)` (Progress.Stage) mark where benchmarking
     starts and ends. With two or more `tuning_gpus`, max-autotune benchmarks its candidates
-    on all of them at once (torch_adapter/tuning_devices.py)."""
+    on all of them at once (torch_adapter/compile/tuning_devices.py)."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -236,7 +229,7 @@ def _autotune_results_here(directory: str, tuned: Mapping[str, bytes]) -> Iterat
 
     The worker's final results (`tuned`) are written under `directory`, as
     `<2 chars>/<hash>.best_config` like on the worker, and win over the first ones that
-    Inductor recorded in its own artifact (see torch_adapter/autotune_results.py).
+    Inductor recorded in its own artifact (see torch_adapter/load/autotune_results.py).
     """
     written = set()
     for name, data in tuned.items():

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from torchfarm.compiler import files
 from torchfarm.errors import TorchfarmError
-from torchfarm.torch_adapter import cpp_libraries
+from torchfarm.torch_adapter.compile import cpp_libraries
 
 
 class MissingNativeObject(TorchfarmError, RuntimeError):

@@ -9,7 +9,7 @@ batch size a process traced it with. Only a sandboxed worker child ever calls `l
 The payload names one canonical CUDA device (index 0) whatever device the graph was traced
 on, so the ranks of a job, each on its own `cuda:N`, send the same bytes and share one
 compile; the client runs the artifact on its own device (`local_device_index`,
-torch_adapter/device_remap.py). A graph on several CUDA devices keeps its indices.
+torch_adapter/load/device_remap.py). A graph on several CUDA devices keeps its indices.
 
 Custom operators (torch.library ops of other libraries, e.g. transformers' MoE kernels)
 travel by name with their schema; a worker resolves them only if its operator imported the
@@ -27,10 +27,11 @@ from typing import Any
 import sympy
 import torch
 
-from torchfarm.torch_adapter import device_remap, graph_pickler, shape_env
-from torchfarm.torch_adapter.fake_tensors import FakeTensor, FakeTensorMode
-from torchfarm.torch_adapter.graph_pickler import GraphPickler, Options
-from torchfarm.torch_adapter.shape_env import NO_SLOC, ShapeEnv, ShapeGuard, SymNode
+from torchfarm.torch_adapter.load import device_remap
+from torchfarm.torch_adapter.trace import graph_pickler, shape_env
+from torchfarm.torch_adapter.trace.fake_tensors import FakeTensor, FakeTensorMode
+from torchfarm.torch_adapter.trace.graph_pickler import GraphPickler, Options
+from torchfarm.torch_adapter.trace.shape_env import NO_SLOC, ShapeEnv, ShapeGuard, SymNode
 
 # Node metadata the compiler needs; everything else (stack traces, module paths, and
 # "grapharg", which holds the real weights) stays home.
@@ -39,7 +40,7 @@ _KEPT_NODE_META = ("example_value",)
 _OP_SCHEMA = "torchfarm_op_schema"
 # On an input Dynamo marked static (a parameter or buffer of the module): Inductor assumes
 # what it saw of it holds at every call (its alignment), as for a local compile's
-# (torch_adapter/static_inputs.py). Part of the payload, hence of the key.
+# (torch_adapter/trace/static_inputs.py). Part of the payload, hence of the key.
 _STATIC_INPUT = "torchfarm_static_input"
 _PICKLE_OPTIONS = Options(ops_filter=None)
 # How pickle rebuilds an object of a class (copyreg's names, missing from typeshed).

@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from torchfarm.torch_adapter.operators import is_operator
+from torchfarm.torch_adapter.trace.operators import is_operator
 
 _FORMAT = b"torchfarm-structure-v1"
 

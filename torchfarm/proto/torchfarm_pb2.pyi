@@ -2458,7 +2458,7 @@ class KernelFiles(_message.Message):
     gemm_candidates_benchmarked: _builtins.int
     """Candidates Inductor's algorithm selection benchmarked (max-autotune; timings found in its
     cache not counted), the backward helper's included; reported with the kernel cache off
-    too (torch_adapter/gemm_benchmarks.py). Statistics only.
+    too (torch_adapter/compile/gemm_benchmarks.py). Statistics only.
     """
     @_builtins.property
     def built(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
@@ -2544,7 +2544,7 @@ Global___KernelSource: _TypeAlias = KernelSource  # noqa: Y015
 @_typing.final
 class TritonSource(_message.Message):
     """One Triton kernel as Inductor's AsyncCompile.triton was asked to compile it: the only input
-    of a pool's Triton build, which checks the module (torch_adapter/triton_source_check.py) and
+    of a pool's Triton build, which checks the module (torch_adapter/worker/triton_source_check.py) and
     lets Triton name what it compiles.
     """
 
@@ -2559,7 +2559,7 @@ class TritonSource(_message.Message):
     result: _builtins.bytes
     """The autotune result (`.best_config` JSON) the compile ended with, if any: the build
     compiles the kernel with it, and keeps it for the pool only where it is one of the
-    configs Inductor's tuner could choose for this kernel (torch_adapter/triton_kernels.py).
+    configs Inductor's tuner could choose for this kernel (torch_adapter/worker/triton_kernels.py).
     """
     def __init__(
         self,
@@ -2614,7 +2614,7 @@ Global___GemmInput: _TypeAlias = GemmInput  # noqa: Y015
 @_typing.final
 class GemmProblem(_message.Message):
     """One GEMM whose candidates a compile benchmarked (max-autotune): the only input of a pool's
-    measurement of it (torch_adapter/gemm_problems.py), which builds the op on tensors of these
+    measurement of it (torch_adapter/worker/gemm_problems.py), which builds the op on tensors of these
     layouts itself and lets Inductor benchmark and key the timings.
     """
 

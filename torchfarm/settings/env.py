@@ -736,7 +736,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "internal",
         "set by the worker for its compile children: where the probe of the host's vector "
-        "instruction sets left its answer (torch_adapter/isa_probe.py)",
+        "instruction sets left its answer (torch_adapter/worker/isa_probe.py)",
     ),
     Setting(
         "TORCHFARM_TRITON_STAGED",
@@ -744,7 +744,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "internal",
         "set in a compile child: the directory of the Triton entries staged into its sandbox "
-        "(torch_adapter/triton_cache.py)",
+        "(torch_adapter/worker/triton_cache.py)",
     ),
     Setting(
         "TORCHFARM_PRECOMPILED_HEADERS_DIR",
@@ -752,7 +752,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "internal",
         "set by the worker for its compile children: the directory of the precompiled C++ "
-        "headers of this toolchain (torch_adapter/precompiled_headers.py)",
+        "headers of this toolchain (torch_adapter/worker/precompiled_headers.py)",
     ),
 )
 

@@ -27,7 +27,7 @@ from torchfarm.cache.pools import Readiness
 from torchfarm.compiler import serialize
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
+from torchfarm.torch_adapter.trace.fake_tensors import FakeTensorMode
 from torchfarm.workers import sandbox
 
 log = logging.getLogger("torchfarm.worker")

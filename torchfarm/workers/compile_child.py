@@ -21,8 +21,8 @@ two tenants ever share a process.
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
 `--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
 and compiles the graph's backward while this process compiles the forward
-(torch_adapter/concurrent_backward.py). What it compiled reaches the artifact only through the
-Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
+(torch_adapter/compile/concurrent_backward.py). What it compiled reaches the artifact only through
+the Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
 itself where that misses); its one report, the GEMM candidates it benchmarked and their
 problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
 its own.
@@ -96,7 +96,7 @@ def warm_up(
     import torch
 
     import torchfarm.compiler.inductor  # noqa: F401
-    from torchfarm.torch_adapter import standalone
+    from torchfarm.torch_adapter.compile import standalone
     from torchfarm.workers import warm_compile
 
     standalone.import_compiler()
@@ -109,14 +109,14 @@ def warm_up(
             from triton.runtime import driver
         except ImportError:  # a CUDA build without Triton: nothing more to build
             return
-        from torchfarm.torch_adapter import compile_workers
+        from torchfarm.torch_adapter.worker import compile_workers
 
         driver.active.utils  # noqa: B018  (compiles Triton's C driver stubs into its cache dir)
         if throwaway:  # before the compile workers start: none inherits its cache dirs
             warm_compile.compile_once(device)
         compile_workers.start_and_wait()  # Inductor's Triton compile workers, answering
     else:
-        from torchfarm.torch_adapter import isa_probe
+        from torchfarm.torch_adapter.worker import isa_probe
 
         isa_probe.pick(isa_checks)
 
@@ -155,18 +155,18 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def _warm_up(args: argparse.Namespace) -> None:
     if args.kernels and args.device == "cuda":  # before Triton or a compile worker starts
         with contextlib.suppress(ImportError):  # a CUDA build without Triton
-            from torchfarm.torch_adapter import triton_cache
+            from torchfarm.torch_adapter.worker import triton_cache
 
             staged = os.path.join(args.kernels, kernel_cache.TRITON)
             os.environ.update(triton_cache.environment(staged))
     op_libraries = [m for m in args.op_libraries.split(",") if m]
     warm_up(args.device, op_libraries, args.isa_checks, throwaway=True)
     if args.gpu_lock:  # after the throwaway compile: only the request's measurements wait
-        from torchfarm.torch_adapter import gpu_benchmark_lock
+        from torchfarm.torch_adapter.worker import gpu_benchmark_lock
 
         gpu_benchmark_lock.install(args.gpu_lock)
     if args.kernel_names == "content":
-        from torchfarm.torch_adapter import standalone
+        from torchfarm.torch_adapter.compile import standalone
 
         standalone.inductor_config.triton.unique_kernel_names = False
 
@@ -382,7 +382,7 @@ class _KernelHooks:
     lookups: kernel_cache.TuningLookups | None = None
 
     def report(self, args: argparse.Namespace, request: pb.CompileChildRequest) -> pb.KernelFiles:
-        from torchfarm.torch_adapter import gemm_problems
+        from torchfarm.torch_adapter.worker import gemm_problems
 
         files = pb.KernelFiles()
         if args.kernels:
@@ -407,7 +407,7 @@ def _kernel_hooks(
 ) -> Iterator[_KernelHooks]:
     """While entered, the staged kernels are found (before anything of the tenant's runs),
     and what the compile builds and benchmarks is recorded."""
-    from torchfarm.torch_adapter import gemm_benchmarks
+    from torchfarm.torch_adapter.compile import gemm_benchmarks
 
     with contextlib.ExitStack() as stack:
         hooks = _KernelHooks(
@@ -437,7 +437,7 @@ def _compile(
     )
     if helper is None:
         return compiler.compile(request, context)
-    from torchfarm.torch_adapter import concurrent_backward
+    from torchfarm.torch_adapter.compile import concurrent_backward
 
     with concurrent_backward.backward_from(helper.wait) as backward:
         artifact = compiler.compile(request, context)
@@ -472,7 +472,8 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
     if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0
     request = pb.CompileChildRequest.FromString(data)
-    from torchfarm.torch_adapter import concurrent_backward, gemm_benchmarks, gemm_problems
+    from torchfarm.torch_adapter.compile import concurrent_backward, gemm_benchmarks
+    from torchfarm.torch_adapter.worker import gemm_problems
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     with contextlib.ExitStack() as kernels:

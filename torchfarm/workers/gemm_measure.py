@@ -1,6 +1,6 @@
 """`python -m torchfarm.workers.gemm_measure DEVICE [GPU_LOCK]`: measure the GemmProblem on
-stdin (torch_adapter/gemm_problems.py) with the worker's Inductor config, each measurement
-holding GPU_LOCK's flock (torch_adapter/gpu_benchmark_lock.py). A pool builder runs it in a
+stdin (torch_adapter/worker/gemm_problems.py) with the worker's Inductor config, each measurement
+holding GPU_LOCK's flock (torch_adapter/worker/gpu_benchmark_lock.py). A pool builder runs it in a
 fresh interpreter (workers/kernel_builder.py says why)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 
 from torchfarm.compiler.inductor import WORKER_CONFIG
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import gemm_problems, gpu_benchmark_lock, standalone
+from torchfarm.torch_adapter.compile import standalone
+from torchfarm.torch_adapter.worker import gemm_problems, gpu_benchmark_lock
 
 
 def main(argv: list[str]) -> None:

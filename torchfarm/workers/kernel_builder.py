@@ -12,15 +12,15 @@ nothing else.
 - A C++ library: the builder calls Inductor's own load_async, which names the objects after
   the source and the pool's compile command and runs g++ on them; it never loads them.
 - A Triton kernel: the builder first checks that the module is one Inductor writes
-  (torch_adapter/triton_source_check.py; running a module, or compiling a jit body, can run
+  (torch_adapter/worker/triton_source_check.py; running a module, or compiling a jit body, can run
   any Python), then compiles it as Inductor's compile workers do, and Triton names each entry
   after what determines it (its version, the function's text, signature, options, target).
   Refused modules are not built (exit status REFUSED).
 - A GEMM whose candidates a compile benchmarked (max-autotune): the builder makes operands of
   the recorded layouts on the pool's device and lets Inductor benchmark every candidate and
-  file the timings (torch_adapter/gemm_problems.py); the worker merges them into the pool's.
+  file the timings (torch_adapter/worker/gemm_problems.py); the worker merges them into the pool's.
   On a GPU its measurements hold the GPU's benchmark lock, as compiles' do
-  (torch_adapter/gpu_benchmark_lock.py), and run at the compiles' priority: every later
+  (torch_adapter/worker/gpu_benchmark_lock.py), and run at the compiles' priority: every later
   compile on the pool takes these timings, so none may be taken beside another measurement
   or behind a busy host.
 It reports what it built. So what lies under a name is what the pool's compilers make of the
@@ -77,9 +77,9 @@ def build(
     """Builder child: build what `request` names into the empty `cache_dir` (and, for a Triton
     kernel, Triton's empty TRITON_CACHE_DIR) as a compile would, without loading or launching
     anything built; report it. A GEMM problem is measured instead, on `device` (the pool's),
-    its measurements holding `gpu_lock` (torch_adapter/gpu_benchmark_lock.py) where given."""
+    its measurements holding `gpu_lock` (torch_adapter/worker/gpu_benchmark_lock.py) where given."""
     from torchfarm.compiler.inductor import WORKER_CONFIG
-    from torchfarm.torch_adapter import standalone
+    from torchfarm.torch_adapter.compile import standalone
 
     with standalone.inductor_config.patch(WORKER_CONFIG), standalone.cache_dir_at(cache_dir):
         if request.HasField("triton"):
@@ -97,7 +97,7 @@ def _measure_gemm(
     measurement compiled. It runs in a fresh interpreter (in this sandbox, with this cache
     dir): CUDA does not start in a process forked from one that asked for the device count
     (torch then marks the fork bad), which importing Inductor did on a GPU host."""
-    from torchfarm.torch_adapter import gemm_problems
+    from torchfarm.torch_adapter.worker import gemm_problems
 
     gemm_problems.check(gemm)  # refused before anything starts
     subprocess.run(
@@ -115,7 +115,7 @@ def _measure_gemm(
 def _build_triton(source: pb.TritonSource, cache_dir: str) -> pb.KernelFiles:
     """The kernel's Triton entries, and the autotune result it was built with (if one was
     taken), kept under the kernel's text as the tenant's are (kernel_cache.text_name)."""
-    from torchfarm.torch_adapter import triton_kernels
+    from torchfarm.torch_adapter.worker import triton_kernels
 
     result = triton_kernels.build(source.module, source.kernel_name, source.result)
     files = kernel_cache.report(cache_dir, "", triton_dir=os.environ["TRITON_CACHE_DIR"])
@@ -129,7 +129,7 @@ def _build_triton(source: pb.TritonSource, cache_dir: str) -> pb.KernelFiles:
 def _build_cpp(source: pb.KernelSource) -> None:
     """The objects of one library, as the compile's class, command and precompiled header
     make them."""
-    from torchfarm.torch_adapter import cpp_libraries
+    from torchfarm.torch_adapter.compile import cpp_libraries
 
     if source.code_cache not in kernel_cache.CODE_CACHES:
         raise ValueError(f"not a C++ code cache: {source.code_cache!r}")

@@ -15,13 +15,13 @@ may reach only entries that the tenant alone loads (docs/reliability.md, "Kernel
 
 On GPU pools a tenant's directory also keeps, for its private compiles, what Triton and
 Inductor's tuning made (issue 28): Triton's compiled entries (`triton/<key>/`, found through
-Triton's own cache manager, torch_adapter/triton_cache.py) and the autotune results (a
+Triton's own cache manager, torch_adapter/worker/triton_cache.py) and the autotune results (a
 kernel's `.best_config`, kept under its text, `tuning/text/`, placed where Inductor looks for
 that kernel's result just before it compiles it; `tuning/cache/<hash>`, Inductor's GEMM
 timings, copied in at the start). Tuning results choose among configs Inductor generated for
 the kernel (a result tuned again replaces the kept one). The same rule holds: they are the
 tenant's, read by the tenant's private compiles only. The pool's own directory holds GEMM
-timings too, but only those its builder measured (torch_adapter/gemm_problems.py); a timings
+timings too, but only those its builder measured (torch_adapter/worker/gemm_problems.py); a timings
 file kept adds to the one there (`_merge_timings`), and one staged beside another (the pool's,
 then a private job's tenant's) adds to it in a copy.
 
@@ -117,7 +117,7 @@ def looking_up(staged: str, cache_dir: str) -> Iterator[TuningLookups]:
     objects of its name linked beside it, so Inductor builds none of them. Lookup is by exact
     name: the staging dir cannot be listed (`hide`), so a child reaches only the objects of
     sources it has itself (the names hash the sources). Tuning results: `_tuning_found`."""
-    from torchfarm.torch_adapter import cpp_libraries
+    from torchfarm.torch_adapter.compile import cpp_libraries
 
     def link(source_path: str) -> None:
         stem = source_path[: -len(".cpp")]
@@ -151,7 +151,7 @@ def _tuning_found(staged: str, cache_dir: str, lookups: TuningLookups) -> Iterat
     for name in os.listdir(timings) if os.path.isdir(timings) else ():
         if _TUNING.fullmatch(f"{TUNING}/{_GEMM_TIMINGS}/{name}"):
             _copy(os.path.join(timings, name), os.path.join(cache_dir, _GEMM_TIMINGS, name))
-    from torchfarm.torch_adapter import triton_kernels
+    from torchfarm.torch_adapter.worker import triton_kernels
 
     def place(kernel_name: str, source: str, result: str) -> None:
         own = f"{TUNING}/{os.path.relpath(result, cache_dir)}"
@@ -178,7 +178,9 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
     CppCodeCache classes are asked to build (`recorded.sources`; extra flags, another device
     or class: left out) and, with `triton`, each Triton kernel a compile asks for, once, with
     the autotune result it has when the compile ends (`recorded.triton_sources`)."""
-    from torchfarm.torch_adapter import autotune_results, cpp_libraries, triton_kernels
+    from torchfarm.torch_adapter.compile import cpp_libraries
+    from torchfarm.torch_adapter.load import autotune_results
+    from torchfarm.torch_adapter.worker import triton_kernels
 
     sources, kernels = recorded.sources, set()
 

@@ -37,7 +37,7 @@ from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.settings.sizing import COMPILE_SHM_MB, visible_gpus
-from torchfarm.torch_adapter import gpu_benchmark_lock, isa_probe, precompiled_headers
+from torchfarm.torch_adapter.worker import gpu_benchmark_lock, isa_probe, precompiled_headers
 from torchfarm.workers import child_pool, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
@@ -242,7 +242,7 @@ def bwrap_args(
     """The bubblewrap command line (up to the child's own command) for one compile child;
     `kernels`, the child's staging directory for its tenant's C++ objects, is bound read-only
     on KERNEL_DIR (workers/kernel_cache.py), `gpu_lock`, its GPU's benchmark lock file, on
-    GPU_LOCK (torch_adapter/gpu_benchmark_lock.py)."""
+    GPU_LOCK (torch_adapter/worker/gpu_benchmark_lock.py)."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     args += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
@@ -350,7 +350,7 @@ def child_command(
 
 def tuning_gpus(settings: WorkerSettings) -> tuple[str, ...]:
     """The GPUs a child benchmarks its autotuning candidates on: all of the worker's where
-    spread_tuning is on (torch_adapter/tuning_devices.py), else none beside its own."""
+    spread_tuning is on (torch_adapter/compile/tuning_devices.py), else none beside its own."""
     gpus = visible_gpus() if settings.device == "cuda" and settings.spread_tuning else ()
     return gpus if len(gpus) > 1 else ()
 

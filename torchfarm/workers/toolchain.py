@@ -1,8 +1,8 @@
 """Per-toolchain work done once per worker, off its start-up path, reused by every child.
 
 Inductor does some work once per cache dir that depends only on the machine and the
-toolchain: the vector-ISA probe (torch_adapter/isa_probe.py) and the precompiled C++ header
-(torch_adapter/precompiled_headers.py). A compile child starts in a fresh private cache dir,
+toolchain: the vector-ISA probe (torch_adapter/worker/isa_probe.py) and the precompiled C++ header
+(torch_adapter/worker/precompiled_headers.py). A compile child starts in a fresh private cache dir,
 so it would redo both on every compile (~12 s and ~25 s here). The worker does them once in
 the background, in that order (the header's flags follow the ISA the children pick); a child
 started before they are in compiles without them, a little slower, never differently. Both
@@ -31,7 +31,7 @@ import tempfile
 import threading
 
 from torchfarm.settings import WorkerSettings, env
-from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
 from torchfarm.workers import sandbox
 
 log = logging.getLogger("torchfarm.worker")

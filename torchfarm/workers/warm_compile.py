@@ -20,7 +20,7 @@ autograd's threading in combination with fork-based multiprocessing", torch 2.11
 matmul-only one there spared a compile about 0.5 s of ~6.4 s on the 2-core box.
 
 Torch's part (a temporary cache dir, one compile thread, caches cleared and Dynamo reset
-after it) is torch_adapter/standalone.py's `throwaway_compiles`.
+after it) is torch_adapter/compile/standalone.py's `throwaway_compiles`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import standalone
+from torchfarm.torch_adapter.compile import standalone
 
 
 def compile_once(device: str) -> None:

@@ -1,14 +1,15 @@
-"""Inductor's compile worker pool, started by a warm CUDA child (torch_adapter/compile_workers)."""
+"""Inductor's compile worker pool, started by a warm CUDA child
+(torch_adapter/worker/compile_workers)."""
 
 import subprocess
 import sys
 
-from torchfarm.torch_adapter import compile_workers
+from torchfarm.torch_adapter.worker import compile_workers
 
 _CHECK = """
 from torch._inductor.async_compile import AsyncCompile
 from torch.utils._triton import has_triton_package
-from torchfarm.torch_adapter import compile_workers
+from torchfarm.torch_adapter.worker import compile_workers
 compile_workers.start_and_wait(30)
 started = AsyncCompile.process_pool.cache_info().currsize == 1
 print(has_triton_package(), started)

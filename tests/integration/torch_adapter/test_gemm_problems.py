@@ -1,4 +1,4 @@
-"""The timings a pool's GEMM measurement (torch_adapter/gemm_problems.py) files are the
+"""The timings a pool's GEMM measurement (torch_adapter/worker/gemm_problems.py) files are the
 ones a later compile of another graph with that GEMM finds: it benchmarks no candidate and
 computes what eager does (the parsing and range checks: tests/unit/torch_adapter/)."""
 
@@ -8,7 +8,8 @@ import os
 import torch
 
 from tests.unit.torch_adapter.test_gemm_problems import _bmm
-from torchfarm.torch_adapter import gemm_benchmarks, gemm_problems
+from torchfarm.torch_adapter.compile import gemm_benchmarks
+from torchfarm.torch_adapter.worker import gemm_problems
 
 
 class _Bmm(torch.nn.Module):

@@ -11,14 +11,14 @@ import textwrap
 
 import pytest
 
-from torchfarm.torch_adapter import gpu_benchmark_lock
+from torchfarm.torch_adapter.worker import gpu_benchmark_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 _MEASURE = """
 import json, sys, time
-from torchfarm.torch_adapter import gpu_benchmark_lock
+from torchfarm.torch_adapter.worker import gpu_benchmark_lock
 lock = gpu_benchmark_lock._Lock(sys.argv[1])
 spans = []
 for _ in range(3):
@@ -45,7 +45,7 @@ def test_two_processes_never_measure_at_once(tmp_path):
 _INSTALLED = """
 import json, sys
 from torch._inductor.runtime import benchmarking
-from torchfarm.torch_adapter import gpu_benchmark_lock
+from torchfarm.torch_adapter.worker import gpu_benchmark_lock
 from tests.unit.torch_adapter.test_gpu_benchmark_lock import _taken_elsewhere as taken
 
 path, way = sys.argv[1:]

@@ -20,7 +20,7 @@ def test_choosing_the_backend_imports_the_load_path_and_prewarms_on_a_thread():
 import sys
 import torch
 import torchfarm.client.backend, torchfarm.client.entry
-from torchfarm.torch_adapter import load_prewarm
+from torchfarm.torch_adapter.load import load_prewarm
 assert load_prewarm._thread is None, "importing the backend started the prewarm"
 compiled = torch.compile(lambda x: x.sin() + 1, backend="torchfarm")
 assert "torch._inductor.compile_fx" in sys.modules
@@ -50,7 +50,7 @@ import os, socket, time
 import torch
 import torchfarm.client.backend
 from torchfarm.compiler import target
-from torchfarm.torch_adapter import load_prewarm
+from torchfarm.torch_adapter.load import load_prewarm
 torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
 assert "torch._inductor.compile_fx" in sys.modules
 assert load_prewarm._thread is None, "the prewarm thread started before the first step"

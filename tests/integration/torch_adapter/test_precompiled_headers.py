@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.torch_adapter.worker import precompiled_headers
 
 
 def test_the_header_dir_is_where_this_torch_looks(tmp_path):

@@ -1,5 +1,5 @@
 """The inputs Dynamo marks static on the client (the module's parameters) are static in the
-worker's compile too (torch_adapter/static_inputs.py): Inductor then assumes their alignment
+worker's compile too (torch_adapter/trace/static_inputs.py): Inductor then assumes their alignment
 instead of checking it at every call, as a local compile does."""
 
 from unittest import mock

@@ -30,7 +30,7 @@ def test_a_pool_build_makes_the_entries_and_results_that_a_later_compile_finds(
     from torch._inductor.runtime import triton_helpers
 
     from torchfarm.settings import WorkerSettings
-    from torchfarm.torch_adapter import triton_cache
+    from torchfarm.torch_adapter.worker import triton_cache
     from torchfarm.workers import kernel_builder
 
     planted = tmp_path / "planted"

@@ -3,7 +3,7 @@ TORCHFARM_SKIP_TRACING=1 turns it on, 0 off."""
 
 from torchfarm.client import decorator
 from torchfarm.settings import ClientSettings
-from torchfarm.torch_adapter import dynamo_package
+from torchfarm.torch_adapter.trace import dynamo_package
 
 FARM = dict(addr="127.0.0.1:1", token="t")
 

@@ -10,7 +10,7 @@ import torch
 
 from torchfarm.compiler import aoti, exported
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter.aoti_weights_blob import BlobEntry
+from torchfarm.torch_adapter.compile.aoti_weights_blob import BlobEntry
 
 BLOB = "model/data/aotinductor/model/w.wrapper_weights.blob"
 

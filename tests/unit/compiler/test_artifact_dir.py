@@ -7,7 +7,7 @@ per artifact alone, rank 1 imported rank 0's code, written for cuda:0, and faile
 
 from torchfarm.compiler import inductor
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import standalone
+from torchfarm.torch_adapter.compile import standalone
 
 
 def _dir(artifact: pb.Artifact, device_index: int | None) -> str:

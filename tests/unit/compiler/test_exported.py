@@ -1,4 +1,4 @@
-"""The ExportedProgram payload (compiler/exported.py, torch_adapter/export_serde.py): no
+"""The ExportedProgram payload (compiler/exported.py, torch_adapter/trace/export_serde.py): no
 weights unless asked, the same bytes for the same program whatever its weights or where it
 was exported, the user's files unnamed, values exact when sent; nothing unpickled on the way
 back; malformed specs and inputs refused with their name."""

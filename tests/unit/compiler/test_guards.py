@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torchfarm.compiler import guards
 from torchfarm.contract import shape_guards
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import guard_text
+from torchfarm.torch_adapter.trace import guard_text
 
 Op = pb.GuardApply
 

@@ -17,7 +17,7 @@ from torch.utils._sympy.functions import FloorDiv
 from torchfarm.compiler import serialize
 from torchfarm.contract.cache_key import public_key
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import graph_pickler
+from torchfarm.torch_adapter.trace import graph_pickler
 
 
 def _capture(model, x, dynamic=False):

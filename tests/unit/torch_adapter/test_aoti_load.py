@@ -1,11 +1,11 @@
-"""torch_adapter/aoti_load.py: inside, the device information torch's package loader
+"""torch_adapter/load/aoti_load.py: inside, the device information torch's package loader
 compares is this machine's, less the CPU ISA, and Inductor's probe is never asked."""
 
 from unittest import mock
 
 from torch._inductor import codecache, cpu_vec_isa
 
-from torchfarm.torch_adapter.aoti_load import without_isa_probe
+from torchfarm.torch_adapter.load.aoti_load import without_isa_probe
 
 
 def test_the_loader_gets_the_devices_information_without_the_probe():

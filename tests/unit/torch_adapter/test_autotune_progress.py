@@ -6,7 +6,7 @@ import logging
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import autotune_progress
+from torchfarm.torch_adapter.compile import autotune_progress
 
 LOGGER = logging.getLogger("torch._inductor.select_algorithm")
 

@@ -11,7 +11,8 @@ import pytest
 from torch._inductor.runtime import triton_heuristics as heuristics
 from torch._inductor.runtime.autotune_cache import AutotuneCache
 
-from torchfarm.torch_adapter import autotune_results, gate
+from torchfarm.torch_adapter import gate
+from torchfarm.torch_adapter.load import autotune_results
 
 
 class _Config:

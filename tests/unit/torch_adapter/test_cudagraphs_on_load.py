@@ -5,7 +5,7 @@ import importlib
 from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
 from torch._inductor.utils import BoxedBool
 
-from torchfarm.torch_adapter.cudagraphs_on_load import cudagraphs_on_load
+from torchfarm.torch_adapter.load.cudagraphs_on_load import cudagraphs_on_load
 
 LOADER = importlib.import_module("torch._inductor.standalone_compile")
 

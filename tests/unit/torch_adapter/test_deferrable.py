@@ -2,7 +2,7 @@
 
 import torch
 
-from torchfarm.torch_adapter.deferrable import deferrable
+from torchfarm.torch_adapter.trace.deferrable import deferrable
 
 
 @torch.library.custom_op("torchfarm_unit::twice", mutates_args=())

@@ -17,7 +17,7 @@ from torch._inductor.triton_bundler import (
 )
 from torch.utils._ordered_set import OrderedSet
 
-from torchfarm.torch_adapter import device_remap
+from torchfarm.torch_adapter.load import device_remap
 
 DATA = __import__("pathlib").Path(__file__).parents[2] / "data"
 # Output code for CUDA: the forward and backward of a small training graph as torch 2.11's

@@ -1,4 +1,4 @@
-"""torch_adapter/dynamo_package.py and identity.py in one process: a package recorded while
+"""torch_adapter/trace/dynamo_package.py and identity.py in one process: a package recorded while
 Dynamo traces, then installed after Dynamo's caches are reset, runs the function with no frame
 traced; a rebound global or a changed default after the install is traced again."""
 
@@ -14,8 +14,8 @@ import torch
 from torch._dynamo import bytecode_transformation
 from torch._dynamo.utils import counters
 
-from torchfarm.torch_adapter import dynamo_package, identity
-from torchfarm.torch_adapter.guard_text import hints, symbol_inputs
+from torchfarm.torch_adapter.trace import dynamo_package, identity
+from torchfarm.torch_adapter.trace.guard_text import hints, symbol_inputs
 
 # The skip runs only on the releases it is verified on; elsewhere every compile traces.
 pytestmark = pytest.mark.skipif(

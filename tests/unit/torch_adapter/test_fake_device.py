@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from torchfarm.compiler import serialize
-from torchfarm.torch_adapter.fake_device import as_traced_for_real, fake_device
-from torchfarm.torch_adapter.fake_tensors import FakeTensor, FakeTensorMode
+from torchfarm.torch_adapter.trace.fake_device import as_traced_for_real, fake_device
+from torchfarm.torch_adapter.trace.fake_tensors import FakeTensor, FakeTensorMode
 
 
 def test_fake_tensors_move_to_cuda_and_take_random_fills_without_cuda():

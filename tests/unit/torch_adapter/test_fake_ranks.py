@@ -1,4 +1,4 @@
-"""A DDP job's first step as rank 0 of 2 with no peers (torch_adapter/fake_ranks.py), on
+"""A DDP job's first step as rank 0 of 2 with no peers (torch_adapter/trace/fake_ranks.py), on
 fake tensors as `torchfarm prepare` runs it: DDPOptimizer hands the backend one graph per
 bucket, as on every real rank; the job's own init_process_group and comm hook calls are
 absorbed; afterwards nothing of it is left (no process group, environment, DDP as it was)."""
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.models import build
-from torchfarm.torch_adapter.fake_ranks import fake_ranks
-from torchfarm.torch_adapter.fake_tensors import FakeTensorMode
+from torchfarm.torch_adapter.trace.fake_ranks import fake_ranks
+from torchfarm.torch_adapter.trace.fake_tensors import FakeTensorMode
 
 
 def _state():

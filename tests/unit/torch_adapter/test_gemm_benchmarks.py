@@ -1,12 +1,12 @@
 """Algorithm selection's benchmarked candidates, counted through the installed torch's own
-lookup (torch_adapter/gemm_benchmarks.py): a miss counts every candidate handed to the
+lookup (torch_adapter/compile/gemm_benchmarks.py): a miss counts every candidate handed to the
 benchmark, timings found in the cache count none, each benchmarking's problem (op, inputs key,
 matmul precision) is remembered unless a size hint was overridden (another key), and the lookup
 is restored afterwards."""
 
 from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
-from torchfarm.torch_adapter import gemm_benchmarks
+from torchfarm.torch_adapter.compile import gemm_benchmarks
 
 
 class _Choice:

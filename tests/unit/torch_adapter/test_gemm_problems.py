@@ -1,4 +1,4 @@
-"""The pool's GEMM measurements (torch_adapter/gemm_problems.py): the key Inductor files a
+"""The pool's GEMM measurements (torch_adapter/worker/gemm_problems.py): the key Inductor files a
 GEMM's timings under is parsed back into the problem, anything else is none; a problem out of
 range is refused before anything is allocated (a measurement's timings found by a later
 compile: tests/integration/torch_adapter/test_gemm_problems.py)."""
@@ -7,7 +7,7 @@ import pytest
 
 from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter import gemm_problems
+from torchfarm.torch_adapter.worker import gemm_problems
 
 # An addmm of a GPT's attention projection, as a compile on an H200 keyed it (torch 2.11).
 ADDMM = (

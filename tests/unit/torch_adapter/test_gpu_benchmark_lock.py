@@ -6,7 +6,7 @@ import fcntl
 import os
 import time
 
-from torchfarm.torch_adapter import gpu_benchmark_lock
+from torchfarm.torch_adapter.worker import gpu_benchmark_lock
 
 
 def _taken_elsewhere(path: str) -> bool:

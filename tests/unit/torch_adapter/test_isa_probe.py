@@ -5,7 +5,7 @@ import json
 
 from torch._inductor import cpu_vec_isa
 
-from torchfarm.torch_adapter import isa_probe
+from torchfarm.torch_adapter.worker import isa_probe
 
 
 def test_children_trust_the_flags_only_after_the_probe_agreed(tmp_path, monkeypatch):

@@ -1,11 +1,11 @@
-"""torch_adapter/operators.py: torch's operators, overloads and packets, are told from every
+"""torch_adapter/trace/operators.py: torch's operators, overloads and packets, are told from every
 other callable a graph node may target."""
 
 import operator
 
 import torch
 
-from torchfarm.torch_adapter.operators import is_operator
+from torchfarm.torch_adapter.trace.operators import is_operator
 
 
 def test_overloads_and_packets_are_operators():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torchfarm.torch_adapter import precompiled_headers
+from torchfarm.torch_adapter.worker import precompiled_headers
 
 KEY = "cgrt36rh5wdrff5r2qmf4bofnv2ifsjexxmaf4xem6f4iddeco77"
 

@@ -4,7 +4,7 @@ id()) fails here instead of entering the cache key unseen."""
 
 import torch
 
-from torchfarm.torch_adapter import shape_env
+from torchfarm.torch_adapter.trace import shape_env
 
 
 def _traced_shape_env() -> shape_env.ShapeEnv:

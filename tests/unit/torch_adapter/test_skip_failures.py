@@ -14,7 +14,7 @@ from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.package import CompilePackage
 from torch._dynamo.utils import counters
 
-from torchfarm.torch_adapter import dynamo_package, identity
+from torchfarm.torch_adapter.trace import dynamo_package, identity
 
 # The skip runs only on the releases it is verified on; elsewhere every compile traces.
 pytestmark = pytest.mark.skipif(

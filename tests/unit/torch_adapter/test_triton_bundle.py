@@ -3,7 +3,7 @@
 import pytest
 from torch._inductor.triton_bundler import TritonBundler
 
-from torchfarm.torch_adapter import triton_bundle
+from torchfarm.torch_adapter.load import triton_bundle
 
 
 def test_emitting_a_bundle_is_timed_and_still_runs_torchs_own_code(monkeypatch):

@@ -20,7 +20,7 @@ def _result(ms: int) -> bytes:
 def test_result_path_is_where_inductors_autotune_cache_looks(tmp_path, monkeypatch):
     from torch._inductor.runtime.autotune_cache import AutotuneCache
 
-    from torchfarm.torch_adapter import autotune_results
+    from torchfarm.torch_adapter.load import autotune_results
 
     path = str(tmp_path / "ab" / ("c" + "ab" * 26 + ".py"))
     cache = AutotuneCache.create({}, path, "configs-hash")
@@ -34,7 +34,7 @@ def test_a_child_finds_the_staged_timings_at_once_and_a_kernels_result_by_its_te
 ):
     from torch._inductor import async_compile, codecache
 
-    from torchfarm.torch_adapter import autotune_results
+    from torchfarm.torch_adapter.load import autotune_results
 
     staged, cache_dir = tmp_path / "staged", tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
@@ -69,7 +69,7 @@ def triton_dirs(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     own, staged = tmp_path / "own", tmp_path / "staged"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(own))
-    from torchfarm.torch_adapter import triton_cache
+    from torchfarm.torch_adapter.worker import triton_cache
 
     for name, value in triton_cache.environment(str(staged)).items():
         monkeypatch.setenv(name, value)
@@ -96,7 +96,7 @@ def test_triton_finds_a_staged_entry_by_its_key_and_serves_it_from_its_own_dir(t
 
 
 def test_no_staged_entry_or_one_without_metadata_is_a_miss(triton_dirs):
-    from torchfarm.torch_adapter.triton_cache import StagedFirst
+    from torchfarm.torch_adapter.worker.triton_cache import StagedFirst
 
     own, staged = triton_dirs
     (staged / KEY).mkdir(parents=True)

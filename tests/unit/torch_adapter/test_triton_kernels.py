@@ -38,7 +38,7 @@ def _result(**fields) -> bytes:
 
 
 def test_a_result_is_admissible_only_within_the_tuners_range():
-    from torchfarm.torch_adapter.triton_kernels import admissible
+    from torchfarm.torch_adapter.worker.triton_kernels import admissible
 
     assert admissible(_result()) == json.loads(_result())
     assert admissible(_result(R0_BLOCK=65536, time_taken_ms=12.5)) is not None

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from tests.unit.torch_adapter.recorded_triton_kernels import KERNELS, NAME  # noqa: E402
 from torchfarm.errors import BuildRefused  # noqa: E402
-from torchfarm.torch_adapter import triton_source_check  # noqa: E402
+from torchfarm.torch_adapter.worker import triton_source_check  # noqa: E402
 
 SOURCE = KERNELS[NAME]
 

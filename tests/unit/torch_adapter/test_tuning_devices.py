@@ -1,5 +1,5 @@
 """The seam that spreads one compile's max-autotune benchmarking over the worker's GPUs
-(torch_adapter/tuning_devices.py), against the installed torch's own TuningProcessPool: with
+(torch_adapter/compile/tuning_devices.py), against the installed torch's own TuningProcessPool: with
 two GPUs the pool's devices are the worker's and the benchmarks run in subprocesses; with one
 (K = 1, the CPU machine's case) nothing changes; either way all is restored afterwards."""
 
@@ -8,7 +8,7 @@ import inspect
 from torch._inductor import autotune_process
 from torch._inductor import config as inductor_config
 
-from torchfarm.torch_adapter import tuning_devices
+from torchfarm.torch_adapter.compile import tuning_devices
 
 
 def _state():

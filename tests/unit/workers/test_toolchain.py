@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.unit.workers.test_sandbox import LAYOUT
 from torchfarm.settings import WorkerSettings
-from torchfarm.torch_adapter import isa_probe, precompiled_headers
+from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
 from torchfarm.workers import sandbox, toolchain
 
 WHERE = "/tmp/torchinductor_nobody/precompiled_headers"

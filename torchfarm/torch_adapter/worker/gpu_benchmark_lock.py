@@ -3,7 +3,7 @@
 Max-autotune keeps whichever candidate (GEMM template, Triton config, coordinate-descent step)
 measured fastest on the compiling GPU. A worker compiles several graphs on one GPU at once
 (TORCHFARM_WORKER_CONCURRENCY), and a training graph's backward beside its forward
-(concurrent_backward.py), and the pool's builder measures GEMMs for the pool
+(compile/concurrent_backward.py), and the pool's builder measures GEMMs for the pool
 (gemm_problems.py): a timing taken while another process benchmarks on the same GPU measures
 both. The lock keeps any two from overlapping. It cannot keep out work that is not the farm's:
 a training job on the same GPU (a one-GPU machine's embedded farm) still runs beside the

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 from torch._inductor import async_compile, codecache
 
-from torchfarm.torch_adapter import autotune_results
+from torchfarm.torch_adapter.load import autotune_results
 
 
 @contextlib.contextmanager
@@ -79,7 +79,7 @@ def build(module: str, kernel_name: str, result: bytes = b"") -> bytes:
     or b"" where none was taken."""
     from torch._inductor.runtime import triton_helpers
 
-    from torchfarm.torch_adapter import triton_source_check
+    from torchfarm.torch_adapter.worker import triton_source_check
 
     triton_source_check.check(module, kernel_name)
     triton_helpers.set_driver_to_gpu = lambda: None  # this process only builds

@@ -43,8 +43,8 @@ from torch._dynamo.package import CompilePackage, _BackendId, _FunctionId
 from torch._dynamo.source import LocalSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from torchfarm.torch_adapter import identity
 from torchfarm.torch_adapter.gate import release
+from torchfarm.torch_adapter.trace import identity
 
 log = logging.getLogger("torchfarm")
 

@@ -2,17 +2,17 @@
 
 Max-autotune benchmarks the candidates of each GEMM (a Triton or C++ template per config, and
 ATen's kernel) and files the timings in Inductor's local cache under the op, its operands'
-layouts and the matmul precision (`PersistentCache.lookup`; gemm_benchmarks.py counts them). A
-later compile that finds every candidate's timing there benchmarks none. A tenant's compile
-child could report any timings, and a forged one would make everyone's GEMM of that shape take
-a slow candidate. So a shared job's child reports only the problem: the op it selected for and
-the operands' layouts, parsed back from the key Inductor filed the timings under (`problem`).
-The pool's builder then measures the problem itself (`measure`): it makes tensors of those
-layouts on its own device, runs the op on them through max-autotune, and Inductor benchmarks
-every candidate, ATen's included, and keys the timings. Nothing of the tenant's reaches the
-measurement but these numbers, each range-checked (`check`); a hostile payload can only make
-the pool measure GEMMs of its choosing, once each. A tuned choice is kept because it measured
-fastest on the pool's own GPU, never because a child said so.
+layouts and the matmul precision (`PersistentCache.lookup`; compile/gemm_benchmarks.py counts
+them). A later compile that finds every candidate's timing there benchmarks none. A tenant's
+compile child could report any timings, and a forged one would make everyone's GEMM of that
+shape take a slow candidate. So a shared job's child reports only the problem: the op it
+selected for and the operands' layouts, parsed back from the key Inductor filed the timings
+under (`problem`). The pool's builder then measures the problem itself (`measure`): it makes
+tensors of those layouts on its own device, runs the op on them through max-autotune, and
+Inductor benchmarks every candidate, ATen's included, and keys the timings. Nothing of the
+tenant's reaches the measurement but these numbers, each range-checked (`check`); a hostile
+payload can only make the pool measure GEMMs of its choosing, once each. A tuned choice is kept
+because it measured fastest on the pool's own GPU, never because a child said so.
 
 The op runs twice in the measured graph, on two sets of operands: Inductor's second selection
 for one GEMM in a compile can offer a candidate its first did not (22 against 21 on an H200,
@@ -130,7 +130,7 @@ def measure(gemm: pb.GemmProblem, device: str) -> None:
     only: it compiles and runs kernels."""
     import torch
 
-    from torchfarm.torch_adapter import standalone
+    from torchfarm.torch_adapter.compile import standalone
 
     check(gemm)
     op, count = getattr(torch, gemm.op), len(gemm.inputs)

@@ -2,7 +2,7 @@
 a class; CLOSURE_MATCH on a function's code) and on default arguments, carried across
 processes.
 
-Dynamo's package cannot save those guards (torch_adapter/dynamo_package.py), and dropping them
+Dynamo's package cannot save those guards (torch_adapter/trace/dynamo_package.py), and dropping them
 served stale code: a global function rebound after the compile still ran the old graph. The
 process that traces keeps Dynamo's own guards; the package saves each such guard with its
 path from the frame (its locals or its module's globals, through attributes, items and
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch._dynamo import source as sources
 
-from torchfarm.torch_adapter.operators import is_operator
+from torchfarm.torch_adapter.trace.operators import is_operator
 
 # One step of a path: ("local" | "global" | "attr" | "generic_attr" | "item" | "key_at" |
 # "dict_key" | "defaults" | "kwdefaults" | "type", name or index)

@@ -47,7 +47,7 @@ CHECKS_ARGUMENT = "--isa-checks"  # a child's: the probe's check_build results (
 _PROBE = """
 import json
 from torch._inductor import config, cpu_vec_isa
-from torchfarm.torch_adapter.isa_probe import check_fingerprint
+from torchfarm.torch_adapter.worker.isa_probe import check_fingerprint
 checks = {}
 build = cpu_vec_isa.VecISA.check_build
 def recorded(isa, code):
@@ -177,7 +177,7 @@ def pick(agreement: str) -> None:
     so the request finds an empty home."""
     from torch._inductor import cpu_vec_isa
 
-    from torchfarm.torch_adapter import standalone
+    from torchfarm.torch_adapter.compile import standalone
 
     with (
         tempfile.TemporaryDirectory() as probe_dir,

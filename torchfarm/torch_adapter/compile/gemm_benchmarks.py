@@ -7,7 +7,7 @@ private compile finds its tenant's earlier timings staged: workers/kernel_cache.
 `benchmark(choices)` with all of them only when one is missing. The wrapper counts the
 candidates handed to that call, so timings found are not counted, and remembers what the call
 was for (op, inputs key, matmul precision): a shared job's GEMM problems, which the pool
-measures itself (gemm_problems.py). Not counted: pipelined
+measures itself (worker/gemm_problems.py). Not counted: pipelined
 autotuning (`pipeline_max_autotune_gemm`, off by default), which benchmarks outside lookup.
 
 Uses PersistentCache.lookup(choices, op, inputs, benchmark, hint_override), which
