@@ -22,6 +22,14 @@ CLIENT_OFFENDERS = {
 }
 KNOWN_CYCLES: list[set[str]] = []
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
+# what each part of the adapter may import of the others (its own modules besides)
+ADAPTER_BELOW = {
+    "gate": set(),
+    "trace": {"gate"},
+    "compile": {"gate"},
+    "load": {"gate"},
+    "worker": {"gate", "compile", "load"},
+}
 ROOT = "TorchfarmError"
 # BaseExceptions that are no errors, outside the root on purpose (errors.py says why)
 NOT_ERRORS = {"torch_adapter/compile/concurrent_backward.py::Stopped"}
@@ -162,6 +170,26 @@ def test_the_adapter_imports_nothing_above_it():
         if imported.split(".")[1] in ABOVE_THE_ADAPTER
     }
     assert upward == set()
+
+
+def _adapter_part(module: str) -> str:
+    """gate, trace, compile, load or worker: the part of the adapter `module` is in ("" for a
+    module outside it, or the package itself)."""
+    inside = module.startswith("torchfarm.torch_adapter.")
+    return module.split(".")[2] if inside else ""
+
+
+def test_the_adapters_parts_import_only_the_parts_below_them():
+    sideways = {
+        f"{module} -> {imported}"
+        for module, imports in _imports().items()
+        if _adapter_part(module) in ADAPTER_BELOW
+        for imported in imports
+        if _adapter_part(imported)
+        and _adapter_part(imported)
+        not in ADAPTER_BELOW[_adapter_part(module)] | {_adapter_part(module)}
+    }
+    assert sideways == set()
 
 
 def _exception_classes() -> dict[str, list[tuple[str, list[str]]]]:
