@@ -127,7 +127,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--op-libraries", default="", help="comma-separated modules")
     parser.add_argument("--kernels", default="", help="staged C++ objects (kernel_cache.py)")
-    parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_benchmark_lock.py)")
+    parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_lock.py)")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
     parser.add_argument(
         "--tuning-gpus", default="", help="GPUs to benchmark candidates on (tuning_devices.py)"
@@ -162,9 +162,9 @@ def _warm_up(args: argparse.Namespace) -> None:
     op_libraries = [m for m in args.op_libraries.split(",") if m]
     warm_up(args.device, op_libraries, args.isa_checks, throwaway=True)
     if args.gpu_lock:  # after the throwaway compile: only the request's measurements wait
-        from torchfarm.torch_adapter.worker import gpu_benchmark_lock
+        from torchfarm.workers import gpu_lock
 
-        gpu_benchmark_lock.install(args.gpu_lock)
+        gpu_lock.install(args.gpu_lock)
     if args.kernel_names == "content":
         from torchfarm.torch_adapter.compile import standalone
 

@@ -20,7 +20,7 @@ nothing else.
   the recorded layouts on the pool's device and lets Inductor benchmark every candidate and
   file the timings (torch_adapter/worker/gemm_problems.py); the worker merges them into the pool's.
   On a GPU its measurements hold the GPU's benchmark lock, as compiles' do
-  (torch_adapter/worker/gpu_benchmark_lock.py), and run at the compiles' priority: every later
+  (workers/gpu_lock.py), and run at the compiles' priority: every later
   compile on the pool takes these timings, so none may be taken beside another measurement
   or behind a busy host.
 It reports what it built. So what lies under a name is what the pool's compilers make of the
@@ -77,7 +77,7 @@ def build(
     """Builder child: build what `request` names into the empty `cache_dir` (and, for a Triton
     kernel, Triton's empty TRITON_CACHE_DIR) as a compile would, without loading or launching
     anything built; report it. A GEMM problem is measured instead, on `device` (the pool's),
-    its measurements holding `gpu_lock` (torch_adapter/worker/gpu_benchmark_lock.py) where given."""
+    its measurements holding `gpu_lock` (workers/gpu_lock.py) where given."""
     from torchfarm.compiler.inductor import WORKER_CONFIG
     from torchfarm.torch_adapter.compile import standalone
 
@@ -367,7 +367,7 @@ def main() -> int:
     parser.add_argument("--in-sandbox", action="store_true")
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
-    parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_benchmark_lock.py)")
+    parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_lock.py)")
     args = parser.parse_args()
     compile_child.warm_up("cpu", [], args.isa_checks)
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build

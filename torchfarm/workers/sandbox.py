@@ -37,10 +37,11 @@ from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.settings.sizing import COMPILE_SHM_MB, visible_gpus
-from torchfarm.torch_adapter.worker import gpu_benchmark_lock, isa_probe, precompiled_headers
+from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
 from torchfarm.workers import child_pool, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
+from torchfarm.workers.gpu_lock import lock_file as gpu_lock_file
 
 log = logging.getLogger("torchfarm.worker")
 
@@ -242,7 +243,7 @@ def bwrap_args(
     """The bubblewrap command line (up to the child's own command) for one compile child;
     `kernels`, the child's staging directory for its tenant's C++ objects, is bound read-only
     on KERNEL_DIR (workers/kernel_cache.py), `gpu_lock`, its GPU's benchmark lock file, on
-    GPU_LOCK (torch_adapter/worker/gpu_benchmark_lock.py)."""
+    GPU_LOCK (workers/gpu_lock.py)."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
     args += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     args += ["--unshare-cgroup-try", "--cap-drop", "ALL", "--die-with-parent", "--new-session"]
@@ -327,7 +328,7 @@ def child_command(
             staging = staging_dir(private_dir)
             os.makedirs(staging)
             python += ["--kernels", KERNEL_DIR if settings.sandbox == "bwrap" else staging]
-    if gpu and (gpu_lock := gpu_benchmark_lock.lock_file(gpu)):  # compile or kernel builder
+    if gpu and (gpu_lock := gpu_lock_file(gpu)):  # compile or kernel builder
         python += ["--gpu-lock", GPU_LOCK if settings.sandbox == "bwrap" else gpu_lock]
     layout = HostLayout.probe()
     if settings.sandbox == "bwrap":
