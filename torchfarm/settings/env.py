@@ -736,7 +736,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "internal",
         "set by the worker for its compile children: where the probe of the host's vector "
-        "instruction sets left its answer (torch_adapter/worker/isa_probe.py)",
+        "instruction sets left its answer (workers/isa_verdict.py)",
     ),
     Setting(
         "TORCHFARM_TRITON_STAGED",

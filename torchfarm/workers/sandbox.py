@@ -37,8 +37,8 @@ from torchfarm.errors import TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.settings.sizing import COMPILE_SHM_MB, visible_gpus
-from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
-from torchfarm.workers import child_pool, kernel_cache, metrics
+from torchfarm.torch_adapter.worker import precompiled_headers
+from torchfarm.workers import child_pool, isa_verdict, kernel_cache, metrics
 from torchfarm.workers.child_pool import ERROR_TAIL_BYTES as ERROR_TAIL_BYTES  # its error text
 from torchfarm.workers.compile_child import FRAME
 from torchfarm.workers.gpu_lock import lock_file as gpu_lock_file
@@ -290,7 +290,7 @@ def child_environment(
         "TRITON_CACHE_DIR": os.path.join(work_dir, "triton"),
     }
     env.update({name: os.environ[name] for name in _PASSED_ENV if name in os.environ})
-    env.update(isa_probe.child_environment())
+    env.update(isa_verdict.child_environment())
     env.update(precompiled_headers.child_environment())
     return env
 
@@ -310,7 +310,7 @@ def child_command(
     that forks such children. `private_dir` is an empty host directory of the parent's: with
     the kernel cache on, it holds the child's staging directory (`staging_dir`); without a
     sandbox, its library and work directories too."""
-    python = [sys.executable, *python_args, *isa_probe.child_arguments()]
+    python = [sys.executable, *python_args, *isa_verdict.child_arguments()]
     staging = gpu_lock = ""
     gpus = visible_gpus() if settings.device == "cuda" else ()
     gpu = gpus[number % len(gpus)] if gpus else ""
@@ -591,8 +591,8 @@ _parents_started_as: dict[str, tuple] = {}
 
 def _started_as() -> tuple:
     return (
-        tuple(isa_probe.child_arguments()),
-        tuple(sorted(isa_probe.child_environment().items())),
+        tuple(isa_verdict.child_arguments()),
+        tuple(sorted(isa_verdict.child_environment().items())),
         tuple(precompiled_headers.child_binds(WORK_DIR, CHILD_USER)),
         tuple(sorted(precompiled_headers.child_environment().items())),
     )

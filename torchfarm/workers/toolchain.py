@@ -31,26 +31,26 @@ import tempfile
 import threading
 
 from torchfarm.settings import WorkerSettings, env
-from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
-from torchfarm.workers import sandbox
+from torchfarm.torch_adapter.worker import precompiled_headers
+from torchfarm.workers import isa_verdict, sandbox
 
 log = logging.getLogger("torchfarm.worker")
 
-ISA_VERDICT_SUFFIX = ".vec-isa-ok"  # beside the header store: isa_probe.py's kept agreement
+ISA_VERDICT_SUFFIX = ".vec-isa-ok"  # beside the header store: isa_verdict.py's kept agreement
 HEADER_BUILD_TIMEOUT_S = 900  # ~25 s alone on the 2-core machine, more beside compiles
 
 
 def start_in_background(settings: WorkerSettings) -> None:
     """Worker main process, before its pool forks: probe the ISA, then build the headers."""
-    marker = isa_probe.declare()
+    marker = isa_verdict.declare()
     headers = store_dir()
     precompiled_headers.set_store(headers)
     kept_verdict = headers + ISA_VERDICT_SUFFIX
-    vouched = isa_probe.recall(marker, kept_verdict)  # before the canary's child starts
+    vouched = isa_verdict.recall(marker, kept_verdict)  # before the canary's child starts
 
     def prepare() -> None:
         if not vouched:
-            isa_probe.settle(marker, kept_verdict)
+            isa_verdict.settle(marker, kept_verdict)
         if settings.sandbox != "bwrap":  # unconfined children have no binds: no headers
             return
         if precompiled_headers.child_binds(sandbox.WORK_DIR, sandbox.CHILD_USER):

@@ -1,24 +1,11 @@
-"""The vector-ISA probe runs once per worker; children trust the CPU flags, and answer the
-build checks it ran, only once it said they may."""
+"""A child answers the build checks the worker's vector-ISA probe ran, and builds any other
+(how the probe's verdict reaches it: tests/unit/workers/test_isa_verdict.py)."""
 
 import json
 
 from torch._inductor import cpu_vec_isa
 
 from torchfarm.torch_adapter.worker import isa_probe
-
-
-def test_children_trust_the_flags_only_after_the_probe_agreed(tmp_path, monkeypatch):
-    marker, kept = tmp_path / "children-may-trust-flags", tmp_path / "kept"
-    monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", str(marker))
-    assert isa_probe.child_environment() == {}  # probe still running, or it disagreed
-    assert not isa_probe.recall(str(marker), str(kept))
-    kept.write_text(json.dumps({"f" * 64: True}))  # an earlier worker's agreement
-    assert isa_probe.recall(str(marker), str(kept))
-    assert isa_probe.child_environment() == {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
-    assert isa_probe.child_arguments() == ["--isa-checks", json.dumps({"f" * 64: True})]
-    monkeypatch.delenv("TORCHFARM_ISA_PROBE_MARKER")
-    assert isa_probe.child_environment() == {} and isa_probe.child_arguments() == []
 
 
 def test_a_vouched_check_is_answered_and_any_other_still_built(monkeypatch):

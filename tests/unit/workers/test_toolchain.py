@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.unit.workers.test_sandbox import LAYOUT
 from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter.worker import isa_probe, precompiled_headers
-from torchfarm.workers import sandbox, toolchain
+from torchfarm.workers import isa_verdict, sandbox, toolchain
 
 WHERE = "/tmp/torchinductor_nobody/precompiled_headers"
 
@@ -99,8 +99,8 @@ def test_a_restarted_worker_binds_the_kept_headers_without_building(tmp_path, mo
     monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", "")
     toolchain.start_in_background(WorkerSettings())  # the next worker of this toolchain
     # vouched at once, before its canary's child starts: the kept agreement, no probe
-    assert isa_probe.child_environment() == isa_probe.TRUST_FLAGS_ENV
-    assert isa_probe.child_arguments() == ["--isa-checks", json.dumps(checks)]
+    assert isa_verdict.child_environment() == isa_probe.TRUST_FLAGS_ENV
+    assert isa_verdict.child_arguments() == ["--isa-checks", json.dumps(checks)]
     time.sleep(1)
     assert len(builds) == 1 and os.environ["TORCHFARM_PRECOMPILED_HEADERS_DIR"] == kept
     assert probes == ["isa"]
@@ -120,5 +120,5 @@ def test_a_disagreeing_probe_is_not_kept(tmp_path, monkeypatch):
     toolchain.start_in_background(WorkerSettings())
     assert probed.wait(30)
     time.sleep(0.5)
-    assert isa_probe.child_environment() == {}  # children keep probing for themselves
+    assert isa_verdict.child_environment() == {}  # children keep probing for themselves
     assert not [n for n in os.listdir(tmp_path / "toolchain") if n.endswith(".vec-isa-ok")]

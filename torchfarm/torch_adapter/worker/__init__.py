@@ -2,7 +2,7 @@
 
 module               shims                                 used by
 precompiled_headers  Inductor's precompiled C++ header     workers/toolchain, workers/sandbox
-isa_probe            Inductor's CPU vector-ISA probe       workers/{toolchain,sandbox,compile_child}
+isa_probe            Inductor's CPU vector-ISA probe       workers/isa_verdict, compile_child
 compile_workers      Inductor's compile worker pool        workers/compile_child
 gpu_benchmark_lock   Inductor's GPU benchmark hook         workers/gpu_lock (the lock it holds)
 triton_cache         Triton's cache manager                workers/compile_child

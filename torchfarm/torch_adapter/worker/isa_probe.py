@@ -6,14 +6,8 @@ compile on the 2-core machine, since a compile child always starts in a fresh ca
 worker runs the probe once, in a subprocess with a throwaway cache dir. Where it accepts
 exactly the ISAs the flags list, the children may trust the flags
 (`TORCHINDUCTOR_VEC_ISA_OK=1`, read into `config.cpp.vec_isa_ok`) and pick the same ISA
-without building anything; otherwise they keep probing. The probe runs in the background
-while the worker starts (workers/toolchain.py), so the first compiles may still probe for
-themselves. An agreement is kept beside the toolchain's precompiled headers (the same key:
-torch build, compiler, CPU, interpreter), so the next worker of that toolchain, a restarted
-one included, vouches at once and its canary and first children probe nothing (~12 CPU
-seconds of the 2-core machine for the probe, ~8 more in each child that would start before
-it). A disagreement is not kept: every worker probes again, which costs time, never
-correctness.
+without building anything; otherwise they keep probing. How the verdict reaches the children,
+and is kept for the next worker of the toolchain: workers/isa_verdict.py.
 
 The flags do not settle everything: on a CPU with AVX-512, Inductor's AVX512, AVX512-VNNI and
 AMX classes also build bf16, VNNI and AMX test programs whatever `vec_isa_ok` says (6 g++
@@ -39,10 +33,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from torchfarm.settings import env
-
 TRUST_FLAGS_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
-CHECKS_ARGUMENT = "--isa-checks"  # a child's: the probe's check_build results (JSON)
 
 _PROBE = """
 import json
@@ -94,61 +85,11 @@ def children_may_trust_flags(timeout_s: float = 300) -> dict[str, bool] | None:
     return {str(k): bool(v) for k, v in found["checks"].items()} if agreed else None
 
 
-def declare() -> str:
-    """Worker main process, before its pool forks: where the probe's verdict will appear."""
-    marker = os.path.join(tempfile.mkdtemp(prefix="torchfarm-isa-"), "children-may-trust-flags")
-    env.export(ISA_PROBE_MARKER=marker)  # for the pool Celery forks
-    return marker
-
-
-def recall(marker: str, kept: str) -> bool:
-    """Worker main process, at once: True (and the children trust the flags from now on) if
-    an earlier worker of this toolchain kept an agreement at `kept` (an empty one, kept by
-    an older release without the checks, is probed again)."""
-    if not os.path.exists(kept) or not os.path.getsize(kept):
-        return False
-    shutil.copyfile(kept, marker)
-    return True
-
-
-def settle(marker: str, kept: str) -> None:
-    """Probe once (off the start-up path); let the children trust the flags if it agreed, and
-    keep the agreement at `kept` for the next worker of this toolchain."""
-    checks = children_may_trust_flags()
-    if checks is None:
-        return
-    with open(marker, "w") as f:
-        json.dump(checks, f)
-    with contextlib.suppress(OSError):  # a store that cannot be written: the next one probes
-        shutil.copyfile(marker, kept)
-
-
-def _agreement() -> str | None:
-    """The probe's agreement as the marker holds it (None: not in, or it disagreed)."""
-    marker = env.get("ISA_PROBE_MARKER")
-    if not marker or not os.path.exists(marker):
-        return None
-    with open(marker) as f:
-        return f.read()
-
-
-def child_environment() -> dict[str, str]:
-    """What a compile child's environment gains from the probe (nothing until it is in)."""
-    return dict(TRUST_FLAGS_ENV) if _agreement() is not None else {}
-
-
-def child_arguments() -> list[str]:
-    """What a child's command line gains from the probe: the build checks it ran (on the
-    command line, not in the environment, which carries nothing of the farm's)."""
-    agreement = _agreement()
-    return [CHECKS_ARGUMENT, agreement] if agreement else []
-
-
 @contextlib.contextmanager
 def vouched_checks(agreement: str) -> Iterator[None]:
     """Inside (a child's warm-up): each ISA build check that the worker's probe ran (its
-    `agreement`, child_arguments') is answered with its result instead of built again; any
-    other is built as usual."""
+    `agreement`, from workers/isa_verdict.child_arguments) is answered with its result instead
+    of built again; any other is built as usual."""
     try:
         checks = json.loads(agreement or "{}")
     except ValueError:  # an agreement kept by an older worker: no checks in it
