@@ -354,3 +354,15 @@ def test_a_global_only_an_identity_check_reads_is_saved():
     assert torch.equal(compiled(x), tensor_type_check(x))
     assert counters["stats"]["unique_graphs"] == 0
     torch._dynamo.reset()
+
+
+def test_a_source_with_derived_fields_survives_the_package_pickle():
+    """2.11 pickles a DefaultsSource with the fields its __post_init__ derives, and loading
+    it raised TypeError: transformers' BERT never saved a package on 2.11 (H200)."""
+    import pickle
+
+    from torch._dynamo.source import DefaultsSource, GlobalSource
+
+    source = DefaultsSource(GlobalSource("f"), 0, is_kw=False)
+    restored = pickle.loads(dynamo_package._dumps([source]))[0]
+    assert restored == source and restored.name == source.name

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import io
 import itertools
 import logging
 import pickle
@@ -41,6 +42,7 @@ from torch._dynamo.exc import PackageError
 from torch._dynamo.guards import CheckFunctionManager
 from torch._dynamo.package import CompilePackage, _BackendId, _FunctionId
 from torch._dynamo.source import LocalSource
+from torch._guards import Source
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from torchfarm.torch_adapter.gate import release
@@ -148,7 +150,7 @@ class Package(CompilePackage):
                     self._pending_late.append((steps, expected))
                 else:
                     self._pending.append((_portable(e.orig_guard), expected))
-            pickle.dumps((self._pending, self._pending_late))  # fail here, not at the save
+            _dumps((self._pending, self._pending_late))  # fail here, not at the save
         except Exception as e:  # never the user's step
             return self._left_out(entries, f"{type(e).__name__}: {e}")
         return [True] * len(entries)
@@ -553,7 +555,26 @@ def dumps(package: CompilePackage) -> bytes:
                 value = scope.get(name)
                 if isinstance(value, types.ModuleType):
                     modules.setdefault(code.python_module, {})[name] = value.__name__
-    return pickle.dumps((entry, modules))
+    return _dumps((entry, modules))
+
+
+class _SourcePickler(pickle.Pickler):
+    """Dynamo's sources pickled as torch 2.13 does: their init fields only. 2.11's reduce
+    passes the fields `__post_init__` derives too (DefaultsSource's `field` and `_name`), so
+    the package, once loaded, raised TypeError: transformers' BERT on 2.11 (H200) was never
+    saved, and each process paid the attempt."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Source) and dataclasses.is_dataclass(obj):
+            fields = dataclasses.fields(obj)
+            return type(obj), tuple(getattr(obj, f.name) for f in fields if f.init)
+        return NotImplemented
+
+
+def _dumps(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    _SourcePickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _check_roots(guarded: Any) -> set[str]:
