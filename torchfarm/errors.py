@@ -10,6 +10,7 @@ TorchfarmError
     + UntrustedEntry ................ here: raised by client/remote.py, a miss in client/graph.py
     + FarmBusy ...................... client/remote.py: its retry loop's signal, caught there
     + GatewayLost ................... client/remote.py: likewise (another gateway is asked)
+  + PackageLeftOut .................. client/packages.py: the decorator compiles without the skip
   local farm: `torchfarm up`
   + FarmNotReady (RuntimeError) ..... here: caught by the CLI and by LocalFarm's users
   gateway

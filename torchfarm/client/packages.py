@@ -46,7 +46,7 @@ from torchfarm.client import fetch, graph, records, remote
 from torchfarm.client.pool import pool
 from torchfarm.compiler import serialize, trace_state
 from torchfarm.contract.cache_key import public_key
-from torchfarm.errors import FarmError
+from torchfarm.errors import FarmError, TorchfarmError
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import ClientSettings, user_cache_dir
 from torchfarm.torch_adapter.trace import dynamo_package
@@ -74,6 +74,13 @@ class GraphRef:
 class Contents:
     dynamo: bytes  # dynamo_package.dumps
     graphs: dict[str, GraphRef]  # by Dynamo's backend id
+    # Why the first process could not save the package (dynamo and graphs empty): later
+    # processes compile as without the skip instead of recording and failing again
+    left_out: str = ""
+
+
+class PackageLeftOut(TorchfarmError):
+    """The farm holds, for this package key, the reason its package cannot be saved."""
 
 
 # Every graph's request this process sent, by backend id (filled by the backend's observer).
@@ -180,14 +187,23 @@ class Skipper:
         self.graphs: dict[str, GraphRef] = {}
         self.restored = False
         self.saved = False
+        self.found = True  # a package or a left-out reason is on the farm (or it failed to say)
         if _observe not in graph.request_observers:
             graph.request_observers.append(_observe)
         self.package = self._restore()
 
     def _restore(self) -> dynamo_package.Package:
+        """The restored package, else one recording; raises PackageLeftOut where the farm
+        says no package can be saved."""
         started = time.monotonic()
         try:
             contents = self._fetch_contents()
+        except Exception as e:  # any failure: trace as before
+            log.info("dynamo package %s not restored (%s: %s)", self.key[:16], type(e).__name__, e)
+            contents = None
+        if contents is not None and contents.left_out:
+            raise PackageLeftOut(f"a first process could not save it: {contents.left_out}")
+        try:
             if contents is not None:
                 package = dynamo_package.new_package()
                 dynamo_package.install(
@@ -211,6 +227,7 @@ class Skipper:
         reply = _call(self.settings, "GetPackage", pb.GetPackageRequest(key=self.key))
         if not reply.found:
             log.info("dynamo package %s: none on the farm", self.key[:16])
+            self.found = False
             return None
         data = unseal(self.mac, reply.package)
         if data is None:
@@ -227,16 +244,29 @@ class Skipper:
             return
         self.saved = True
         try:
-            dynamo = dynamo_package.dumps(self.package)
-            ids = dynamo_package.backend_ids(dynamo)
+            try:
+                dynamo = dynamo_package.dumps(self.package)
+                ids = dynamo_package.backend_ids(dynamo)
+            except Exception as e:
+                if not self.found:  # never over a package another process saved
+                    self._put(Contents(b"", {}, left_out=f"{type(e).__name__}: {e}"[:500]))
+                raise
             if self.restored and ids <= set(self.graphs):
                 return
             graphs = {bid: self.graphs.get(bid) or _graph_ref(bid) for bid in ids}
-            sealed = seal(self.mac, pickle.dumps(Contents(dynamo, graphs)))
-            _call(self.settings, "PutPackage", pb.PutPackageRequest(key=self.key, package=sealed))
-            log.info("dynamo package %s: saved (%d bytes)", self.key[:16], len(sealed))
+            log.info(
+                "dynamo package %s: saved (%d bytes)",
+                self.key[:16],
+                self._put(Contents(dynamo, graphs)),
+            )
         except Exception as e:
             log.info("dynamo package %s not saved (%s: %s)", self.key[:16], type(e).__name__, e)
+
+    def _put(self, contents: Contents) -> int:
+        """Seal and store `contents` on the farm; its size in bytes."""
+        sealed = seal(self.mac, pickle.dumps(contents))
+        _call(self.settings, "PutPackage", pb.PutPackageRequest(key=self.key, package=sealed))
+        return len(sealed)
 
 
 def _graph_ref(bid: str) -> GraphRef:

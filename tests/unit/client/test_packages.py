@@ -89,3 +89,70 @@ def test_the_key_names_tenant_secret_model_config_and_options():
     assert key != package_key(alice, model, {"mode": "max-autotune"})
     assert key != package_key(alice, torch.nn.Linear(4, 5), {"mode": "default"})
     assert key != package_key(alice, model.half(), {"mode": "default"})
+
+
+def _skipped(x):
+    return x + 1
+
+
+@pytest.fixture
+def farm_packages(monkeypatch):
+    """The gateway's package calls over a dict (the real ones: tests/integration)."""
+    from torchfarm.client import packages
+    from torchfarm.proto import torchfarm_pb2 as pb
+
+    store: dict[str, bytes] = {}
+
+    def call(settings, method, request):
+        if method == "GetPackage":
+            return pb.GetPackageReply(found=request.key in store, package=store.get(request.key))
+        store[request.key] = request.package
+        return pb.PutPackageReply()
+
+    monkeypatch.setattr(packages, "_call", call)
+    return store
+
+
+def _failing_dumps(monkeypatch):
+    from torchfarm.torch_adapter.trace import dynamo_package
+
+    def dumps(package):
+        raise TypeError("cannot pickle 'ScriptFunction' object")
+
+    monkeypatch.setattr(dynamo_package, "dumps", dumps)
+
+
+def test_a_package_no_process_can_save_is_tried_once(farm_packages, monkeypatch):
+    """A package that cannot be saved (bert's on 2.11 until 35c52b9: every process recorded,
+    failed and paid the attempt): the first process leaves the reason on the farm; the next
+    compiles without the skip (the decorator catches PackageLeftOut)."""
+    from torchfarm.client.packages import PackageLeftOut, Skipper
+
+    settings = ClientSettings(token="alice-token", package_key=SECRET.decode())
+    _failing_dumps(monkeypatch)
+    first = Skipper(_skipped, settings, {})
+    assert not first.restored and not farm_packages
+    first.after_first_call()
+    assert len(farm_packages) == 1
+    with pytest.raises(PackageLeftOut, match="ScriptFunction"):
+        Skipper(_skipped, settings, {})
+
+
+def test_a_failed_save_never_overwrites_what_the_farm_may_hold(farm_packages, monkeypatch):
+    """Where the farm's answer was unknown (a failed call, a package that failed its HMAC),
+    a process that cannot save leaves nothing: another process's package may be there."""
+    from torchfarm.client import packages
+    from torchfarm.errors import FarmError
+
+    farm = packages._call
+
+    def get_fails(settings, method, request):
+        if method == "GetPackage":
+            raise FarmError("UNAVAILABLE: no gateway answered")
+        return farm(settings, method, request)
+
+    monkeypatch.setattr(packages, "_call", get_fails)
+    settings = ClientSettings(token="alice-token", package_key=SECRET.decode())
+    _failing_dumps(monkeypatch)
+    packages.Skipper(_skipped, settings, {}).after_first_call()
+    assert not farm_packages
