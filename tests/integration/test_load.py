@@ -138,3 +138,12 @@ def test_the_planted_artifact_of_the_signing_tests_would_run_if_loaded(tmp_path,
     with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the non-callable fails with
         inductor.load_artifact(artifact)
     assert os.path.exists(marker)
+
+
+def test_the_artifact_carries_the_workers_torch_key(static_mlp):
+    """A client of the same build loads with it (load_prewarm.known_torch_key) instead of
+    hashing torch's sources: 0.3-0.4 s of a fresh process's first GPU load."""
+    from torch._inductor.codecache import torch_key
+
+    _, artifact = static_mlp
+    assert artifact.torch_key == torch_key() and len(artifact.torch_key) == 32

@@ -187,6 +187,7 @@ def load_code(
     """The artifact's code, on the caller's CUDA device `device_index` (the payload named
     cuda:0, compiler/serialize.py); adds load_s to `timings`."""
     started = time.monotonic()
+    load_prewarm.known_torch_key(artifact.torch_key)
     load_prewarm.wait()
     compiled = load_artifact(
         artifact,

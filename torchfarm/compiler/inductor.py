@@ -125,6 +125,7 @@ def compile_payload(
         kernels=_kernels(inductor_bytes),
         tuned_configs=_tuned_configs(),
         structure=graph_structure,
+        torch_key=standalone.torch_key(),
     )
 
 

@@ -1603,6 +1603,7 @@ class Artifact(_message.Message):
     PACKAGE_FIELD_NUMBER: _builtins.int
     BACKWARD_FIELD_NUMBER: _builtins.int
     PACKAGE_WEIGHTS_FIELD_NUMBER: _builtins.int
+    TORCH_KEY_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1621,6 +1622,11 @@ class Artifact(_message.Message):
     """Who compiled a training graph's backward: "helper" (the child's backward helper, beside
     the forward: TORCHFARM_CONCURRENT_BACKWARD), "child" (after the forward), "" (none, or
     no helper ran).
+    """
+    torch_key: _builtins.bytes
+    """Inductor's torch_key of the worker's torch build (a hash of torch's sources): the
+    client's first load takes it instead of hashing torch's sources (0.3-0.4 s of a fresh
+    process, on its critical path or contending with Dynamo's trace for the GIL).
     """
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
@@ -1666,10 +1672,11 @@ class Artifact(_message.Message):
         package: _builtins.bytes = ...,
         backward: _builtins.str = ...,
         package_weights: Global___PackageWeights | None = ...,
+        torch_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards", "package_weights", b"package_weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "torch_key", b"torch_key", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

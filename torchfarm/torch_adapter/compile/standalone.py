@@ -125,3 +125,11 @@ def throwaway_compiles() -> Iterator[None]:
     finally:
         clear_caches()
         torch._dynamo.reset()
+
+
+def torch_key() -> bytes:
+    """Inductor's hash of this torch build's sources (codecache.torch_key; memoized): a
+    client of the same build loads with it instead of hashing them again."""
+    import torch._inductor.codecache
+
+    return torch._inductor.codecache.torch_key()

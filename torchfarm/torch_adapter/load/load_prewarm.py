@@ -2,14 +2,19 @@
 
 A hit's load is mostly one-time work of the process, not of the artifact: importing
 Inductor's compile path (AOTAutograd's cache load imports compile_fx and its lowerings),
-hashing torch's sources (`torch_key`, checked against the artifact's) and, with Triton,
-building Triton's driver stubs (a C compiler run) and hashing Triton. On an H100 (torch 2.11,
-bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit. torch.compile(backend="inductor")
-pays the imports inside torch.compile and the rest along its first step, one after another.
+Inductor's hash of torch's sources (`torch_key`, in its kernels' and tuning caches' keys)
+and, with Triton, building Triton's driver stubs (a C compiler run) and hashing Triton. On an
+H100 (torch 2.11, bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit.
+torch.compile(backend="inductor") pays the imports inside torch.compile and the rest along its
+first step, one after another.
+
+`torch_key` is not hashed here: every artifact carries its worker's (Artifact.torch_key, the
+same torch build), and the load takes it (`known_torch_key`). Hashed on this thread it took
+0.3-0.4 s alone and, beside Dynamo's trace, 4.2 s of GIL-shared time, after which the first
+load still waited 1.1 s for it (H200, llama, 2026-11-29).
 
 Triton's driver build (a C compiler run, then `ptxas --version`) waits on subprocesses, not
-the GIL, so it runs on a thread of its own, started first, beside the hashing: with the skip a
-hit traces nothing, so nothing else hides this work and the first load waits for all of it.
+the GIL, so it runs on a thread of its own, started first, beside Triton's hashing.
 
 `start` runs when the farm's backend is chosen (client/entry.py, inside torch.compile, as
 Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
@@ -72,14 +77,27 @@ def wait() -> None:
         _thread.join()
 
 
+def known_torch_key(key: bytes) -> None:
+    """Take the worker's torch_key (Artifact.torch_key: the same torch build) as this
+    process's, unless it has one already or the artifact carries none (an older worker's:
+    Inductor then hashes torch's sources when it first needs the key)."""
+    if not key:
+        return
+    from torch._inductor.codecache import torch_key
+
+    try:
+        torch_key.set(key)  # type: ignore[attr-defined]
+    except (AssertionError, RuntimeError):  # set already: 2.11 asserts, later releases raise
+        pass
+
+
 def _imported() -> list[Callable[[], object]]:
     """Import the load's modules here; the work left for the thread."""
     try:
         import torch
         import torch._inductor.compile_fx  # noqa: F401
-        from torch._inductor.codecache import torch_key
 
-        work: list[Callable[[], object]] = [torch_key]
+        work: list[Callable[[], object]] = []
         if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
             import triton.compiler.compiler  # noqa: F401
             import triton.runtime.driver  # noqa: F401
