@@ -20,14 +20,20 @@ os.environ.setdefault("TORCHFARM_SKIP_TRACING", "0")
 #   test_kernel_cache.py asserts on (its farm turns it on: helpers.KERNEL_CACHE_ON);
 # - one warm compile child instead of one per compile slot (2 here): a farm's unused warm
 #   children cost ~4.5 CPU-s each (torch's import, Inductor's ISA checks) and every farm ends
-#   with them idle; test_warm_children.py keeps the default (-1), test_ready.py checks it.
+#   with them idle; test_warm_children.py and the session farm (`farm`, below) keep the
+#   default (-1), test_ready.py checks it.
 for _name, _value in TEST_FARM_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(scope="session")
 def farm():
-    with session_farm() as f:
+    # A warm compile parent for each of its 2 compile slots (the worker's default), not one:
+    # this farm's clients send graphs at once (prepare, DDP's buckets), and a compile that
+    # finds no parent idle starts one (~5 s) that ends after it; with one kept, every compile
+    # of such a burst but the first did (test_prepare + test_parallel_graphs: 206-218 -> 147
+    # CPU-s). An idle second parent costs 4-8 CPU-s a farm.
+    with session_farm(TORCHFARM_WARM_CHILDREN="-1") as f:
         yield f
 
 
