@@ -147,3 +147,40 @@ def test_the_artifact_carries_the_workers_torch_key(static_mlp):
 
     _, artifact = static_mlp
     assert artifact.torch_key == torch_key() and len(artifact.torch_key) == 32
+
+
+g_scale = 1.0
+
+
+def _scaled(x):
+    return (x * g_scale).sin()
+
+
+def test_a_float_lifted_to_an_input_compiles_on_the_worker_equal_to_eager(empty_cache_dir):
+    """A float global that changed between calls: Dynamo lifts it to a 0-d tensor input and
+    reads it back with .item(), which the worker's fakes answered with
+    DataDependentOutputException until the payload carried Dynamo's symbol for it (the skip
+    differential test's changed scalars fell back to local compiles)."""
+    global g_scale
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_scaled, backend=capture)
+    x = torch.randn(8)
+    compiled(x)
+    g_scale = 2.5  # changed: Dynamo traces again with the float as an input
+    compiled(x)
+    gm, example_inputs = graphs[-1]
+    assert "item" in gm.code  # the float is an input, read back
+    options = pb.Options(mode="default", state=trace_state.capture())
+    hints = dict(serialize.size_hints(gm))
+    artifact = inductor.compile_payload(serialize.dumps(gm), options, 1, hints)
+    loaded = inductor.load_artifact(artifact, timings={})
+    for value in (2.5, -0.75):
+        inputs = [x, torch.tensor(value, dtype=torch.float64)]
+        assert [i.shape for i in inputs] == [i.shape for i in example_inputs]
+        torch.testing.assert_close(loaded(*inputs), gm(*inputs))

@@ -95,7 +95,8 @@ class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
 
 
 class _PortableSymInt:
-    """A SymInt without its hint; `loads` recomputes the hint from the restored ShapeEnv."""
+    """A SymInt (or a SymFloat: a lifted float's `item_memo`) without its hint; `loads`
+    recomputes the hint from the restored ShapeEnv."""
 
     def __init__(self, node: SymNode) -> None:
         self.expr, self.shape_env, self.pytype = (
@@ -104,7 +105,12 @@ class _PortableSymInt:
             node.pytype,
         )
 
-    def unpickle(self, unpickle_state) -> torch.SymInt:
+    def unpickle(self, unpickle_state) -> torch.SymInt | torch.SymFloat:
+        if self.pytype is float:
+            hints = self.shape_env.__dict__.get(shape_env.HINT_FIELD, {})
+            hint = self.expr.xreplace(hints)
+            value = float(hint) if hint.is_number else None
+            return torch.SymFloat(SymNode(self.expr, self.shape_env, float, value))
         hint = self.expr.xreplace(_integer_hints(self.shape_env))
         return torch.SymInt(
             SymNode(self.expr, self.shape_env, self.pytype, int(hint) if hint.is_number else None)
@@ -132,6 +138,19 @@ class _PortableTensor(graph_pickler.TensorPickleData):
             self.metadata = dataclasses.replace(
                 self.metadata, base=dataclasses.replace(base, fake_mode=None)
             )
+        # A float Dynamo lifted to a tensor input (it changed between calls) is read back
+        # with .item(), which a fake answers only from the symbol Dynamo memoized on it:
+        # without it the worker's compile raised DataDependentOutputException. Set only
+        # where there is one, so every other payload keeps its bytes (and its key).
+        memo = getattr(t, "item_memo", None)
+        if isinstance(memo, (torch.SymInt, torch.SymFloat)):
+            self.item_memo = _PortableSymInt(memo.node)
+
+    def unpickle(self, unpickle_state) -> FakeTensor:
+        fake = super().unpickle(unpickle_state)
+        if hasattr(self, "item_memo"):
+            fake.item_memo = self.item_memo.unpickle(unpickle_state)
+        return fake
 
 
 def _fresh(value):
