@@ -16,6 +16,11 @@ from tests.integration.helpers import run_client
 
 MODELS = ["blocks", "gpt2", "resnet", "graph-break"]
 TOLERANCE = {"autocast": 0.1}  # bfloat16: compiled and eager round differently
+# A float that changed in the first process became an input of the frame Dynamo traced
+# then (automatic dynamic), and the package keeps that frame: the restoring process's
+# changed call is served by it without a trace, as plain torch.compile serves a third
+# closure in one process (its results are still checked against eager's)
+GENERALIZED = {"closure"}
 
 
 def _run(farm, *args: str) -> dict:
@@ -45,6 +50,10 @@ def test_a_changed_state_after_the_restore_is_traced_again(farm):
         for run in (fresh[name], case):
             assert run["first_alike"] and run["first_err"] <= tolerance, (name, run)
             assert run["changed_alike"] and run["changed_err"] <= tolerance, (name, run)
-            assert run["changed_frames"] >= 1, (name, run)  # a retrace, not the saved code
+        assert fresh[name]["changed_frames"] >= 1, name  # a retrace, not the saved code
+        if name in GENERALIZED:
+            assert case["changed_frames"] == 0, (name, case)  # the saved general frame
+        else:
+            assert case["changed_frames"] >= 1, (name, case)
         assert fresh[name]["first_frames"] >= 1, name
         assert case["first_frames"] == 0, (name, case)  # restored
