@@ -167,6 +167,7 @@ class WorkerSettings(_FromEnv):
     insecure_unsigned: bool = _var("INSECURE_UNSIGNED")
     kernel_cache_mb: int = _var("KERNEL_CACHE_MB")
     kernel_cache_dir: str = _var("KERNEL_CACHE")
+    kernel_builds: int = _var("KERNEL_BUILDS")  # 0: sizing.default_kernel_builds()
     spread_tuning: bool = _var("SPREAD_TUNING")
     concurrent_backward: str = _var("CONCURRENT_BACKWARD")  # auto: resolved here
     kernel_names: str = _var("KERNEL_NAMES")
@@ -176,6 +177,8 @@ class WorkerSettings(_FromEnv):
         # Frozen: the defaults that depend on other fields are resolved once, here.
         if not self.concurrency:
             object.__setattr__(self, "concurrency", sizing.default_concurrency(self.device))
+        if not self.kernel_builds:
+            object.__setattr__(self, "kernel_builds", sizing.default_kernel_builds())
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
         if self.concurrent_backward == "auto":

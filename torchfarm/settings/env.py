@@ -685,6 +685,17 @@ SETTINGS: tuple[Setting, ...] = (
         must="at least 0 (0 = off)",
     ),
     Setting(
+        "TORCHFARM_KERNEL_BUILDS",
+        int,
+        0,
+        "worker",
+        "The pool's kernel builds (TORCHFARM_KERNEL_CACHE_MB) at once on this worker. They are "
+        "background work: at idle CPU and I/O priority, each waiting until no compile runs on "
+        "the worker. 0 = a quarter of the cores, at least 1",
+        check=lambda v: v >= 0,
+        must="at least 0 (0 = a quarter of the cores)",
+    ),
+    Setting(
         "TORCHFARM_KERNEL_NAMES",
         str,
         "unique",

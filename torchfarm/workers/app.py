@@ -7,7 +7,6 @@ or worker error), which wakes its waiters at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -15,7 +14,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 from celery import Celery
 from google.protobuf import json_format
@@ -32,6 +30,7 @@ from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
 from torchfarm.workers import canary, entry, metrics, sandbox, toolchain
 from torchfarm.workers.run import CompileRun, Ended, Result, log_fields
+from torchfarm.workers.slots import SLOTS
 
 log = logging.getLogger("torchfarm.worker")
 
@@ -140,36 +139,6 @@ def _pool_of(task) -> str:
     return task.request.delivery_info.get("routing_key", "")
 
 
-class _Slots:
-    """How many compiles this worker runs, and since when it has had a free slot: what its
-    heartbeat reports, so that a job's waiters can tell a job waiting its turn from one lost
-    in the queue (cache/pools.py PoolState.took_nothing_since)."""
-
-    def __init__(self) -> None:
-        self.concurrency = 1
-        self.running = 0
-        self.free_since = time.monotonic()
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def taken(self) -> Iterator[None]:
-        with self.lock:
-            self.running += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.running -= 1
-                if self.running == self.concurrency - 1:  # a slot has just come free
-                    self.free_since = time.monotonic()
-
-    def free_for_s(self) -> float:
-        """Seconds this worker has had a free slot without a break; -1 while all are busy."""
-        with self.lock:
-            return -1.0 if self.running >= self.concurrency else time.monotonic() - self.free_since
-
-
-SLOTS = _Slots()  # the compile tasks of this worker process
 WORKER_NAME = f"{socket.gethostname()}.{os.getpid()}"  # as Celery's node name ends
 
 

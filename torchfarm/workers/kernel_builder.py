@@ -5,10 +5,12 @@ A compile child runs a tenant's code, so the objects it reports could be anythin
 name. What a shared job's child reports for the pool is therefore only sources: one
 `KernelSource` per C++ library (Inductor's load_async arguments) and, on a GPU pool, one
 `TritonSource` per Triton kernel (its module as Inductor wrote it). After the job has ended,
-the worker builds each source it has not built before, one at a time and (but for GEMM
-measurements) at niceness 10, so compiles go first, in a builder child of its own: the
+the worker builds each source it has not built before in a builder child of its own: the
 compile sandbox (no network, no secrets, a private tmpfs, nothing staged), given sources and
-nothing else.
+nothing else. Builds are background work: they never compete with the user's processes nor
+with compiles (issue 53). A builder runs at idle CPU and I/O priority (workers/idle_priority.py;
+but for GEMM measurements), at most TORCHFARM_KERNEL_BUILDS of them at once, and each build
+waits until no compile runs in this worker (workers/slots.py).
 - A C++ library: the builder calls Inductor's own load_async, which names the objects after
   the source and the pool's compile command and runs g++ on them; it never loads them.
 - A Triton kernel: the builder first checks that the module is one Inductor writes
@@ -58,8 +60,9 @@ from typing import IO, BinaryIO
 from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import compile_child, kernel_cache, sandbox, warm_fork
+from torchfarm.workers import compile_child, idle_priority, kernel_cache, sandbox, warm_fork
 from torchfarm.workers.compile_child import FRAME
+from torchfarm.workers.slots import SLOTS
 
 log = logging.getLogger("torchfarm.worker")
 
@@ -156,12 +159,22 @@ _Queued = tuple[str, pb.KernelBuild, Callable[[pb.KernelBuild, int], None]]
 
 
 class PoolBuilds:
-    """The worker's queue of kernel builds for its pools, drained by one background thread."""
+    """The worker's queue of kernel builds for its pools, drained by TORCHFARM_KERNEL_BUILDS
+    background threads, each with its builder child. Before each build a thread waits for
+    `compiles_done` (by default, until no compile runs in this worker process): a build
+    started beside a compile would take the compile's cores, memory and disk."""
 
-    def __init__(self, kernels: kernel_cache.KernelCache, settings: WorkerSettings) -> None:
-        self.kernels, self.settings = kernels, settings
+    def __init__(
+        self,
+        kernels: kernel_cache.KernelCache,
+        settings: WorkerSettings,
+        compiles_done: Callable[[], None] = SLOTS.wait_until_none_run,
+    ) -> None:
+        self.kernels, self.settings, self.compiles_done = kernels, settings, compiles_done
         self.waiting: queue.Queue[_Queued] = queue.Queue(MAX_QUEUED)
-        threading.Thread(target=self._drain, name="kernel-builds", daemon=True).start()
+        for number in range(settings.kernel_builds):
+            name = f"kernel-builds-{number}"
+            threading.Thread(target=self._drain, name=name, daemon=True).start()
 
     def offer(
         self,
@@ -188,6 +201,7 @@ class PoolBuilds:
             item: _Queued | None = self.waiting.get()
             with _Builder(self.settings) as builder:
                 while item is not None:
+                    self.compiles_done()
                     self._build(builder, *item)
                     try:  # the rest of the burst goes to the same builder
                         item = self.waiting.get(timeout=IDLE_S)
@@ -340,8 +354,10 @@ def _build_in_fork(
     def build_here() -> int:  # the build's own process
         os.close(read_end)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
-        if not source.HasField("gemm"):  # builds yield to the compiles waiting on the cores;
-            os.nice(10)  # a GEMM's timings are the pool's, so not measured behind them
+        if source.HasField("gemm"):  # its timings are the pool's: not measured behind others
+            idle_priority.normal_session()
+        else:
+            idle_priority.idle_cpu()
         try:
             data, status = build(source, cache_dir, device, gpu_lock).SerializeToString(), 0
         except BuildRefused as e:  # the reply is why
@@ -369,6 +385,9 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
     parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_lock.py)")
     args = parser.parse_args()
+    # Background work from the start (its imports too), at the compiles' priority never.
+    for skipped in idle_priority.idle_session():
+        print(f"kernel builder: no {skipped}", file=sys.stderr)
     compile_child.warm_up("cpu", [], args.isa_checks)
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
     # forked from it in a sandbox made as it was before the last one (warm_fork.py).
