@@ -67,18 +67,43 @@ def run_step(width: int, addr: str, scratch: str) -> dict:
         TORCHFARM_PRIVATE="0",  # shared: its sources are queued for the pool's builds
         TORCHFARM_PROGRESS="0",
     )
-    started = time.perf_counter()
-    out = subprocess.run(
+    started, cpu = time.perf_counter(), cpu_by_process()
+    with subprocess.Popen(
         [sys.executable, __file__, "--step", str(width)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    ) as process:
+        out, _ = process.communicate()
+    assert process.returncode == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - started
+    result["beside"] = busiest(cpu, cpu_by_process(), process.pid)
     assert result["error"] < 1e-3, result
     return result
+
+
+def cpu_by_process() -> dict[tuple[int, str], float]:
+    """CPU seconds of every process now (its own and its reaped children's), by (pid, name)."""
+    seconds = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except (OSError, ValueError):
+            continue
+        ticks = sum(int(v) for v in tail.split()[11:15])  # utime stime cutime cstime
+        seconds[(int(entry), head.split("(", 1)[1])] = ticks / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def busiest(before: dict, after: dict, skip: int, top: int = 4) -> str:
+    """What else took CPU between two `cpu_by_process` readings (but the process `skip`, the
+    hit's, and this one, which reaped it): the `top` processes, CPU seconds each. Machine-wide:
+    other users' too."""
+    spent = [(after[k] - before.get(k, 0.0), k) for k in after if k[0] not in (skip, os.getpid())]
+    spent = sorted((s, k) for s, k in spent if s >= 0.1)[::-1][:top]
+    return ", ".join(f"{name}[{pid}] {s:.1f}" for s, (pid, name) in spent)
 
 
 def load() -> str:
@@ -108,13 +133,17 @@ def repeat(farm, width: int, scratch: str) -> dict:
         "builds_done_when_hit_started": at_hit[1] - before[1],
         "builds_done_when_hit_ended": after_hit[1] - before[1],
         "load": load(),
+        "beside_hit_during": during["beside"],
+        "beside_hit_after": after["beside"],
     }
     print(
         f"  width {width}: miss {row['miss_s']:.1f} s, hit during builds {row['hit_during_s']:.1f}"
         f" s (step {row['hit_during_step_s']:.1f}), hit after {row['hit_after_s']:.1f} s (step "
         f"{row['hit_after_step_s']:.1f}); ratio {row['hit_during_s'] / row['hit_after_s']:.2f}; "
         f"{row['builds']} pool builds ({row['builds_done_when_hit_started']} done when the hit "
-        f"started, {row['builds_done_when_hit_ended']} when it ended); load {row['load']}",
+        f"started, {row['builds_done_when_hit_ended']} when it ended); load {row['load']}\n"
+        f"    CPU s beside the hit during builds: {row['beside_hit_during']}\n"
+        f"    CPU s beside the hit after builds: {row['beside_hit_after']}",
         flush=True,
     )
     return row

@@ -16,6 +16,7 @@ Best effort: what the host does not permit is skipped and named, for the caller 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -56,9 +57,10 @@ def idle_session() -> list[str]:
 
 def normal_session() -> None:
     """Out of `idle_session`'s: a session of its own (whose autogroup is at nice 0) and the
-    default I/O class, as the compiles have."""
+    default I/O class (where it could be set), as the compiles have."""
     os.setsid()
-    _set_io_class(_CLASS_NONE)
+    with contextlib.suppress(OSError):
+        _set_io_class(_CLASS_NONE)
 
 
 def _set_io_class(io_class: int) -> None:

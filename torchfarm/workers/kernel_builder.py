@@ -385,7 +385,8 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
     parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_lock.py)")
     args = parser.parse_args()
-    # Background work from the start (its imports too), at the compiles' priority never.
+    # Background work from the start, its imports included (a GEMM measurement's fork
+    # leaves it: idle_priority.normal_session).
     for skipped in idle_priority.idle_session():
         print(f"kernel builder: no {skipped}", file=sys.stderr)
     compile_child.warm_up("cpu", [], args.isa_checks)
