@@ -7,7 +7,9 @@ step (a width no earlier repeat used, so its C++ sources are new to the pool and
 queues their builds once the job has ended), then at once a hit in a fresh process (the
 builds queued or running), then, once every build is done, another hit in a fresh process.
 Each process has an empty local Inductor cache; its time is the whole process's (start-up,
-imports, eager warm-up, the compiled step), as a user waits for it. Prints each repeat, the
+imports, eager warm-up, the compiled step), as a user waits for it. A first repeat warms the
+farm up and is not counted: in the first runs the farm's first hit, right after its first
+miss, took ~2x the next with no build done yet. Prints each repeat, the
 medians, the ratio hit-during-builds / hit-after-builds, the builds and the load average;
 `--json PATH` too.
 
@@ -167,6 +169,8 @@ def main() -> None:
     try:
         with LocalFarm(tenants=tenants) as farm:
             wait_for_precompiled_headers(farm)
+            print("warm-up (not counted: the farm's first miss and hit start its paths)")
+            repeat(farm, 64, scratch)
             rows = [repeat(farm, 96 + 32 * r, scratch) for r in range(args.repeats)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
