@@ -76,7 +76,7 @@ def test_a_builder_child_and_its_compiler_run_at_idle_priority():
             while not done.is_set():
                 for pid, name in descendants(root).items():
                     try:
-                        seen.setdefault(pid, (name, priority(pid)))
+                        seen[pid] = (name, priority(pid))  # the latest: a fork idles itself
                     except (OSError, ValueError):
                         pass  # ended meanwhile
                 time.sleep(0.005)
