@@ -8,8 +8,8 @@ of these settings is inherited on fork).
   shared between sessions, then within each; the builder runs in a session of its own (its
   sandbox's --new-session, Popen's start_new_session), so it had as much of the CPU as the
   user's whole session, whatever its nice level or policy. Measured on the 2-core dev box, both
-  pinned to one core: a busy loop in the user's session got a third of it beside a SCHED_IDLE
-  (or nice 10) loop in another session, and all but 1% once that session was at nice 19.
+  pinned to one core: a busy loop in the user's session got half as much of it as a SCHED_IDLE
+  (or nice 10) loop in another session; with that session at nice 19, the other loop got 1%.
 - I/O: the IDLE class (ioprio_set(2), through its syscall: Python has no wrapper).
 Best effort: what the host does not permit is skipped and named, for the caller to log.
 """
