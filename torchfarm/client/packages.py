@@ -198,12 +198,8 @@ class Skipper:
         started = time.monotonic()
         try:
             contents = self._fetch_contents()
-        except Exception as e:  # any failure: trace as before
-            log.info("dynamo package %s not restored (%s: %s)", self.key[:16], type(e).__name__, e)
-            contents = None
-        if contents is not None and contents.left_out:
-            raise PackageLeftOut(f"a first process could not save it: {contents.left_out}")
-        try:
+            if contents is not None and contents.left_out:
+                raise PackageLeftOut(f"a first process could not save it: {contents.left_out}")
             if contents is not None:
                 package = dynamo_package.new_package()
                 dynamo_package.install(
@@ -217,7 +213,9 @@ class Skipper:
                     time.monotonic() - started,
                 )
                 return package
-        except Exception as e:  # any failure: trace as before
+        except PackageLeftOut:
+            raise
+        except Exception as e:  # any other failure: trace as before
             log.info("dynamo package %s not restored (%s: %s)", self.key[:16], type(e).__name__, e)
         package = dynamo_package.new_package()
         dynamo_package.record(package, self.target)

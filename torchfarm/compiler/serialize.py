@@ -54,9 +54,12 @@ _CUDA_NAME = re.compile(r"cuda:(\d+)")
 _DEVICE_METHODS = ("cuda", "to")
 
 
+def _hints(env: ShapeEnv | None) -> dict:
+    return env.__dict__.get(shape_env.HINT_FIELD, {}) if env is not None else {}
+
+
 def _integer_hints(env: ShapeEnv | None) -> dict:
-    hints = env.__dict__.get(shape_env.HINT_FIELD, {}) if env is not None else {}
-    return {s: v for s, v in hints.items() if isinstance(v, sympy.Integer)}
+    return {s: v for s, v in _hints(env).items() if isinstance(v, sympy.Integer)}
 
 
 class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
@@ -107,8 +110,7 @@ class _PortableSymInt:
 
     def unpickle(self, unpickle_state) -> torch.SymInt | torch.SymFloat:
         if self.pytype is float:
-            hints = self.shape_env.__dict__.get(shape_env.HINT_FIELD, {})
-            hint = self.expr.xreplace(hints)
+            hint = self.expr.xreplace(_hints(self.shape_env))
             value = float(hint) if hint.is_number else None
             return torch.SymFloat(SymNode(self.expr, self.shape_env, float, value))
         hint = self.expr.xreplace(_integer_hints(self.shape_env))

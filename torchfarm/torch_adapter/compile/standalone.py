@@ -21,7 +21,7 @@ method" RuntimeError raised when AOTAutograd bundled nothing), standalone_compil
 .AOTCompiledArtifact (serialize, deserialize), torch._guards.TracingContext / tracing,
 torch._inductor.list_mode_options, the Inductor and functorch config modules (and
 `compile_threads`), torch._inductor.runtime.cache_dir_utils.cache_dir, the modules
-torch._inductor.codecache and compile_fx, torch._inductor.utils.fresh_cache and
+torch._inductor.codecache (and its torch_key) and compile_fx, torch._inductor.utils.fresh_cache and
 clear_caches, and torch._dynamo.reset.
 Verified: torch 2.11.0, 2.13.0, 2.15.0.
 """
@@ -54,6 +54,7 @@ __all__ = [
     "mode_options",
     "save",
     "throwaway_compiles",
+    "torch_key",
 ]
 
 

@@ -5,7 +5,8 @@ backends are looked up only by their `__compiled_fn_*` ids and need `after_deser
 torch._dynamo.optimize's `package` and `guard_filter_fn` arguments,
 CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES, a graph's meta["backend_id"], and
 ShapeEnv.create_symbol/create_symintnode, bytecode_transformation._unique_id_counter and
-output_graph._compile_id_counter (see _skip_installed_ids). Stock `caching_precompile` (which
+output_graph._compile_id_counter (see _skip_installed_ids), and torch._guards.Source (its
+dataclass fields: _SourcePickler). Stock `caching_precompile` (which
 uses the same package) and `aot_compile` are not used: both failed on transformers models in
 2.13 (issue 19).
 
