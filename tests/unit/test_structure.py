@@ -1,26 +1,15 @@
 """The package's shape, read from its source with `ast` (issue 51): functions in the client
 and the workers short, with few parameters; private torch names only behind torch_adapter/;
 no import cycle, and no import from the adapter up into the code that uses it; every exception
-under one root, one class per name. Known offenders are listed: the lists may only shrink."""
+under one root, one class per name."""
 
 import ast
 import builtins
 import pathlib
 import re
 
-import pytest
-
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torchfarm"
 MAX_LINES, MAX_PARAMETERS = 60, 5
-# client/ after FarmGraph (issue 51, item 1): public signatures that take torch's keywords
-# (torchfarm.compile, the export's two), and SwitchingGraph, which its test builds with six
-CLIENT_OFFENDERS = {
-    "client/decorator.py::compile",
-    "client/exported.py::package_artifact",
-    "client/exported.py::aoti_compile_and_package",
-    "client/switching.py::SwitchingGraph.__init__",
-}
-KNOWN_CYCLES: list[set[str]] = []
 ABOVE_THE_ADAPTER = ("client", "compiler", "gateway", "workers")
 # what each part of the adapter may import of the others (its own modules besides)
 ADAPTER_BELOW = {
@@ -70,13 +59,8 @@ def test_no_function_in_workers_is_over_60_lines_or_5_parameters():
     assert _long_functions("workers") == set()
 
 
-@pytest.mark.xfail(reason="issue 51 item 1: CLIENT_OFFENDERS are left", strict=True)
 def test_no_function_in_client_is_over_60_lines_or_5_parameters():
     assert _long_functions("client") == set()
-
-
-def test_the_clients_long_functions_are_known_ones():
-    assert _long_functions("client") <= CLIENT_OFFENDERS
 
 
 def _dotted(node: ast.AST) -> str:
@@ -156,9 +140,8 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_no_import_cycles_but_known_ones():
-    cycles = _cycles(_imports())
-    assert all(c in KNOWN_CYCLES for c in cycles), cycles
+def test_no_import_cycles():
+    assert _cycles(_imports()) == []
 
 
 def test_the_adapter_imports_nothing_above_it():

@@ -14,34 +14,58 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from torchfarm.client.keywords import refuse_unknown
 from torchfarm.settings import ClientSettings
 
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; the package supports 3.10
+    from typing_extensions import Unpack
+
 log = logging.getLogger("torchfarm")
+
+
+class CompileOptions(TypedDict, total=False):
+    """torch.compile's keywords that torchfarm.compile takes as torch.compile does (defaults:
+    DEFAULTS); `options` are Inductor config patches."""
+
+    mode: str
+    dynamic: bool | None
+    fullgraph: bool
+    options: dict | None
+
+
+DEFAULTS: CompileOptions = {"mode": "default", "dynamic": None, "fullgraph": False, "options": None}
 
 
 def compile(
     obj=None,
     *,
-    mode: str = "default",
-    dynamic: bool | None = None,
-    fullgraph: bool = False,
-    options: dict | None = None,
     addr: str | None = None,
     token: str | None = None,
     wait: bool | None = None,
+    **options: Unpack[CompileOptions],
 ):
-    """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments.
+    """Compile `obj` through the farm. Usable bare (`@torchfarm.compile`) or with arguments:
+    torch.compile's `mode`, `dynamic`, `fullgraph` and `options` (CompileOptions), and the
+    farm's `addr` and `token` (default: TORCHFARM_ADDR, TORCHFARM_TOKEN) and `wait`:
     `wait=False` runs a graph the farm must compile eagerly meanwhile (default: TORCHFARM_WAIT)."""
     from torchfarm.client.backend import start, torchfarm_backend
 
+    refuse_unknown(compile, options, CompileOptions.__annotations__)
+    chosen: CompileOptions = {**DEFAULTS, **options}
     start(ClientSettings.from_env(addr=addr, token=token, wait=wait))  # overlaps the trace
     backend = functools.partial(
-        torchfarm_backend, mode=mode, options=options, addr=addr, token=token, wait=wait
+        torchfarm_backend,
+        mode=chosen["mode"],
+        options=chosen["options"],
+        addr=addr,
+        token=token,
+        wait=wait,
     )
-    kwargs = dict(backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    kwargs = dict(backend=backend, dynamic=chosen["dynamic"], fullgraph=chosen["fullgraph"])
 
     def wrap(target):
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
@@ -56,11 +80,8 @@ def compile(
             return target
         settings = ClientSettings.from_env(addr=addr, token=token)
         if _skips_tracing(settings):
-            compile_options = dict(
-                mode=mode, dynamic=dynamic, fullgraph=fullgraph, **(options or {})
-            )
             try:
-                return _with_package(target, backend, settings, compile_options)
+                return _with_package(target, backend, settings, chosen)
             except Exception as e:  # e.g. no source to key the package by: trace as always
                 name = getattr(target, "__qualname__", type(target).__name__)
                 log.info("no Dynamo package for %s (%s: %s)", name, type(e).__name__, e)
@@ -85,16 +106,18 @@ def _skips_tracing(settings: ClientSettings) -> bool:
     )
 
 
-def _with_package(target, backend, settings: ClientSettings, options: dict):
+def _with_package(target, backend, settings: ClientSettings, chosen: CompileOptions):
     """Dynamo's wrapper around `target` with the package restored (or recording); the package
     is saved after the first call returns."""
     from torchfarm.client.packages import Skipper
     from torchfarm.torch_adapter.trace import dynamo_package
 
-    skipper = Skipper(target, settings, options)
-    compiled = dynamo_package.optimize(
-        backend, skipper.package, options["dynamic"], options["fullgraph"]
-    )(target)
+    dynamic, fullgraph = chosen["dynamic"], chosen["fullgraph"]
+    keyed = dict(
+        mode=chosen["mode"], dynamic=dynamic, fullgraph=fullgraph, **(chosen["options"] or {})
+    )
+    skipper = Skipper(target, settings, keyed)
+    compiled = dynamo_package.optimize(backend, skipper.package, dynamic, fullgraph)(target)
     if isinstance(compiled, torch.nn.Module):
         compiled.register_forward_hook(lambda *_: skipper.after_first_call())
         return compiled

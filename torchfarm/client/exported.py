@@ -23,12 +23,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from google.protobuf import json_format
 
 from torchfarm.client import remote
+from torchfarm.client.keywords import refuse_unknown
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import aoti, exported
 from torchfarm.compiler.exported import BLOB, SENT
@@ -41,7 +42,32 @@ from torchfarm.settings import ClientSettings
 from torchfarm.torch_adapter.compile import aoti_compile, standalone
 from torchfarm.torch_adapter.trace import export_serde
 
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; the package supports 3.10
+    from typing_extensions import Unpack
+
 log = logging.getLogger("torchfarm.client")
+
+
+class PackageOptions(TypedDict, total=False):
+    """What to build, for which target, through which farm (defaults: DEFAULTS):
+    `inductor_configs` as torch's aoti_compile_and_package takes them, torch.compile's `mode`,
+    the `target` (a pb.Target, a `torchfarm target` file, or None: this machine's), whether
+    to send the `weights`, and the farm's `settings` (None: from the environment)."""
+
+    inductor_configs: Mapping[str, Any] | None
+    mode: str
+    target: pb.Target | str | None
+    weights: bool
+    settings: ClientSettings | None
+
+
+DEFAULTS: PackageOptions = {
+    "inductor_configs": None,
+    "mode": "default",
+    "target": None,
+    "weights": False,
+    "settings": None,
+}
 
 
 def _device_of(program: torch.export.ExportedProgram) -> str:
@@ -64,36 +90,36 @@ def _target(target: pb.Target | str | None, program: torch.export.ExportedProgra
 
 
 def package_artifact(
-    program: torch.export.ExportedProgram,
-    compiler: str = AOTI,
-    *,
-    target: pb.Target | str | None = None,
-    mode: str = "default",
-    inductor_configs: Mapping[str, Any] | None = None,
-    weights: bool = False,
-    settings: ClientSettings | None = None,
+    program: torch.export.ExportedProgram, compiler: str = AOTI, **options: Unpack[PackageOptions]
 ) -> tuple[pb.Artifact, str]:
     """The artifact `compiler` built on the farm for `program` (verified), whose `package`
     is the package, and how it came ("hit", "miss", "merged"). ValueError for options the
     compiler refuses; FarmError where the farm could not give one."""
-    options = canonical_options(
+    refuse_unknown(package_artifact, options, PackageOptions.__annotations__)
+    chosen: PackageOptions = {**DEFAULTS, **options}
+    configs, weights = chosen["inductor_configs"], chosen["weights"]
+    farm_options = canonical_options(
         pb.Options(
-            mode=mode,
-            config_patches_json=json.dumps(dict(inductor_configs)) if inductor_configs else "",
+            mode=chosen["mode"],
+            config_patches_json=json.dumps(dict(configs)) if configs else "",
             compiler=compiler,
         )
     )
     if compiler == AOTI:  # what the worker would refuse, refused here
-        aoti.inductor_configs(options, SENT if weights else BLOB)
-    settings = settings or ClientSettings.from_env()
+        aoti.inductor_configs(farm_options, SENT if weights else BLOB)
+    settings = chosen["settings"] or ClientSettings.from_env()
     if not settings.addr:
         raise FarmError("no farm configured (TORCHFARM_ADDR)")
-    job_target = _target(target, program)
+    job_target = _target(chosen["target"], program)
     payload = exported.dumps(program, weights)
-    key = public_key(payload, job_target, options)
+    key = public_key(payload, job_target, farm_options)
     label = "exported program"
     request = pb.CompileRequest(
-        graph=payload, target=job_target, options=options, label=label, private=settings.private
+        graph=payload,
+        target=job_target,
+        options=farm_options,
+        label=label,
+        private=settings.private,
     )
     ask = pb.Ask(key=key, private=settings.private, label=label)
     request_id = uuid.uuid4().hex[:16]
@@ -128,41 +154,33 @@ def _package_path(package_path: str | os.PathLike | None) -> str:
 def aoti_compile_and_package(
     exported_program: torch.export.ExportedProgram,
     package_path: str | os.PathLike | None = None,
-    *,
-    inductor_configs: Mapping[str, Any] | None = None,
-    mode: str = "default",
-    target: pb.Target | str | None = None,
-    weights: bool = False,
-    settings: ClientSettings | None = None,
+    **options: Unpack[PackageOptions],
 ) -> str:
     """torch._inductor.aoti_compile_and_package on the farm: the path of the .pt2 package
-    built for `target`'s pool (a pb.Target, a `torchfarm target` file, or this machine's).
+    built for `target`'s pool (a pb.Target, a `torchfarm target` file, or this machine's);
+    the other keywords as PackageOptions says.
 
     The package is self-contained either way: `torch._inductor.aoti_load_package(path)`
     and torch's C++ AOTIModelPackageLoader run it as it is. `weights=False` (the default)
     sends no weights: the farm builds the package without them and this process writes the
     program's own into it. `weights=True` sends them (needed for freezing), and the farm
     builds them in. Dynamic dims the program was exported with (torch.export.Dim) hold."""
+    refuse_unknown(aoti_compile_and_package, options, PackageOptions.__annotations__)
+    chosen: PackageOptions = {**DEFAULTS, **options}
     path = _package_path(package_path)
     started = time.monotonic()
     try:
-        artifact, source = package_artifact(
-            exported_program,
-            target=target,
-            mode=mode,
-            inductor_configs=inductor_configs,
-            weights=weights,
-            settings=settings,
-        )
+        artifact, source = package_artifact(exported_program, **chosen)
     except FarmError as e:
+        target = chosen["target"]
         if target is not None and _target(target, exported_program) != local_target(
             _device_of(exported_program)
         ):
             raise
         log.warning("torchfarm: %s; compiling the package locally", e)
-        configs = dict(inductor_configs or {})
-        if mode != "default":
-            configs = {**standalone.mode_options(mode), **configs}
+        configs = dict(chosen["inductor_configs"] or {})
+        if chosen["mode"] != "default":
+            configs = {**standalone.mode_options(chosen["mode"]), **configs}
         return aoti_compile.compile_and_package(exported_program, path, configs)
     writing = time.monotonic()
     aoti.write_package(path, artifact, exported_program)

@@ -78,20 +78,28 @@ class FarmAnswer:
         return job.future.done() and job.future.exception() is None
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """The code a graph waits for: the farm's fetch (`job`), and `resolve`, which turns the
+    finished job into code to switch to (None: the farm failed, the graph stays eager)."""
+
+    job: Job
+    resolve: Callable[[Job, SwitchingGraph], Switch | None]
+
+
 class SwitchingGraph:
-    """A graph's code in no-wait mode: the eager graph until `job` is done and `resolve`
-    (called then, on the calling thread, between two calls) gives code to switch to; then that
-    code for every call whose sizes its shape guards cover, other sizes running eagerly. If
-    `resolve` gives None (the farm failed) the graph stays eager. `eager_calls` counts the
-    calls that ran eagerly. `after_first_call` runs at the start of the second call: work
-    for the switch that must not slow the first step (the load's prewarm)."""
+    """A graph's code in no-wait mode: the eager graph until the pending job is done and its
+    `resolve` (called then, on the calling thread, between two calls) gives code to switch to;
+    then that code for every call whose sizes its shape guards cover, other sizes running
+    eagerly. If `resolve` gives None the graph stays eager. `eager_calls` counts the calls
+    that ran eagerly. `after_first_call` runs at the start of the second call: work for the
+    switch that must not slow the first step (the load's prewarm)."""
 
     def __init__(
         self,
         gm: torch.fx.GraphModule,
         example_inputs: Sequence[object],
-        job: Job,
-        resolve: Callable[[Job, SwitchingGraph], Switch | None],
+        pending: Pending,
         label: str,
         after_first_call: Callable[[], object] | None = None,
     ):
@@ -99,8 +107,7 @@ class SwitchingGraph:
         self.label = label
         symbols = {id(s) for s in symbol_inputs(example_inputs)}
         self._symbols = [i for i, x in enumerate(example_inputs) if id(x) in symbols]
-        self._job: Job | None = job
-        self._resolve = resolve
+        self._pending: Pending | None = pending
         self._compiled: Callable | None = None
         self._guards = pb.ShapeGuards()
         self._covered: dict[tuple[int, ...], bool] = {}
@@ -114,12 +121,12 @@ class SwitchingGraph:
             after, self._after_first_call = self._after_first_call, None
             after()
         self._called = True
-        job = self._job
-        if job is not None and job.future.done():
+        pending = self._pending
+        if pending is not None and pending.job.future.done():
             with self._lock:
-                if self._job is job:  # not taken by another thread meanwhile
-                    self._job = None
-                    switch = self._resolve(job, self)
+                if self._pending is pending:  # not taken by another thread meanwhile
+                    self._pending = None
+                    switch = pending.resolve(pending.job, self)
                     if switch is not None:
                         self._compiled, self._guards = switch
         if self._compiled is not None and self._covers(args):
@@ -156,8 +163,7 @@ def eager_while_compiling(graph: FarmGraph, job: Job[Fetched]) -> SwitchingGraph
     return SwitchingGraph(
         graph.gm,
         graph.inputs,
-        job,
-        functools.partial(_farm_code, graph),
+        Pending(job, functools.partial(_farm_code, graph)),
         graph.label,
         after_first_call=load_prewarm.resume,
     )

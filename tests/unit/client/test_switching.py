@@ -6,7 +6,7 @@ import threading
 import torch
 
 from torchfarm.client.pool import Job, Pool
-from torchfarm.client.switching import FarmAnswer, SwitchingGraph
+from torchfarm.client.switching import FarmAnswer, Pending, SwitchingGraph
 from torchfarm.compiler import guards, serialize
 from torchfarm.proto import torchfarm_pb2 as pb
 
@@ -81,13 +81,14 @@ def test_silence_and_failure_are_not_hits():
 
 
 class _Farm:
-    """The fetch job, finished on demand, and the code it resolves to."""
+    """The fetch job, finished on demand, and the code it resolves to (`pending`)."""
 
     def __init__(self, code, shape_guards=pb.ShapeGuards()):
         self.done = threading.Event()
         self.job = Pool(1).submit(self.done.wait)
         self.switch = code, shape_guards
         self.resolved: list[int] = []
+        self.pending = Pending(self.job, self.resolve)
 
     def resolve(self, job, graph):
         assert job is self.job and job.future.done()
@@ -108,7 +109,7 @@ def test_eager_until_the_code_is_ready_then_the_code_from_the_next_call_on():
         return gm.forward(*args)
 
     farm = _Farm(code)
-    graph = SwitchingGraph(gm, serialize.example_inputs(gm), farm.job, farm.resolve, "graph t")
+    graph = SwitchingGraph(gm, serialize.example_inputs(gm), farm.pending, "graph t")
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     for _ in range(3):
         torch.testing.assert_close(graph(x, w)[0], f(x, w))
@@ -123,7 +124,7 @@ def test_eager_until_the_code_is_ready_then_the_code_from_the_next_call_on():
 def test_a_failed_farm_leaves_the_graph_eager():
     gm = _graph(dynamic=False)
     farm = _Farm(None)
-    graph = SwitchingGraph(gm, serialize.example_inputs(gm), farm.job, farm.resolve, "graph t")
+    graph = SwitchingGraph(gm, serialize.example_inputs(gm), farm.pending, "graph t")
     farm.finish()
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     for _ in range(3):
@@ -142,7 +143,7 @@ def test_sizes_outside_the_codes_shape_guards_run_eagerly():
         return gm.forward(*args)
 
     farm = _Farm(code, guards.parse("L['t0'] <= 6", 1))  # the code covers batches up to 6
-    graph = SwitchingGraph(gm, inputs, farm.job, farm.resolve, "graph t")
+    graph = SwitchingGraph(gm, inputs, farm.pending, "graph t")
     farm.finish()
     w = torch.randn(8, 3)
     for batch in (5, 9, 6, 9):
@@ -172,8 +173,7 @@ def test_work_for_the_switch_starts_at_the_second_call_not_in_the_first():
     graph = SwitchingGraph(
         gm,
         serialize.example_inputs(gm),
-        farm.job,
-        farm.resolve,
+        farm.pending,
         "graph t",
         after_first_call=lambda: started.append(graph.eager_calls),
     )
