@@ -19,7 +19,10 @@ the GIL, so it runs on a thread of its own, started first, beside Triton's hashi
 `start` runs when the farm's backend is chosen (client/entry.py, inside torch.compile, as
 Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
 two threads at once can meet a half-initialised module of torch's circular imports — and
-leaves the hashing and the compiler run to a thread, where they overlap Dynamo's tracing. A
+leaves the hashing and the compiler run to a thread, where they overlap Dynamo's tracing.
+The thread's work imports nothing of torch, so it starts before Inductor's compile path is
+imported (1-2 s on this thread) and runs beside that import: started after it, the first
+load of a skip hit waited 0.8 s for the thread (H200, qwen3, 2026-11-29). A
 load `wait`s for that thread: it never races it. In no-wait mode the first step runs eagerly
 and loads nothing,
 and that thread, which takes the GIL between files, slowed Dynamo's tracing of it (issue 27,
@@ -52,9 +55,10 @@ def start(defer: bool = False) -> None:
     global _deferred
     with _lock:
         if _thread is None and _deferred is None:
-            _deferred = _imported()
+            _deferred = _triton_work()
     if not defer:
         resume()
+    _import_compile_path()
 
 
 def resume() -> None:
@@ -91,25 +95,31 @@ def known_torch_key(key: bytes) -> None:
         pass
 
 
-def _imported() -> list[Callable[[], object]]:
-    """Import the load's modules here; the work left for the thread."""
+def _triton_work() -> list[Callable[[], object]]:
+    """Import what the thread's work needs (Triton and torch's shims over it); that work."""
     try:
         import torch
-        import torch._inductor.compile_fx  # noqa: F401
 
-        work: list[Callable[[], object]] = []
-        if importlib.util.find_spec("triton") is not None and torch.cuda.is_available():
-            import triton.compiler.compiler  # noqa: F401
-            import triton.runtime.driver  # noqa: F401
-            from torch._inductor.runtime.triton_compat import triton_key
-            from torch.utils._triton import triton_backend, triton_hash_with_backend
+        if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+            return []
+        import triton.compiler.compiler  # noqa: F401
+        import triton.runtime.driver  # noqa: F401
+        from torch._inductor.runtime.triton_compat import triton_key
+        from torch.utils._triton import triton_backend, triton_hash_with_backend
 
-            driver = _beside(lambda: triton_backend().hash())
-            work += [driver.start, triton_key, driver.join, triton_hash_with_backend]
-        return work
+        driver = _beside(lambda: triton_backend().hash())
+        return [driver.start, triton_key, driver.join, triton_hash_with_backend]
     except Exception as e:  # only ever a slower load: the load does the same work itself
         log.debug("prewarming the artifact load: %s", e)
         return []
+
+
+def _import_compile_path() -> None:
+    """Inductor's compile path, which AOTAutograd's cache load imports (once per process)."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception as e:  # the load imports it itself and reports what fails
+        log.debug("prewarming the artifact load: %s", e)
 
 
 def _beside(build: Callable[[], object]) -> threading.Thread:
