@@ -99,11 +99,14 @@ def problems(result: dict, entry: str) -> list[str]:
 
 
 def _skip_state(package_log: list[str]) -> str:
-    """What the skip did in a process: restored Dynamo's package, saved one, or nothing (a
+    """What the skip did in a process: restored Dynamo's package, saved one, left it out (no
+    graph's frame could be saved: later processes compile without the skip), or nothing (a
     release outside dynamo_package.VERIFIED: torchfarm.compile traced as always)."""
-    for word in ("restored", "saved"):
+    for word in ("restored", "saved", "left out"):
         if any(f": {word}" in line for line in package_log):
             return word
+    if any("PackageLeftOut" in line for line in package_log):
+        return "left out"
     return "off" if not package_log else "failed"
 
 

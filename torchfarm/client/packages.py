@@ -246,9 +246,11 @@ class Skipper:
                 dynamo = dynamo_package.dumps(self.package)
                 ids = dynamo_package.backend_ids(dynamo)
             except Exception as e:
-                if not self.found:  # never over a package another process saved
-                    self._put(Contents(b"", {}, left_out=f"{type(e).__name__}: {e}"[:500]))
+                self._leave_out(f"{type(e).__name__}: {e}")
                 raise
+            if not ids:  # every graph's frame left out: a restore would trace them all anyway
+                self._leave_out("no frame with a graph could be saved")
+                return
             if self.restored and ids <= set(self.graphs):
                 return
             graphs = {bid: self.graphs.get(bid) or _graph_ref(bid) for bid in ids}
@@ -259,6 +261,13 @@ class Skipper:
             )
         except Exception as e:
             log.info("dynamo package %s not saved (%s: %s)", self.key[:16], type(e).__name__, e)
+
+    def _leave_out(self, why: str) -> None:
+        """Tell later processes to compile without the skip (PackageLeftOut), unless the farm
+        may hold another process's package (never overwritten)."""
+        if not self.found:
+            self._put(Contents(b"", {}, left_out=why[:500]))
+            log.info("dynamo package %s: left out (%s)", self.key[:16], why)
 
     def _put(self, contents: Contents) -> int:
         """Seal and store `contents` on the farm; its size in bytes."""
