@@ -49,6 +49,11 @@ _NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defin
 _loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
 # The CUDA index that `dumps` writes as the canonical one, while it pickles (None: none).
 _local_index: contextvars.ContextVar[int | None] = contextvars.ContextVar("index", default=None)
+# Types that are never a persistent id (GraphPickler's is an object(); ours are devices and
+# sympy values): pickle asks about every object, these are most of them.
+_BY_PICKLE = frozenset({str, int, float, bool, bytes, type(None), tuple, list, dict, type})
+# Containers, which pickle hands to `reducer_override` (its atoms it writes at once).
+_CONTAINERS = frozenset({tuple, list, dict})
 _CUDA_NAME = re.compile(r"cuda:(\d+)")
 # Methods whose second positional argument may be a bare device index (`x.cuda(1)`).
 _DEVICE_METHODS = ("cuda", "to")
@@ -175,11 +180,13 @@ class _PortablePickler(GraphPickler):
       on the GPU after a longer process history), numbered by value."""
 
     def persistent_id(self, obj: object):
+        if type(obj) in _BY_PICKLE:  # most of a payload's objects: answered first
+            return None
         if type(obj) is torch.device:
             return ("device", str(_canonical(obj)))
         if isinstance(obj, sympy.Basic):
             numbers = self.__dict__.setdefault("_sympy_numbers", {})
-            value = (type(obj), sympy.srepr(obj))
+            value = self._sympy_value(obj)
             if value in numbers:
                 return ("sympy", numbers[value])
             numbers[value] = len(numbers)
@@ -187,7 +194,18 @@ class _PortablePickler(GraphPickler):
             return ("sympy", numbers[value], rebuild, _fresh(args), _fresh(state))
         return super().persistent_id(obj)
 
+    def _sympy_value(self, obj: sympy.Basic) -> tuple:
+        """What numbers a sympy value, printed once per object: pickle asks about every
+        occurrence (the same few symbols in most shapes of a dynamic graph), and printing
+        was half of such a payload's cost. The object is kept, so its id stays its own."""
+        printed = self.__dict__.setdefault("_sympy_printed", {})
+        if id(obj) not in printed:
+            printed[id(obj)] = (obj, (type(obj), sympy.srepr(obj)))
+        return printed[id(obj)][1]
+
     def reducer_override(self, obj: object):
+        if type(obj) in _CONTAINERS:  # GraphPickler pickles them as pickle does
+            return NotImplemented
         if isinstance(obj, FakeTensor):
             return _PortableTensor.unpickle, (
                 _PortableTensor(self._meta_tensor_describer, obj),
@@ -225,6 +243,15 @@ class _PortableUnpickler(graph_pickler.GraphUnpickler):
         return expr
 
 
+class _Generated(torch.fx.GraphModule):
+    """A GraphModule whose code is generated once, when it is built: GraphPickler recompiles
+    every module before pickling it, and these are never edited, so that second code
+    generation and compile (a sixth of a payload's cost) would give the same code."""
+
+    def recompile(self):
+        return None if "_code" in self.__dict__ else super().recompile()
+
+
 def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The graph with only the metadata the compiler needs; subgraphs (torch.cond branches,
     autograd.Function forward/backward) come along the same way, anything else read with
@@ -252,7 +279,7 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if schema is not None:
             new.meta[_OP_SCHEMA] = schema
         env[node] = new
-    return torch.fx.GraphModule(root, graph)
+    return _Generated(root, graph)
 
 
 def _device_index(value: object, bare_int: bool = False) -> int | None:

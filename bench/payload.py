@@ -1,0 +1,160 @@
+"""The cost of a graph's payload and key on the client (issue 52 item 1), this checkout's
+serializer beside another revision's (default origin/main), in one process: each zoo model's
+Dynamo graphs (a training step) are serialized alternately by both, the bytes compared, and
+the median over rounds reported per graph, with the rest of what the client computes before
+asking the farm (`payload_s`: the payload, size hints and target; `key_s`: the key, its parts
+and the structure digest), in CPU milliseconds of the calling thread.
+
+    .venv/bin/python bench/payload.py [--models llama,gpt2] [--scale cpu|cuda] [--rounds 9]
+        [--against origin/main] [--dynamic]
+
+The other revision's compiler/serialize.py runs under this module's name (pickle names its
+classes by module), with this checkout's torch adapter. Prints one JSON object per graph and
+exits 1 if any payload's bytes differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE)]
+
+import torch  # noqa: E402
+
+from tests.zoo import models  # noqa: E402
+from torchfarm.compiler import serialize, structure  # noqa: E402
+from torchfarm.compiler.target import local_target  # noqa: E402
+from torchfarm.contract.cache_key import key_parts, public_key  # noqa: E402
+from torchfarm.proto import torchfarm_pb2 as pb  # noqa: E402
+from torchfarm.torch_adapter.trace.guard_text import hints, symbol_inputs  # noqa: E402
+
+
+def _serializer_at(revision: str) -> types.ModuleType:
+    source = subprocess.run(
+        ["git", "show", f"{revision}:torchfarm/compiler/serialize.py"],
+        cwd=os.path.dirname(HERE),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    module = types.ModuleType(serialize.__name__)
+    module.__file__ = f"{revision}:torchfarm/compiler/serialize.py"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+@contextlib.contextmanager
+def _as_serialize(module: types.ModuleType):
+    """Pickle finds a class by its module's name: make `module` the one that name means."""
+    sys.modules[serialize.__name__] = module
+    try:
+        yield
+    finally:
+        sys.modules[serialize.__name__] = serialize
+
+
+def _graphs(name: str, scale: str, dynamic: bool) -> list[torch.fx.GraphModule]:
+    built = models.build(name, scale)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    args, kwargs = built.batch(0, True)
+    loss, _ = built.loss(
+        torch.compile(built.model, backend=backend, dynamic=dynamic)(*args, **kwargs)
+    )
+    loss.backward()
+    return graphs
+
+
+def _timed(fn) -> tuple[float, object]:
+    """The thread's CPU seconds: on a shared machine the wall clock also counts the waits for
+    a core, which other processes decide (on an idle one the two agree)."""
+    started = time.thread_time()
+    result = fn()
+    return time.thread_time() - started, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="llama,gpt2")
+    parser.add_argument("--scale", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--against", default="origin/main")
+    parser.add_argument("--dynamic", action="store_true")
+    args = parser.parse_args()
+    old = _serializer_at(args.against)
+    options = pb.Options(mode="default")
+    differ = False
+    for name in args.models.split(","):
+        for number, gm in enumerate(_graphs(name, args.scale, args.dynamic)):
+            times: dict[str, list[float]] = {"old": [], "new": [], "payload": [], "key": []}
+            for _ in range(args.rounds):
+                with _as_serialize(old):
+                    seconds, old_bytes = _timed(lambda: old.dumps(gm))  # noqa: B023
+                times["old"].append(seconds)
+                seconds, new_bytes = _timed(lambda: serialize.dumps(gm))  # noqa: B023
+                times["new"].append(seconds)
+                seconds, request = _timed(
+                    lambda: pb.CompileRequest(
+                        graph=serialize.dumps(gm),  # noqa: B023
+                        target=local_target("cpu"),
+                        size_hints=serialize.size_hints(gm),  # noqa: B023
+                    )
+                )
+                times["payload"].append(seconds)
+                times["key"].append(
+                    _timed(
+                        lambda: (
+                            public_key(request.graph, request.target, options),  # noqa: B023
+                            key_parts(
+                                request.graph,  # noqa: B023
+                                request.target,  # noqa: B023
+                                options,
+                                structure.digest(gm),  # noqa: B023
+                            ),
+                            hints(symbol_inputs(serialize.example_inputs(gm))),  # noqa: B023
+                        )
+                    )[0]
+                )
+            same = old_bytes == new_bytes
+            differ |= not same
+            nodes = len(gm.graph.nodes)
+            ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+            print(
+                json.dumps(
+                    {
+                        "model": name,
+                        "scale": args.scale,
+                        "dynamic": args.dynamic,
+                        "graph": number,
+                        "nodes": nodes,
+                        "bytes": len(new_bytes),
+                        "same_bytes": same,
+                        f"dumps_ms_{args.against}": ms["old"],
+                        "dumps_ms": ms["new"],
+                        "payload_ms": ms["payload"],
+                        "key_ms": ms["key"],
+                        "dumps_ms_per_node": round(ms["new"] / nodes, 3),
+                        f"dumps_ms_per_node_{args.against}": round(ms["old"] / nodes, 3),
+                    }
+                ),
+                flush=True,
+            )
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
