@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextvars
 import copyreg
-import dataclasses
 import re
 from typing import Any
 
@@ -142,9 +141,10 @@ class _PortableTensor(graph_pickler.TensorPickleData):
                 t.grad = grad
         base = self.metadata.base
         if base is not None and base.fake_mode is not None:
-            self.metadata = dataclasses.replace(
-                self.metadata, base=dataclasses.replace(base, fake_mode=None)
-            )
+            # Set in place: the base's description is this one's own (described afresh for
+            # it, never kept by the describer), and a dataclasses.replace of its 50 fields
+            # was a tenth of the tensors' cost.
+            object.__setattr__(base, "fake_mode", None)
         # A float Dynamo lifted to a tensor input (it changed between calls) is read back
         # with .item(), which a fake answers only from the symbol Dynamo memoized on it:
         # without it the worker's compile raised DataDependentOutputException. Set only
@@ -269,7 +269,9 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 )
             _set_attribute(root, node.target, _metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
-        new.args, new.kwargs = _canonical_arguments(new)
+        canonical = _canonical_arguments(new)
+        if canonical is not None:  # else left as copied: an assignment updates their users
+            new.args, new.kwargs = canonical
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
         if node.op == "placeholder" and (node.meta.get("tensor_dict") or {}).get(
             "_dynamo_static_input_type"
@@ -322,8 +324,9 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
-def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict]:
-    """The node's arguments with the local CUDA index, in any form, made canonical."""
+def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict] | None:
+    """The node's arguments with the local CUDA index, in any form, made canonical; None
+    where they name no local CUDA index."""
     index = _local_index.get()
 
     def canonical(value: object, bare_int: bool) -> object:
@@ -343,10 +346,13 @@ def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict]:
         return type(value)(items) if changed else value
 
     if index is None:
-        return node.args, dict(node.kwargs)
-
+        return None
     args = tuple(mapped(v, _takes_bare_index(node)) for v in node.args)
     kwargs = {k: mapped(v, k == "device") for k, v in node.kwargs.items()}
+    if all(a is b for a, b in zip(args, node.args, strict=True)) and all(
+        kwargs[k] is v for k, v in node.kwargs.items()
+    ):
+        return None
     return args, kwargs
 
 

@@ -259,3 +259,19 @@ def test_a_parameter_with_a_grad_serializes_as_one_without():
         after = _capture(model, x)["payload"]
     assert model.weight.grad is not None
     assert after == before
+
+
+def test_a_payload_is_what_graphpickler_gives_when_it_generates_the_code_again():
+    """dumps keeps the code generated when its copy of the graph is built; GraphPickler would
+    generate it again before pickling: the same bytes (the key) either way. Dynamic shapes
+    and views: sympy values and view bases are described once per object too."""
+
+    def f(x, w):
+        return (x @ w).view(-1, 2).t().relu() * x.shape[0]
+
+    captured = _capture(lambda x: f(x, torch.ones(4, 4)), torch.randn(3, 4), dynamic=True)
+    copy = serialize._metadata_only(captured["gm"])
+    regenerated = torch.fx.GraphModule(torch.nn.Module(), copy.graph)  # GraphPickler recompiles
+    assert type(regenerated).recompile is torch.fx.GraphModule.recompile
+    payload = serialize._PortablePickler.dumps(regenerated, serialize._PICKLE_OPTIONS)
+    assert serialize.dumps(captured["gm"]) == payload
