@@ -87,6 +87,38 @@ def _timed(fn) -> tuple[float, object]:
     return time.thread_time() - started, result
 
 
+def _request(gm: torch.fx.GraphModule) -> pb.CompileRequest:
+    """What `payload_s` covers (client/graph.py, FarmGraph.ask)."""
+    return pb.CompileRequest(
+        graph=serialize.dumps(gm), target=local_target("cpu"), size_hints=serialize.size_hints(gm)
+    )
+
+
+def _key(gm: torch.fx.GraphModule, request: pb.CompileRequest, options: pb.Options) -> None:
+    """What `key_s` covers (client/graph.py, FarmGraph._ask), the RPC left out."""
+    public_key(request.graph, request.target, options)
+    key_parts(request.graph, request.target, options, structure.digest(gm))
+    hints(symbol_inputs(serialize.example_inputs(gm)))
+
+
+def _measure(gm: torch.fx.GraphModule, old: types.ModuleType, rounds: int) -> tuple[dict, bool]:
+    """Median CPU ms of each step, alternating the two serializers; whether their bytes agree."""
+    times: dict[str, list[float]] = {"old": [], "new": [], "payload": [], "key": []}
+    options = pb.Options(mode="default")
+    same = True
+    for _ in range(rounds):
+        with _as_serialize(old):
+            seconds, old_bytes = _timed(lambda: old.dumps(gm))
+        times["old"].append(seconds)
+        seconds, new_bytes = _timed(lambda: serialize.dumps(gm))
+        times["new"].append(seconds)
+        same &= old_bytes == new_bytes
+        seconds, request = _timed(lambda: _request(gm))
+        times["payload"].append(seconds)
+        times["key"].append(_timed(lambda: _key(gm, request, options))[0])  # noqa: B023
+    return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}, same
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama,gpt2")
@@ -96,63 +128,28 @@ def main() -> None:
     parser.add_argument("--dynamic", action="store_true")
     args = parser.parse_args()
     old = _serializer_at(args.against)
-    options = pb.Options(mode="default")
     differ = False
     for name in args.models.split(","):
         for number, gm in enumerate(_graphs(name, args.scale, args.dynamic)):
-            times: dict[str, list[float]] = {"old": [], "new": [], "payload": [], "key": []}
-            for _ in range(args.rounds):
-                with _as_serialize(old):
-                    seconds, old_bytes = _timed(lambda: old.dumps(gm))  # noqa: B023
-                times["old"].append(seconds)
-                seconds, new_bytes = _timed(lambda: serialize.dumps(gm))  # noqa: B023
-                times["new"].append(seconds)
-                seconds, request = _timed(
-                    lambda: pb.CompileRequest(
-                        graph=serialize.dumps(gm),  # noqa: B023
-                        target=local_target("cpu"),
-                        size_hints=serialize.size_hints(gm),  # noqa: B023
-                    )
-                )
-                times["payload"].append(seconds)
-                times["key"].append(
-                    _timed(
-                        lambda: (
-                            public_key(request.graph, request.target, options),  # noqa: B023
-                            key_parts(
-                                request.graph,  # noqa: B023
-                                request.target,  # noqa: B023
-                                options,
-                                structure.digest(gm),  # noqa: B023
-                            ),
-                            hints(symbol_inputs(serialize.example_inputs(gm))),  # noqa: B023
-                        )
-                    )[0]
-                )
-            same = old_bytes == new_bytes
+            ms, same = _measure(gm, old, args.rounds)
             differ |= not same
             nodes = len(gm.graph.nodes)
-            ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
-            print(
-                json.dumps(
-                    {
-                        "model": name,
-                        "scale": args.scale,
-                        "dynamic": args.dynamic,
-                        "graph": number,
-                        "nodes": nodes,
-                        "bytes": len(new_bytes),
-                        "same_bytes": same,
-                        f"dumps_ms_{args.against}": ms["old"],
-                        "dumps_ms": ms["new"],
-                        "payload_ms": ms["payload"],
-                        "key_ms": ms["key"],
-                        "dumps_ms_per_node": round(ms["new"] / nodes, 3),
-                        f"dumps_ms_per_node_{args.against}": round(ms["old"] / nodes, 3),
-                    }
-                ),
-                flush=True,
-            )
+            row = {
+                "model": name,
+                "scale": args.scale,
+                "dynamic": args.dynamic,
+                "graph": number,
+                "nodes": nodes,
+                "bytes": len(serialize.dumps(gm)),
+                "same_bytes": same,
+                f"dumps_ms_{args.against}": ms["old"],
+                "dumps_ms": ms["new"],
+                "payload_ms": ms["payload"],
+                "key_ms": ms["key"],
+                "dumps_ms_per_node": round(ms["new"] / nodes, 3),
+                f"dumps_ms_per_node_{args.against}": round(ms["old"] / nodes, 3),
+            }
+            print(json.dumps(row), flush=True)
     sys.exit(1 if differ else 0)
 
 
