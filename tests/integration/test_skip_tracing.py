@@ -1,7 +1,8 @@
 """Skipping Dynamo's tracing on a hit (issue 19 item 4): a fresh process that finds its Dynamo
 package on the farm runs the step with no frame traced and the farm's graphs, equal to eager;
 packages that fail their HMAC (tampered, another tenant's, or sealed by whoever saw the
-token) are ignored; inputs that fail the saved guards are traced and compiled as before."""
+token) are ignored; inputs that fail the saved guards are traced and compiled as before.
+`torch.compile(m, backend="torchfarm")` skips as `torchfarm.compile(m)` does (issue 49 item 4)."""
 
 import hashlib
 import hmac
@@ -36,6 +37,17 @@ def test_a_fresh_process_skips_tracing(farm, model, graphs, again):
     assert set(first["sources"]) <= {"hit", "miss", "merged"}
     # dynamic: another sequence length passes the saved guards (a dynamic dimension)
     second = step(farm, model, again)
+    assert second["traced_graphs"] == 0, second
+    assert second["sources"] == ["hit"] * graphs
+
+
+@pytest.mark.parametrize("model, graphs", [("blocks", 1), ("broken", 2)])
+def test_torch_compile_with_the_named_backend_skips_tracing(farm, model, graphs):
+    # its package key names the entry point: not the one torchfarm.compile's tests saved
+    first = step(farm, model, "16", "torch")
+    assert first["traced_graphs"] == graphs
+    assert set(first["sources"]) <= {"hit", "miss", "merged"}
+    second = step(farm, model, "16", "torch")
     assert second["traced_graphs"] == 0, second
     assert second["sources"] == ["hit"] * graphs
 

@@ -9,8 +9,9 @@ process"), after the eager reference:
   inductor  torch.compile(model, backend="inductor"), its local cache in INDUCTOR_CACHE
             (shared by the zoo's processes: the reference is not what is measured)
   native    torch.compile(model, backend="torchfarm")
-  skip      torchfarm.compile(model) with the tenant's token and TORCHFARM_SKIP_TRACING=1: the
-            first process traces and saves Dynamo's package, the second restores it
+  skip      torchfarm.compile(model)
+Both farm variants run with the tenant's token and TORCHFARM_SKIP_TRACING=1: the first process
+traces and saves Dynamo's package (one per entry point), the second restores it.
 The farm variants keep the process's own empty local cache (TORCHINDUCTOR_CACHE_DIR).
 
 Per variant: the exception that stopped it (if any), steps whose loss, output or gradients

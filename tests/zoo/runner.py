@@ -99,9 +99,9 @@ def problems(result: dict, entry: str) -> list[str]:
 
 
 def _skip_state(package_log: list[str]) -> str:
-    """What the skip did in a process: restored Dynamo's package, saved one, left it out (no
-    graph's frame could be saved: later processes compile without the skip), or nothing (a
-    release outside dynamo_package.VERIFIED: torchfarm.compile traced as always)."""
+    """What the skip did in a process, through either entry point: restored Dynamo's package,
+    saved one, left it out (no graph's frame could be saved: later processes compile without
+    the skip), or nothing (a release outside dynamo_package.VERIFIED: traced as always)."""
     for word in ("restored", "saved", "left out"):
         if any(f": {word}" in line for line in package_log):
             return word
@@ -153,7 +153,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "local": len(farm["not_farm"]),
                         "not_farm": farm["not_farm"],
                         "package": farm["package_log"][-2:],
-                        "skip": _skip_state(farm["package_log"]) if entry == "skip" else "",
+                        "skip": _skip_state(farm["package_log"]),
                         "problems": problems(result, entry),
                     }
                 )

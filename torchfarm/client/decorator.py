@@ -4,17 +4,18 @@ module class.
 With a token, on a torch that torch_adapter/trace/dynamo_package.py verified, and with
 TORCHFARM_SKIP_TRACING=1 (unset: on only where the release is in dynamo_package.DEFAULT_ON),
 a function or module instance also gets a Dynamo package
-(client/packages.py): a later process skips Dynamo's tracing where the farm holds one. A module
-class and `torch.compile(m, backend="torchfarm")` trace as always (Dynamo's package must be
-handed to Dynamo when the compiled function is made, which only this decorator does; see
-docs/architecture.md, "Skipping Dynamo on a hit").
+(client/packages.py): a later process skips Dynamo's tracing where the farm holds one. So does
+`torch.compile(fn_or_module, backend="torchfarm")` (`take_over`, offered the compile by
+torch_adapter/trace/named_backend.py). A module class traces as always (Dynamo's package must
+be handed to Dynamo when the compiled function is made; see docs/architecture.md, "Skipping
+Dynamo on a hit").
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -23,6 +24,8 @@ from torchfarm.settings import ClientSettings
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; the package supports 3.10
     from typing_extensions import Unpack
+
+    from torchfarm.torch_adapter.trace.named_backend import Compile
 
 log = logging.getLogger("torchfarm")
 
@@ -79,7 +82,7 @@ def compile(
             target.__init__ = __init__
             return target
         settings = ClientSettings.from_env(addr=addr, token=token)
-        if _skips_tracing(settings):
+        if skips_tracing(settings):
             try:
                 return _with_package(target, backend, settings, chosen)
             except Exception as e:  # e.g. no source to key the package by: trace as always
@@ -90,7 +93,29 @@ def compile(
     return wrap if obj is None else wrap(obj)
 
 
-def _skips_tracing(settings: ClientSettings) -> bool:
+def take_over(target: Any, compile: Compile) -> Any:
+    """`torch.compile(target, backend="torchfarm")` with the skip, as `torchfarm.compile(target)`
+    with the same arguments makes it, under a package key of its own (the entry point is in
+    it: a process that compiles one model both ways traces and saves each); None where the
+    skip does not apply (then torch.compile traces as always)."""
+    from torchfarm.client.backend import torchfarm_backend
+
+    if isinstance(target, type):  # a module class: traced as always, as by the decorator
+        return None
+    settings = ClientSettings.from_env()
+    if not skips_tracing(settings):
+        return None
+    backend = functools.partial(torchfarm_backend, mode=compile.mode, options=compile.options)
+    chosen: CompileOptions = {
+        "mode": compile.mode or DEFAULTS["mode"],
+        "dynamic": compile.dynamic,
+        "fullgraph": compile.fullgraph,
+        "options": compile.options,
+    }
+    return _with_package(target, backend, settings, chosen, entry="torch.compile")
+
+
+def skips_tracing(settings: ClientSettings) -> bool:
     from torchfarm import torch_adapter
     from torchfarm.torch_adapter.trace import dynamo_package
 
@@ -106,9 +131,12 @@ def _skips_tracing(settings: ClientSettings) -> bool:
     )
 
 
-def _with_package(target, backend, settings: ClientSettings, chosen: CompileOptions):
+def _with_package(
+    target, backend, settings: ClientSettings, chosen: CompileOptions, entry: str = ""
+):
     """Dynamo's wrapper around `target` with the package restored (or recording); the package
-    is saved after the first call returns."""
+    is saved after the first call returns. `entry`: the entry point other than
+    torchfarm.compile, in the package key."""
     from torchfarm.client.packages import Skipper
     from torchfarm.torch_adapter.trace import dynamo_package
 
@@ -116,6 +144,8 @@ def _with_package(target, backend, settings: ClientSettings, chosen: CompileOpti
     keyed = dict(
         mode=chosen["mode"], dynamic=dynamic, fullgraph=fullgraph, **(chosen["options"] or {})
     )
+    if entry:
+        keyed["entry"] = entry
     skipper = Skipper(target, settings, keyed)
     compiled = dynamo_package.optimize(backend, skipper.package, dynamic, fullgraph)(target)
     if isinstance(compiled, torch.nn.Module):

@@ -16,8 +16,13 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     if name != "torchfarm_backend":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from torchfarm.client import backend
+    from torchfarm.client import backend, decorator
     from torchfarm.settings import ClientSettings
 
-    backend.start(ClientSettings.from_env())
+    settings = ClientSettings.from_env()
+    backend.start(settings)
+    if decorator.skips_tracing(settings):
+        from torchfarm.torch_adapter.trace import named_backend
+
+        named_backend.intercept(backend.torchfarm_backend, decorator.take_over)
     return backend.torchfarm_backend

@@ -212,8 +212,9 @@ SETTINGS: tuple[Setting, ...] = (
         "client",
         "1 turns it on, 0 off. Unset, it is on only for the releases in "
         "`dynamo_package.DEFAULT_ON`, those whose third-party zoo passed with it in a training "
-        "loop. On: `torchfarm.compile(fn or module)` keeps Dynamo's output (guards, bytecode) on "
-        "the farm, per tenant and HMAC'd with a key of `TORCHFARM_PACKAGE_KEY`'s and the token's;"
+        "loop. On: `torchfarm.compile(fn or module)` and `torch.compile(fn or module, "
+        'backend="torchfarm")` keep Dynamo\'s output (guards, bytecode) on the farm, per tenant '
+        "and HMAC'd with a key of `TORCHFARM_PACKAGE_KEY`'s and the token's;"
         " a later process installs it and traces no frame it can restore (docs/architecture.md, "
         '"Skipping Dynamo on a hit"). Needs `TORCHFARM_TOKEN` and a torch release in '
         "`dynamo_package.VERIFIED`",

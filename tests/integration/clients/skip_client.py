@@ -1,8 +1,11 @@
-"""One training step through `torchfarm.compile` with TORCHFARM_SKIP_TRACING=1, in a fresh
-process; prints a JSON line: frames Dynamo traced, graph sources, errors against eager.
+"""One training step through `torchfarm.compile` (or `torch.compile(..., backend="torchfarm")`)
+with TORCHFARM_SKIP_TRACING=1, in a fresh process; prints a JSON line: frames Dynamo traced,
+graph sources, errors against eager.
 
-Usage: skip_client.py MODEL [SIZE]   MODEL: blocks (bench/first_result.py's model), broken (a
-graph break), dynamic (an MLP, dynamic shapes); SIZE: blocks' sequence length, else the batch
+Usage: skip_client.py MODEL [SIZE [ENTRY]]   MODEL: blocks (bench/first_result.py's model),
+broken (a graph break), dynamic (an MLP, dynamic shapes); SIZE: blocks' sequence length, else
+the batch; ENTRY: torchfarm (torchfarm.compile, the default) or torch (torch.compile with the
+backend named by its entry point)
 """
 
 import json
@@ -46,14 +49,17 @@ def build(name: str, size: int):
     return model, torch.randn(size, 32), True
 
 
-def main(name: str, size: int) -> None:
+def main(name: str, size: int, entry: str) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     model, x, dynamic = build(name, size)
     expected = model(x)
     expected.square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    compiled = torchfarm.compile(model, dynamic=dynamic)
+    if entry == "torch":
+        compiled = torch.compile(model, backend="torchfarm", dynamic=dynamic)
+    else:
+        compiled = torchfarm.compile(model, dynamic=dynamic)
     out = compiled(x)
     out.square().mean().backward()
     grad_err = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), grads))
@@ -72,4 +78,8 @@ def main(name: str, size: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 16)
+    main(
+        sys.argv[1],
+        int(sys.argv[2]) if len(sys.argv) > 2 else 16,
+        sys.argv[3] if len(sys.argv) > 3 else "torchfarm",
+    )
