@@ -18,6 +18,11 @@ os.environ.setdefault("TORCHFARM_SKIP_TRACING", "0")
 # - no pool kernel cache: after each shared compile the pool builds the compile's C++ sources
 #   in the background (workers/kernel_builder.py), 8% of CI's CPU, which only
 #   test_kernel_cache.py asserts on (its farm turns it on: helpers.KERNEL_CACHE_ON);
+# - those builds at normal priority, not idle: on the saturated CI machine an idle build waits
+#   for every other process, and a test that waits for the pool's builds waited minutes
+#   (test_kernel_cache.py's hostile payload to the pool: 327 s at idle, 27 s at normal, on the
+#   2-core box at load 4); workers/test_idle_builds.py checks the idle default on a builder of
+#   its own;
 # - one warm compile child instead of one per compile slot (2 here): a farm's unused warm
 #   children cost ~4.5 CPU-s each (torch's import, Inductor's ISA checks) and every farm ends
 #   with them idle; test_warm_children.py and the session farm (`farm`, below) keep the

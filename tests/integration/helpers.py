@@ -32,7 +32,11 @@ def past_gateway_memory() -> None:
 OP_LIBRARIES = "transformers.integrations.moe"  # custom operators of the coverage suite's MoE
 # What conftest sets in the tier's environment, for every farm a test starts (see there),
 # and the pool kernel cache at its default size, for the farm that tests it.
-TEST_FARM_DEFAULTS = {"TORCHFARM_KERNEL_CACHE_MB": "0", "TORCHFARM_WARM_CHILDREN": "1"}
+TEST_FARM_DEFAULTS = {
+    "TORCHFARM_KERNEL_CACHE_MB": "0",
+    "TORCHFARM_WARM_CHILDREN": "1",
+    "TORCHFARM_KERNEL_BUILD_PRIORITY": "normal",
+}
 KERNEL_CACHE_ON = {"TORCHFARM_KERNEL_CACHE_MB": "2048"}
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -168,6 +168,7 @@ class WorkerSettings(_FromEnv):
     kernel_cache_mb: int = _var("KERNEL_CACHE_MB")
     kernel_cache_dir: str = _var("KERNEL_CACHE")
     kernel_builds: int = _var("KERNEL_BUILDS")  # 0: sizing.default_kernel_builds()
+    kernel_build_priority: str = _var("KERNEL_BUILD_PRIORITY")
     spread_tuning: bool = _var("SPREAD_TUNING")
     concurrent_backward: str = _var("CONCURRENT_BACKWARD")  # auto: resolved here
     kernel_names: str = _var("KERNEL_NAMES")

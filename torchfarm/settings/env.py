@@ -691,10 +691,23 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         "worker",
         "The pool's kernel builds (TORCHFARM_KERNEL_CACHE_MB) at once on this worker. They are "
-        "background work: at idle CPU and I/O priority, each waiting until no compile runs on "
-        "the worker. 0 = a quarter of the cores, at least 1",
+        "background work: each waits until no compile runs on the worker, and runs at idle CPU "
+        "and I/O priority (TORCHFARM_KERNEL_BUILD_PRIORITY). 0 = a quarter of the cores, at "
+        "least 1",
         check=lambda v: v >= 0,
         must="at least 0 (0 = a quarter of the cores)",
+    ),
+    Setting(
+        "TORCHFARM_KERNEL_BUILD_PRIORITY",
+        str,
+        "idle",
+        "worker",
+        "The CPU and I/O priority of the pool's kernel builds: `idle` (SCHED_IDLE, the idle I/O "
+        "class, the builder's session at autogroup nice 19: they take only time nothing else on "
+        "the host wants) or `normal` (the compiles' priority: for hosts whose every core is "
+        "always busy, such as a CI machine's test farms, where idle builds may wait minutes). "
+        "Either way a build waits until no compile runs on the worker",
+        choices=("idle", "normal"),
     ),
     Setting(
         "TORCHFARM_KERNEL_NAMES",

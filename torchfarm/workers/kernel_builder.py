@@ -9,8 +9,9 @@ the worker builds each source it has not built before in a builder child of its 
 compile sandbox (no network, no secrets, a private tmpfs, nothing staged), given sources and
 nothing else. Builds are background work: they never compete with the user's processes nor
 with compiles (issue 53). A builder runs at idle CPU and I/O priority (workers/idle_priority.py;
-but for GEMM measurements), at most TORCHFARM_KERNEL_BUILDS of them at once, and each build
-waits until no compile runs in this worker (workers/slots.py).
+but for GEMM measurements; TORCHFARM_KERNEL_BUILD_PRIORITY=normal: at the compiles' priority), at
+most TORCHFARM_KERNEL_BUILDS of them at once, and each build waits until no compile runs in this
+worker (workers/slots.py).
 - A C++ library: the builder calls Inductor's own load_async, which names the objects after
   the source and the pool's compile command and runs g++ on them; it never loads them.
 - A Triton kernel: the builder first checks that the module is one Inductor writes
@@ -260,6 +261,7 @@ class _Builder:
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-kernel-build-")
         child: tuple[str, ...] = ("-m", "torchfarm.workers.kernel_builder")
         child += ("--device", self.settings.device)
+        child += ("--priority", self.settings.kernel_build_priority)
         if self.settings.sandbox == "bwrap":  # its own PID namespace and tmpfs to clean
             child += ("--in-sandbox",)
         argv, env, cwd = sandbox.child_command(self.settings, self.private_dir, child)
@@ -345,18 +347,18 @@ def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
 
 
 def _build_in_fork(
-    source: pb.KernelBuild, cache_dir: str, device: str, gpu_lock: str
+    source: pb.KernelBuild, cache_dir: str, device: str, gpu_lock: str, idle: bool
 ) -> tuple[int, bytes]:
     """Build `source` in a child forked from this process, whose state no build has touched:
-    each build sees only its own source."""
+    each build sees only its own source; `idle`: at idle priority (but a GEMM measurement)."""
     read_end, write_end = os.pipe()
 
     def build_here() -> int:  # the build's own process
         os.close(read_end)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the next sources are not its to read
-        if source.HasField("gemm"):  # its timings are the pool's: not measured behind others
-            idle_priority.normal_session()
-        else:
+        if idle and source.HasField("gemm"):  # its timings are the pool's: not measured behind
+            idle_priority.normal_session()  # others
+        elif idle:
             idle_priority.idle_cpu()
         try:
             data, status = build(source, cache_dir, device, gpu_lock).SerializeToString(), 0
@@ -384,10 +386,12 @@ def main() -> int:
     parser.add_argument("--isa-checks", default="", help="the worker's ISA probe (isa_probe.py)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the pool's")
     parser.add_argument("--gpu-lock", default="", help="its GPU's (gpu_lock.py)")
+    parser.add_argument("--priority", choices=("idle", "normal"), default="idle")
     args = parser.parse_args()
+    idle = args.priority == "idle"
     # Background work from the start, its imports included (a GEMM measurement's fork
     # leaves it: idle_priority.normal_session).
-    for skipped in idle_priority.idle_session():
+    for skipped in idle_priority.idle_session() if idle else []:
         print(f"kernel builder: no {skipped}", file=sys.stderr)
     compile_child.warm_up("cpu", [], args.isa_checks)
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
@@ -398,7 +402,7 @@ def main() -> int:
     while head := requests.read(FRAME.size):
         source = pb.KernelBuild.FromString(requests.read(FRAME.unpack(head)[0]))
         warm.as_if_new()
-        status, data = _build_in_fork(source, cache_dir, args.device, args.gpu_lock)
+        status, data = _build_in_fork(source, cache_dir, args.device, args.gpu_lock, idle)
         replies.write(REPLY.pack(status, len(data)) + data)
         replies.flush()
     return 0

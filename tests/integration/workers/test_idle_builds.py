@@ -1,6 +1,7 @@
 """The pool's kernel builds as background work (workers/idle_priority.py, issue 53): a real
 builder child in its sandbox and the C++ compiler it runs are at SCHED_IDLE, the idle I/O
-class and a session at autogroup nice 19; a GEMM measurement leaves that for the compiles'
+class and a session at autogroup nice 19 (the default TORCHFARM_KERNEL_BUILD_PRIORITY, named
+here: the tier's farms run at `normal`); a GEMM measurement leaves that for the compiles'
 priority. (Threads, settings and the waits: tests/unit/workers/test_idle_builds.py.)"""
 
 import json
@@ -60,12 +61,15 @@ def descendants(root: int) -> dict[int, str]:
     return found
 
 
-def test_a_builder_child_and_its_compiler_run_at_idle_priority():
+def _priorities_seen(settings: WorkerSettings) -> dict[int, tuple[str, tuple[int, int, int]]]:
+    """pid -> (name, priority) of each process under a real builder child while it builds
+    SOURCE (the builder's start-up done first)."""
+
     def source(code: str) -> pb.KernelBuild:
         return pb.KernelBuild(cpp=pb.KernelSource(code_cache="CppCodeCache", main_code=code))
 
-    seen: dict[int, tuple[str, tuple[int, int, int]]] = {}  # pid -> name, priority
-    with kernel_builder._Builder(WorkerSettings(sandbox="bwrap")) as builder:
+    seen: dict[int, tuple[str, tuple[int, int, int]]] = {}
+    with kernel_builder._Builder(settings) as builder:
         # Warm first: the builder's start-up compiles too (Inductor's ISA checks), in the
         # builder itself, whose policy is the compiles' (a GEMM measurement forks from it).
         assert builder.build(source('extern "C" int torchfarm_warm() { return 1; }')).built
@@ -89,11 +93,24 @@ def test_a_builder_child_and_its_compiler_run_at_idle_priority():
             done.set()
             watcher.join()
         assert b"kernel builder: no" not in builder._error_tail()  # all of it was permitted
+    return seen
+
+
+def test_a_builder_child_and_its_compiler_run_at_idle_priority():
+    seen = _priorities_seen(WorkerSettings(sandbox="bwrap", kernel_build_priority="idle"))
     compilers = [p for name, p in seen.values() if name == "cc1plus"]
     assert compilers and set(compilers) == {(os.SCHED_IDLE, 3, 19)}, seen
     builders = {p for name, p in seen.values() if name.startswith("python")}
     assert (os.SCHED_OTHER, 3, 19) in builders, seen  # the warm builder: idle I/O and session
     assert (os.SCHED_IDLE, 3, 19) in builders, seen  # the build's own process
+
+
+def test_at_normal_priority_a_builder_and_its_compiler_run_as_compiles_do():
+    """TORCHFARM_KERNEL_BUILD_PRIORITY=normal (the test farms'): SCHED_OTHER, the default
+    I/O class, a session at autogroup nice 0."""
+    seen = _priorities_seen(WorkerSettings(sandbox="bwrap", kernel_build_priority="normal"))
+    assert any(name == "cc1plus" for name, _ in seen.values()), seen
+    assert {p for _, p in seen.values()} == {(os.SCHED_OTHER, 0, 0)}, seen
 
 
 GEMM_FORK = """
