@@ -35,8 +35,9 @@ for _name, _value in TEST_FARM_DEFAULTS.items():
 def farm():
     # A warm compile parent for each of its 2 compile slots (the worker's default), not one:
     # this farm's clients send graphs at once (prepare, DDP's buckets), and a compile that
-    # finds no parent idle starts one (~5 s) that ends after it; with one kept, every compile
-    # of such a burst but the first did (test_prepare + test_parallel_graphs: 206-218 -> 147
+    # finds no parent idle starts one (~5 s; kept after it since 2026-11-29, until idle 60 s:
+    # workers/child_pool.py); when it was ended after it, with one kept, every compile of such
+    # a burst but the first started one (test_prepare + test_parallel_graphs: 206-218 -> 147
     # CPU-s). An idle second parent costs 4-8 CPU-s a farm.
     with session_farm(TORCHFARM_WARM_CHILDREN="-1") as f:
         yield f

@@ -16,7 +16,10 @@ With `reuse` (CPU pools), what the pool keeps warm is *parents* (`compile_child
 one that is idle; when that child has ended and the parent has made its sandbox clean again,
 the parent goes back to the pool (if `reuse(private_dir)` could clear what the worker put in
 its private dir for that request), else it is ended. The pool keeps `size` parents, idle or
-busy, and starts one more only for a request that finds none idle.
+busy, and starts one more only for a request that finds none idle. That one is kept too: under
+steady overlap the next request finds it idle instead of starting another (~5 s). A request
+takes the parent idle the shortest, so one the pool no longer needs idles on; past
+SURPLUS_IDLE_S, while the pool holds more than `size`, it is ended.
 
 This module knows processes and the `ready` report only; what a child runs and in which
 sandbox is the caller's `command` (workers/sandbox.py).
@@ -47,6 +50,7 @@ _READY_FRAME = 16  # a `ready` report is 2 bytes; anything longer is not one
 _BACKOFF_S = (0.5, 60.0)  # pause before the next start after a failed warm-up: first, most
 _CHECK_EVERY_S = 0.5  # how often the keeper looks for children that died or hang
 _KILL_GRACE_S = 30.0  # a forked child not ended this long after KILL: its parent is killed
+SURPLUS_IDLE_S = 60.0  # a parent over the pool's size idle this long is ended (370 MB each)
 
 # argv, environment and working directory of a child, given the number of the child (from 0)
 # and an empty private host directory of its own (removed when it ends).
@@ -70,7 +74,7 @@ class Child:
     proc: subprocess.Popen | _Forked
 
     def __init__(self, number: int, command: Command) -> None:
-        self.started = time.monotonic()
+        self.started = self.idle_since = time.monotonic()
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-compile-")
         try:
             argv, env, cwd = command(number, self.private_dir)
@@ -350,15 +354,15 @@ class ChildPool:
         self._keeper.start()
 
     def take(self) -> Child:
-        """A child for one request: a ready one if any, else the one warming longest, else a
-        new one (with `reuse`: forked from such a parent). Never waits for the pool; the
-        caller owns (and must close) the child."""
+        """A child for one request: the ready one idle the shortest if any, else the one
+        warming longest, else a new one (with `reuse`: forked from such a parent). Never waits
+        for the pool; the caller owns (and must close) the child."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the compile child pool is closed")
             self._reap()
             live = [c for c in self._idle if c.alive()]
-            chosen = next((c for c in live if c.is_ready), live[0] if live else None)
+            chosen = next((c for c in reversed(live) if c.is_ready), live[0] if live else None)
             if chosen:
                 self._idle.remove(chosen)
                 self._report_ready()
@@ -386,14 +390,15 @@ class ChildPool:
 
     def _give_back(self, parent: WarmParent, cleanly: bool) -> None:
         """A parent whose child has ended: idle again if its sandbox and private dir are
-        clean again, else ended."""
+        clean again, else ended. One over the pool's size too: `_end_surplus` ends it
+        later if it stays idle."""
         assert self._reuse is not None
         keep = cleanly and parent.alive() and self._reuse(parent.private_dir)
         with self._lock:
             self._busy -= 1
-            # one started for a request that found none idle is over the size: ended
-            keep = keep and not self._closed and len(self._idle) + self._busy < self.size
+            keep = keep and not self._closed
             if keep:
+                parent.idle_since = time.monotonic()
                 self._idle.append(parent)
                 self._report_ready()
         if not keep:
@@ -430,6 +435,7 @@ class ChildPool:
                 if self._closed:
                     return
                 self._reap()
+                self._end_surplus()
                 kept = len(self._idle) + self._busy  # a busy parent comes back
                 wanted = kept < self.size and time.monotonic() >= self._next_start
             if wanted:
@@ -481,6 +487,19 @@ class ChildPool:
             self._events.replaced(reason)
             self._failed()
         self._report_ready()
+
+    def _end_surplus(self) -> None:
+        """End the children idle longest past SURPLUS_IDLE_S while the pool holds more than
+        its size (lock held)."""
+        now = time.monotonic()
+        while len(self._idle) + self._busy > self.size:
+            oldest = min(self._idle, key=lambda c: c.idle_since, default=None)
+            if oldest is None or now - oldest.idle_since < SURPLUS_IDLE_S:
+                return
+            self._idle.remove(oldest)
+            oldest.kill()
+            threading.Thread(target=oldest.close, daemon=True).start()
+            self._report_ready()
 
     def _failed(self) -> None:
         """One more failure in a row: pause before the next start, longer each time."""

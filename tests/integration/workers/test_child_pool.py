@@ -228,7 +228,12 @@ def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
         pool.close()
 
 
-def test_a_parent_started_for_a_request_that_found_none_idle_is_ended_after_it():
+def test_a_parent_started_for_a_request_that_found_none_idle_serves_the_next_overlap(
+    monkeypatch,
+):
+    """Kept after its request: the next two requests at once take both parents and start
+    none. Once idle past SURPLUS_IDLE_S, the one idle longest is ended and the pool is back
+    at its size."""
     pool = child_pool.ChildPool(1, _fork_server, 300, reuse=lambda d: True)
     try:
         _until(lambda: len(_ready(pool)) == 1, timeout_s=300)
@@ -238,7 +243,15 @@ def test_a_parent_started_for_a_request_that_found_none_idle_is_ended_after_it()
         assert second.parent is not parent
         for child in (first, second):
             assert child.wait_ready() and child.close() == 0
-        # the first comes back over the size, and is ended; the second keeps the pool whole
-        assert pool.idle() == [second.parent] and not parent.alive()
+        assert pool.idle() == [parent, second.parent]
+        third, fourth = pool.take(), pool.take()
+        assert {third.parent, fourth.parent} == {parent, second.parent}
+        for child in (fourth, third):
+            assert child.wait_ready() and child.close() == 0
+        assert pool.idle() == [fourth.parent, third.parent] and pool._started == 2
+        monkeypatch.setattr(child_pool, "SURPLUS_IDLE_S", 0.0)
+        _until(lambda: len(pool.idle()) == 1)
+        assert pool.idle() == [third.parent] and third.parent.alive()
+        _until(lambda: not fourth.parent.alive())
     finally:
         pool.close()
