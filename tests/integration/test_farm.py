@@ -127,6 +127,19 @@ def test_one_key_serves_every_batch_size_its_guards_allow(farm, store):
     assert max(r["out_err"] for r in (first, other, large)) < 1e-4
 
 
+def test_a_lifted_float_is_one_key_whatever_its_value(farm, store):
+    # A float that changed between calls is a graph input (a 0-d tensor read with .item());
+    # its value travels beside the payload, as size hints do, and the compiled code reads it
+    # at run time: a fresh process with another value hits, and both equal eager.
+    compiles_before = store.counters.farm().get("compiles", 0)
+    first, other = (run_client(farm, "float_client.py", v) for v in ("2.5", "-0.75"))
+    assert first["sources"] == ["miss", "miss"] and other["sources"] == ["hit", "hit"]
+    assert first["keys"] == other["keys"]
+    assert first["graphs"] == other["graphs"] == 2  # the constant 1.0, then the lifted float
+    assert store.counters.farm().get("compiles", 0) == compiles_before + 2
+    assert max(r["out_err"] for r in (first, other)) < ATOL
+
+
 ALICE = ClientSettings(addr="", token=TOKENS["alice"])
 
 
@@ -206,6 +219,10 @@ def test_gateway_refuses_bad_requests_precisely(farm):
         ),
         (
             pb.CompileRequest(graph=b"x", target=target, size_hints={"__import__('os')": 1}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.CompileRequest(graph=b"x", target=target, float_hints={"zf1": float("nan")}),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (

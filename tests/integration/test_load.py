@@ -177,7 +177,7 @@ def test_a_float_lifted_to_an_input_compiles_on_the_worker_equal_to_eager(empty_
     gm, example_inputs = graphs[-1]
     assert "item" in gm.code  # the float is an input, read back
     options = pb.Options(mode="default", state=trace_state.capture())
-    hints = dict(serialize.size_hints(gm))
+    hints = serialize.size_hints(gm) | serialize.float_hints(gm)
     artifact = inductor.compile_payload(serialize.dumps(gm), options, 1, hints)
     loaded = inductor.load_artifact(artifact, timings={})
     for value in (2.5, -0.75):

@@ -81,6 +81,7 @@ class FarmGraph:
             label=self.label,
             private=self.settings.private,
             size_hints=serialize.size_hints(self.gm),
+            float_hints=serialize.float_hints(self.gm),
         )
         if target is None:
             for observe in request_observers:

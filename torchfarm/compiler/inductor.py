@@ -74,7 +74,7 @@ def compile_payload(
     payload: bytes,
     options: pb.Options,
     threads: int,
-    size_hints: dict[str, int] | None = None,
+    hints: Mapping[str, int | float] | None = None,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
     tuning_gpus: tuple[str, ...] = (),
 ) -> pb.Artifact:
@@ -85,7 +85,7 @@ def compile_payload(
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
-    gm = serialize.loads(payload, size_hints)
+    gm = serialize.loads(payload, hints)
     graph_structure = structure.digest(gm)  # before compiling, which may rewrite the graph
     inputs = serialize.example_inputs(gm)
     # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
@@ -137,7 +137,7 @@ class InductorCompiler:
             request.graph,
             request.options,
             request.target.threads,
-            dict(request.size_hints),
+            dict(request.size_hints) | dict(request.float_hints),
             context.on_stage,
             context.tuning_gpus,
         )

@@ -4,7 +4,9 @@ The client turns Dynamo's FX graph into bytes that hold FakeTensor metadata and 
 never weights, and that are the same for the same model in any process, path or rank (the
 cache key is their hash). Size hints (the concrete sizes behind each symbol) are left out of
 the bytes and travel beside them (`size_hints`), so one dynamic graph is one key whatever
-batch size a process traced it with. Only a sandboxed worker child ever calls `loads`.
+batch size a process traced it with; so do the values of the floats Dynamo lifted to inputs
+(`float_hints`), so one such graph is one key whatever value a process traced it with (the
+compiled code reads the value at run time). Only a sandboxed worker child ever calls `loads`.
 
 The payload names one canonical CUDA device (index 0) whatever device the graph was traced
 on, so the ranks of a job, each on its own `cuda:N`, send the same bytes and share one
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import copyreg
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import sympy
@@ -45,7 +48,7 @@ _PICKLE_OPTIONS = Options(ops_filter=None)
 # How pickle rebuilds an object of a class (copyreg's names, missing from typeshed).
 _NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
 # The hints `loads` puts back while it unpickles.
-_loading_hints: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("hints")
+_loading_hints: contextvars.ContextVar[dict[str, int | float]] = contextvars.ContextVar("hints")
 # The CUDA index that `dumps` writes as the canonical one, while it pickles (None: none).
 _local_index: contextvars.ContextVar[int | None] = contextvars.ContextVar("index", default=None)
 # Types that are never a persistent id (GraphPickler's is an object(); ours are devices and
@@ -66,9 +69,13 @@ def _integer_hints(env: ShapeEnv | None) -> dict:
     return {s: v for s, v in _hints(env).items() if isinstance(v, sympy.Integer)}
 
 
+def _float_hints(env: ShapeEnv | None) -> dict:
+    return {s: v for s, v in _hints(env).items() if isinstance(v, sympy.Float)}
+
+
 class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
     """The ShapeEnv fields the payload keeps (shape_env.KEPT_FIELDS), without source
-    locations or size hints."""
+    locations, size hints or lifted floats' values."""
 
     def __init__(self, env: ShapeEnv) -> None:
         data = shape_env.kept_fields(env)
@@ -80,7 +87,7 @@ class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
             }
         if "replacements_slocs" in data:
             data["replacements_slocs"] = {k: NO_SLOC for k in env.replacements_slocs}
-        hinted = _integer_hints(env)
+        hinted = _integer_hints(env) | _float_hints(env)
         if shape_env.HINT_FIELD in data:
             data[shape_env.HINT_FIELD] = {
                 s: v for s, v in data[shape_env.HINT_FIELD].items() if s not in hinted
@@ -92,18 +99,18 @@ class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
         env = super().unpickle(unpickle_state)
         symbols = {str(s): s for s in env.var_to_range}
         values = {
-            symbols[name]: sympy.Integer(v)
+            symbols[name]: sympy.Float(v) if isinstance(v, float) else sympy.Integer(v)
             for name, v in _loading_hints.get().items()
             if name in symbols
         }
         env.__dict__.setdefault(shape_env.HINT_FIELD, {}).update(values)
-        env.val_to_var.update({int(v): s for s, v in values.items()})
+        env.val_to_var.update({int(v): s for s, v in values.items() if v.is_Integer})
         return env
 
 
 class _PortableSymInt:
-    """A SymInt (or a SymFloat: a lifted float's `item_memo`) without its hint; `loads`
-    recomputes the hint from the restored ShapeEnv."""
+    """A SymInt (or a SymFloat: a lifted float's, read back with .item()) without its hint;
+    `loads` recomputes the hint from the restored ShapeEnv."""
 
     def __init__(self, node: SymNode) -> None:
         self.expr, self.shape_env, self.pytype = (
@@ -213,7 +220,7 @@ class _PortablePickler(GraphPickler):
             )
         if isinstance(obj, ShapeEnv):
             return _PortableShapeEnv.unpickle, (_PortableShapeEnv(obj), self._unpickle_state)
-        if isinstance(obj, torch.SymInt):
+        if isinstance(obj, (torch.SymInt, torch.SymFloat)):  # a SymFloat: a lifted float's
             return _PortableSymInt.unpickle, (_PortableSymInt(obj.node), self._unpickle_state)
         if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor):
             raise ValueError("refusing to serialize a real tensor: the farm takes metadata only")
@@ -428,12 +435,19 @@ def shape_env_of(inputs: list) -> ShapeEnv | None:
 def size_hints(gm: torch.fx.GraphModule) -> dict[str, int]:
     """The concrete size behind each symbol of the graph's ShapeEnv (empty if static)."""
     env = shape_env_of(example_inputs(gm))
-    return {str(s): int(v) for s, v in _integer_hints(env).items()} if env is not None else {}
+    return {str(s): int(v) for s, v in _integer_hints(env).items()}
 
 
-def loads(payload: bytes, hints: dict[str, int] | None = None) -> torch.fx.GraphModule:
-    """Rebuild the graph with fresh FakeTensors and a ShapeEnv holding `hints`. Runs pickle:
-    sandbox only."""
+def float_hints(gm: torch.fx.GraphModule) -> dict[str, float]:
+    """The value behind each float symbol of the graph's ShapeEnv (a float Dynamo lifted to
+    an input; empty if none)."""
+    env = shape_env_of(example_inputs(gm))
+    return {str(s): float(v) for s, v in _float_hints(env).items()}
+
+
+def loads(payload: bytes, hints: Mapping[str, int | float] | None = None) -> torch.fx.GraphModule:
+    """Rebuild the graph with fresh FakeTensors and a ShapeEnv holding `hints` (size hints
+    and float hints: an int or a float each). Runs pickle: sandbox only."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     token = _loading_hints.set(dict(hints or {}))
     try:

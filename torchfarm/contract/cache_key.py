@@ -111,7 +111,10 @@ def key_parts(
     return parts
 
 
-def job_id(key: str, size_hints: Mapping[str, int]) -> str:
-    """One compile: the key plus one trace's size hints (an entry's guards come from them)."""
-    hints = json.dumps(sorted(size_hints.items()), separators=(",", ":"))
+def job_id(key: str, size_hints: Mapping[str, int], float_hints: Mapping[str, float]) -> str:
+    """One compile: the key plus one trace's size hints (an entry's guards come from them) and
+    lifted floats' values."""
+    hints = json.dumps(
+        sorted(size_hints.items()) + sorted(float_hints.items()), separators=(",", ":")
+    )
     return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()

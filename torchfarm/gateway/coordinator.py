@@ -229,10 +229,11 @@ class Coordinator:
         )
         job = pb.Job(
             key=key,
-            job_id=job_id(key, request.size_hints),
+            job_id=job_id(key, request.size_hints, request.float_hints),
             target=request.target,
             options=call.options,
             size_hints=request.size_hints,
+            float_hints=request.float_hints,
             tenant=tenant,
             private=request.private,
             label=request.label,

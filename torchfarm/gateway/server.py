@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import re
 import tempfile
 import threading
@@ -289,6 +290,15 @@ class FarmServicer(pb_grpc.FarmServicer):
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"size_hints: at most {MAX_SIZE_HINTS} entries of symbol -> size >= 0",
+            )
+        if len(request.float_hints) > MAX_SIZE_HINTS or any(
+            not _SYMBOL.fullmatch(name) or not math.isfinite(value)
+            for name, value in request.float_hints.items()
+        ):
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"float_hints: at most {MAX_SIZE_HINTS} entries of symbol -> finite value",
             )
         if request.digest and not _DIGEST.fullmatch(request.digest):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")

@@ -177,6 +177,26 @@ class CompileRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class FloatHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GRAPH_FIELD_NUMBER: _builtins.int
     TARGET_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
@@ -184,6 +204,7 @@ class CompileRequest(_message.Message):
     SIZE_HINTS_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     PRIVATE_FIELD_NUMBER: _builtins.int
+    FLOAT_HINTS_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """serialized FX graph, FakeTensor metadata only (hostile until proven otherwise)"""
     label: _builtins.str
@@ -202,6 +223,12 @@ class CompileRequest(_message.Message):
     def size_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """the trace's size hints (symbol -> value); not part of the key"""
 
+    @_builtins.property
+    def float_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """can hit them or learn that they exist; part of the key
+        The values of the floats Dynamo lifted to inputs (symbol -> value); not part of the key
+        """
+
     def __init__(
         self,
         *,
@@ -212,10 +239,11 @@ class CompileRequest(_message.Message):
         size_hints: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         digest: _builtins.str = ...,
         private: _builtins.bool = ...,
+        float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "graph", b"graph", "label", b"label", "options", b"options", "private", b"private", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "float_hints", b"float_hints", "graph", b"graph", "label", b"label", "options", b"options", "private", b"private", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2006,6 +2034,26 @@ class Job(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class FloatHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KEY_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     TARGET_FIELD_NUMBER: _builtins.int
@@ -2016,10 +2064,11 @@ class Job(_message.Message):
     LABEL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     QUEUED_AT_FIELD_NUMBER: _builtins.int
+    FLOAT_HINTS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the cache key the gateway computed (never a client's)"""
     job_id: _builtins.str
-    """torchfarm.contract.cache_key.job_id(key, size_hints)"""
+    """torchfarm.contract.cache_key.job_id(key, hints)"""
     tenant: _builtins.str
     private: _builtins.bool
     label: _builtins.str
@@ -2034,6 +2083,8 @@ class Job(_message.Message):
 
     @_builtins.property
     def size_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def float_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
         self,
         *,
@@ -2047,10 +2098,11 @@ class Job(_message.Message):
         label: _builtins.str = ...,
         request_id: _builtins.str = ...,
         queued_at: _builtins.float = ...,
+        float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "queued_at", b"queued_at", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["float_hints", b"float_hints", "job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "queued_at", b"queued_at", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2374,6 +2426,26 @@ class CompileChildRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class FloatHintsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GRAPH_FIELD_NUMBER: _builtins.int
     TARGET_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
@@ -2381,6 +2453,7 @@ class CompileChildRequest(_message.Message):
     OP_LIBRARIES_FIELD_NUMBER: _builtins.int
     KERNEL_CACHE_FIELD_NUMBER: _builtins.int
     KERNEL_SOURCES_FIELD_NUMBER: _builtins.int
+    FLOAT_HINTS_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """the CompileRequest's graph (hostile until proven otherwise)"""
     kernel_cache: _builtins.bool
@@ -2402,6 +2475,8 @@ class CompileChildRequest(_message.Message):
     def op_libraries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """modules imported first (TORCHFARM_OP_LIBRARIES)"""
 
+    @_builtins.property
+    def float_hints(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
         self,
         *,
@@ -2412,10 +2487,11 @@ class CompileChildRequest(_message.Message):
         op_libraries: _abc.Iterable[_builtins.str] | None = ...,
         kernel_cache: _builtins.bool = ...,
         kernel_sources: _builtins.bool = ...,
+        float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["float_hints", b"float_hints", "graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

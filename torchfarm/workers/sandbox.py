@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -507,7 +507,7 @@ class ChildSpec:
     payload: bytes
     target: pb.Target
     options: pb.Options
-    size_hints: dict[str, int] = dataclasses.field(default_factory=dict)
+    hints: Mapping[str, int | float] = dataclasses.field(default_factory=dict)  # sizes, floats
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None
     abandoned: Callable[[], bool] | None = None
     timeout_s: float | None = None
@@ -520,7 +520,8 @@ class ChildSpec:
             graph=self.payload,
             target=self.target,
             options=self.options,
-            size_hints=self.size_hints,
+            size_hints={k: v for k, v in self.hints.items() if isinstance(v, int)},
+            float_hints={k: v for k, v in self.hints.items() if isinstance(v, float)},
             op_libraries=_op_libraries(settings),
             kernel_cache=self.report_built,
             kernel_sources=self.report_sources,

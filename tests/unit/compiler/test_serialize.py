@@ -275,3 +275,35 @@ def test_a_payload_is_what_graphpickler_gives_when_it_generates_the_code_again()
     assert type(regenerated).recompile is torch.fx.GraphModule.recompile
     payload = serialize._PortablePickler.dumps(regenerated, serialize._PICKLE_OPTIONS)
     assert serialize.dumps(captured["gm"]) == payload
+
+
+scale = 1.0
+
+
+def test_lifted_floats_values_travel_beside_the_payload():
+    """A float that changed between calls is a 0-d tensor input read with .item(): its value
+    is neither in the ShapeEnv's hints nor in the SymFloat of the payload, so every value is
+    one key; `loads` puts it back."""
+    global scale
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((serialize.dumps(gm), serialize.float_hints(gm)))
+        return gm.forward
+
+    def scaled(x):
+        return (x * scale).sin()
+
+    for value in (2.5, -0.75):
+        torch._dynamo.reset()
+        compiled = torch.compile(scaled, backend=capture)
+        scale = 1.0
+        compiled(torch.randn(4))
+        scale = value  # changed: traced again, the float lifted to an input
+        compiled(torch.randn(4))
+    (_, _), (first, first_hints), (_, _), (second, second_hints) = captured
+    assert first == second  # one key for every value
+    assert list(first_hints.values()) == [2.5] and list(second_hints.values()) == [-0.75]
+    gm = serialize.loads(second, second_hints)
+    (item,) = [n for n in gm.graph.nodes if n.target == "item"]
+    assert item.meta["example_value"].node.hint == -0.75

@@ -449,7 +449,7 @@ def test_an_abandoned_outcome_sends_a_new_waiter_back_to_the_queue(store):
 
 def job_id_of(call: CompileCall) -> str:
     key = cache_key(call.request.graph, TARGET, call.options)
-    return job_id(key, call.request.size_hints)
+    return job_id(key, call.request.size_hints, call.request.float_hints)
 
 
 def test_a_pool_whose_workers_failed_their_canary_is_refused_at_once_a_starting_one_queues(store):

@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 # Where the ShapeEnv keeps the size hints (symbol -> concrete value); "val_to_var" is its
-# inverse. The payload leaves both out and `size_hints` carries them beside it.
+# inverse. The payload leaves both out and `size_hints` carries them beside it (a lifted
+# float's value: `float_hints`).
 HINT_FIELD = "backed_var_to_val"
 
 # The state a compile needs. Some are rewritten before pickling (see compiler/serialize.py):
