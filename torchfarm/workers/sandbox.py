@@ -507,7 +507,8 @@ class ChildSpec:
     payload: bytes
     target: pb.Target
     options: pb.Options
-    hints: Mapping[str, int | float] = dataclasses.field(default_factory=dict)  # sizes, floats
+    size_hints: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    float_hints: Mapping[str, float] = dataclasses.field(default_factory=dict)
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None
     abandoned: Callable[[], bool] | None = None
     timeout_s: float | None = None
@@ -520,8 +521,8 @@ class ChildSpec:
             graph=self.payload,
             target=self.target,
             options=self.options,
-            size_hints={k: v for k, v in self.hints.items() if isinstance(v, int)},
-            float_hints={k: v for k, v in self.hints.items() if isinstance(v, float)},
+            size_hints=self.size_hints,
+            float_hints=self.float_hints,
             op_libraries=_op_libraries(settings),
             kernel_cache=self.report_built,
             kernel_sources=self.report_sources,
