@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from torchfarm.client.keywords import refuse_unknown
+from torchfarm.client import keywords
 from torchfarm.settings import ClientSettings
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; the package supports 3.10
@@ -57,8 +57,7 @@ def compile(
     `wait=False` runs a graph the farm must compile eagerly meanwhile (default: TORCHFARM_WAIT)."""
     from torchfarm.client.backend import start, torchfarm_backend
 
-    refuse_unknown(compile, options, CompileOptions.__annotations__)
-    chosen: CompileOptions = {**DEFAULTS, **options}
+    chosen = keywords.chosen(compile, options, DEFAULTS)
     start(ClientSettings.from_env(addr=addr, token=token, wait=wait))  # overlaps the trace
     backend = functools.partial(
         torchfarm_backend,

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from google.protobuf import json_format
 
-from torchfarm.client import remote
-from torchfarm.client.keywords import refuse_unknown
+from torchfarm.client import keywords, remote
 from torchfarm.client.progress import ProgressLine
 from torchfarm.compiler import aoti, exported
 from torchfarm.compiler.exported import BLOB, SENT
@@ -95,8 +94,7 @@ def package_artifact(
     """The artifact `compiler` built on the farm for `program` (verified), whose `package`
     is the package, and how it came ("hit", "miss", "merged"). ValueError for options the
     compiler refuses; FarmError where the farm could not give one."""
-    refuse_unknown(package_artifact, options, PackageOptions.__annotations__)
-    chosen: PackageOptions = {**DEFAULTS, **options}
+    chosen = keywords.chosen(package_artifact, options, DEFAULTS)
     configs, weights = chosen["inductor_configs"], chosen["weights"]
     farm_options = canonical_options(
         pb.Options(
@@ -165,8 +163,7 @@ def aoti_compile_and_package(
     sends no weights: the farm builds the package without them and this process writes the
     program's own into it. `weights=True` sends them (needed for freezing), and the farm
     builds them in. Dynamic dims the program was exported with (torch.export.Dim) hold."""
-    refuse_unknown(aoti_compile_and_package, options, PackageOptions.__annotations__)
-    chosen: PackageOptions = {**DEFAULTS, **options}
+    chosen = keywords.chosen(aoti_compile_and_package, options, DEFAULTS)
     path = _package_path(package_path)
     started = time.monotonic()
     try:
