@@ -9,9 +9,13 @@ unless said otherwise, side by side in one run:
                   Dynamo traces
   farm_hit_skip   the same with the skip (the default) and the package saved by an earlier
                   process: Dynamo's output installed, no frame traced
+  floor           no compile: the imports that a restored graph's code needs (Dynamo, for its
+                  guards and frames; AOTAutograd's and Inductor's runtime, which the loaded
+                  wrapper imports), then the step run eagerly: what any skip hit pays at least
 
 It prints each median, frames traced, and farm_hit_skip / pt_remote_warm and / pt_local_warm
-(issue 26's CPU target: farm_hit_skip <= 0.4x pt_local_warm). `--json PATH` writes the medians.
+(issue 26's CPU target: farm_hit_skip <= 0.4x pt_local_warm), and floor / pt_local_warm.
+`--json PATH` writes the medians.
 
     .venv/bin/python bench/skip_tracing.py [--model {blocks,gpt2}] [--repeats 3] [--json PATH]
 """
@@ -19,6 +23,7 @@ It prints each median, frames traced, and farm_hit_skip / pt_remote_warm and / p
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -37,7 +42,16 @@ STAGES = {
     "pt_remote_warm": "PyTorch remote cache (Redis)",
     "farm_hit": "farm hit, Dynamo traces",
     "farm_hit_skip": "farm hit, tracing skipped",
+    "floor": "imports a restore needs + eager",
 }
+# What a restored graph's code imports on the CPU (torch 2.13): Dynamo (its package, guards
+# and frames), AOTAutograd's cache entry, and the modules Inductor's Python wrapper imports
+RESTORE_IMPORTS = (
+    "torch._dynamo",
+    "torch._functorch._aot_autograd.aot_autograd_result",
+    "torch._inductor.select_algorithm",
+    "torch._inductor.codegen.memory_planning",
+)
 
 
 def build(name: str):
@@ -70,6 +84,10 @@ def client(backend: str, model_name: str) -> None:
         import torchfarm
 
         compiled = torchfarm.compile(model)
+    elif backend == "floor":
+        for name in RESTORE_IMPORTS:
+            importlib.import_module(name)
+        compiled = model
     else:
         compiled = torch.compile(model, backend=backend)
     first_step(compiled)
@@ -133,6 +151,7 @@ def main() -> None:
                 ("pt_remote_warm", "inductor", tempfile.mkdtemp(), remote),
                 ("farm_hit", "torchfarm", tempfile.mkdtemp(), on_farm),
                 ("farm_hit_skip", "torchfarm", tempfile.mkdtemp(), skip),
+                ("floor", "floor", tempfile.mkdtemp(), None),
             ):
                 result = measure(backend, args.model, cache, env)
                 if backend == "torchfarm":
@@ -153,6 +172,7 @@ def main() -> None:
     for base in ("pt_remote_warm", "pt_local_warm", "dynamo_only"):
         print(f"farm_hit_skip / {base:<15} = {med['farm_hit_skip'] / med[base]:.2f}")
     print(f"farm_hit / pt_remote_warm        = {med['farm_hit'] / med['pt_remote_warm']:.2f}")
+    print(f"floor / pt_local_warm            = {med['floor'] / med['pt_local_warm']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**med, "runs": runs, "graphs_traced": traced}, f, indent=1)
