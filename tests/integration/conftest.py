@@ -49,6 +49,22 @@ def store(farm) -> Store:
 
 
 @pytest.fixture
+def worker_isa_verdict(monkeypatch, tmp_path):
+    """The ISA probe's verdict, handed to the children a test starts without a worker
+    (workers/sandbox.child_command: compile parents, kernel builders) as a worker hands it
+    (workers/isa_verdict.py): the toolchain's kept agreement, where a farm of this toolchain
+    has run, else one probe here. Without it each such child probes for itself at its start
+    (Inductor's ISA test programs, ~8-12 CPU-s on the 2-core box)."""
+    from torchfarm.workers import isa_verdict, toolchain
+
+    marker = str(tmp_path / "children-may-trust-flags")
+    monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", marker)
+    kept = toolchain.store_dir() + toolchain.ISA_VERDICT_SUFFIX
+    if not isa_verdict.recall(marker, kept):
+        isa_verdict.settle(marker, kept)
+
+
+@pytest.fixture
 def compiler_log(tmp_path):
     """A PATH whose g++/gcc/c++ log every call before running the real compiler."""
     bindir, log = tmp_path / "bin", tmp_path / "cc.log"

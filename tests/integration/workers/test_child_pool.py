@@ -202,7 +202,7 @@ def _fork_server(number: int, private_dir: str):
     return sandbox.child_command(settings, private_dir, number=number, fork_server=True)
 
 
-def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
+def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next(worker_isa_verdict):
     reused: list[str] = []
     events = _Events()
     pool = child_pool.ChildPool(
@@ -229,7 +229,7 @@ def test_a_warm_parent_forks_one_child_per_request_and_serves_the_next():
 
 
 def test_a_parent_started_for_a_request_that_found_none_idle_serves_the_next_overlap(
-    monkeypatch,
+    monkeypatch, worker_isa_verdict
 ):
     """Kept after its request: the next two requests at once take both parents and start
     none. Once idle past SURPLUS_IDLE_S, the one idle longest is ended and the pool is back

@@ -40,21 +40,6 @@ def test_a_kernel_build_names_its_objects_as_the_compile_that_recorded_its_sourc
     assert ctypes.CDLL(str(library)).torchfarm_probe(20) == 41
 
 
-@pytest.fixture
-def worker_isa_verdict(monkeypatch, tmp_path):
-    """The ISA probe's verdict, handed to the builder children as a worker hands it
-    (workers/isa_verdict.py): the toolchain's kept agreement, where a farm of this toolchain
-    has run, else one probe here. Without it each builder child probes for itself at its start
-    (Inductor's ISA test programs: ~8 CPU-s on the 2-core box), and the burst starts two."""
-    from torchfarm.workers import isa_verdict, toolchain
-
-    marker = str(tmp_path / "children-may-trust-flags")
-    monkeypatch.setenv("TORCHFARM_ISA_PROBE_MARKER", marker)
-    kept = toolchain.store_dir() + toolchain.ISA_VERDICT_SUFFIX
-    if not isa_verdict.recall(marker, kept):
-        isa_verdict.settle(marker, kept)
-
-
 def test_one_builder_child_builds_a_burst_each_source_alone_and_survives_a_broken_one(
     worker_isa_verdict,
 ):
