@@ -62,7 +62,7 @@ def _compile(graph: bytes, settings: WorkerSettings = SETTINGS) -> pb.Artifact:
     return pb.Artifact.FromString(data)
 
 
-def test_a_child_sees_the_headers_read_only_and_has_them_on(headers):
+def test_a_child_sees_the_headers_read_only_and_has_them_on(headers, worker_isa_verdict):
     code = f"""
 import json, os
 where = {precompiled_headers.header_dir(sandbox.WORK_DIR, sandbox.CHILD_USER)!r}
@@ -84,7 +84,9 @@ raise RuntimeError("report: " + json.dumps(found))
     assert found["write"] == "Read-only file system"
 
 
-def test_a_kernel_heavy_compile_uses_the_prebuilt_header_and_matches_eager(headers):
+def test_a_kernel_heavy_compile_uses_the_prebuilt_header_and_matches_eager(
+    headers, worker_isa_verdict
+):
     cnn = _cnn()
     artifact = _compile(cnn["graph"])
     assert len(artifact.natives) >= 2  # C++ kernels were built, each with the header
@@ -92,7 +94,7 @@ def test_a_kernel_heavy_compile_uses_the_prebuilt_header_and_matches_eager(heade
     torch.testing.assert_close(compiled(*cnn["inputs"]), cnn["eager"])
 
 
-def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch):
+def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch, worker_isa_verdict):
     # The control: what the child did before (headers on, nothing prebuilt) fails under this
     # cap, so the compile above can only have used the worker's header.
     monkeypatch.delenv("TORCHFARM_PRECOMPILED_HEADERS_DIR", raising=False)
