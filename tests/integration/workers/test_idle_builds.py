@@ -43,6 +43,18 @@ def priority(pid: int | str = "self") -> tuple[int, int, int]:
     return os.sched_getscheduler(number), io_class, nice
 
 
+def exiting(pid: int) -> bool:
+    """Whether a process has begun to exit (PF_EXITING, or gone). Its I/O class then reads as
+    0, the default: the kernel drops its io_context before it becomes a zombie, and a zombie
+    has none. That flag is set first, so read after the priority, it names such a reading."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError):
+        return True
+    return bool(flags & 0x4)  # PF_EXITING
+
+
 def descendants(root: int) -> dict[int, str]:
     """The processes under `root` now: pid -> command name."""
     parents, names = {}, {}
@@ -80,9 +92,11 @@ def _priorities_seen(settings: WorkerSettings) -> dict[int, tuple[str, tuple[int
             while not done.is_set():
                 for pid, name in descendants(root).items():
                     try:
-                        seen[pid] = (name, priority(pid))  # the latest: a fork idles itself
+                        reading = priority(pid)
                     except (OSError, ValueError):
-                        pass  # ended meanwhile
+                        continue  # ended meanwhile
+                    if not exiting(pid):  # an exiting process's I/O class reads as 0
+                        seen[pid] = (name, reading)  # the latest: a fork idles itself
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=watch, args=(builder.proc.pid,))
