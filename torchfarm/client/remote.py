@@ -341,14 +341,17 @@ def _get_once(
             listeners.on_progress(pb.Progress(stage=pb.Progress.QUEUED))
         outbox.put(None)
 
-    call = stub.Get(
-        requests(),
-        timeout=settings.compile_timeout_s,
-        metadata=_metadata(settings, listeners.request_id),
-    )
     try:
         received = _receive(
-            call, settings, listeners.on_progress, on_missing, listeners.on_manifest
+            stub.Get(
+                requests(),
+                timeout=settings.compile_timeout_s,
+                metadata=_metadata(settings, listeners.request_id),
+            ),
+            settings,
+            listeners.on_progress,
+            on_missing,
+            listeners.on_manifest,
         )
     finally:
         outbox.put(None)  # a hit: the request stream ends with the ask
@@ -398,10 +401,15 @@ def fetch(
     stub = _stub(settings)
 
     def compile_once() -> Received:
-        call = stub.Compile(
-            request, timeout=settings.compile_timeout_s, metadata=_metadata(settings, request_id)
+        return _receive(
+            stub.Compile(
+                request,
+                timeout=settings.compile_timeout_s,
+                metadata=_metadata(settings, request_id),
+            ),
+            settings,
+            on_progress,
         )
-        return _receive(call, settings, on_progress)
 
     received = _failing_over(settings, compile_once)
     return received.header, received.data
@@ -414,7 +422,29 @@ def _receive(
     on_missing: Callable[[pb.Missing], None] | None = None,
     on_manifest: Callable[[pb.Manifest], None] | None = None,
 ) -> Received:
-    """Read a CompileEvent stream to its artifact, decoding chunks as they arrive."""
+    """Read a CompileEvent stream to its artifact, decoding chunks as they arrive. Callers
+    pass the call unnamed: a failed stream's call is freed as its FarmError is raised, and
+    the error holds nothing of it. A call freed at the interpreter's exit (kept by an error
+    kept: a job's future, an uncaught one's traceback) can wait forever in its finalizer
+    for a lock that gRPC's daemon threads, stopped there wherever they were, hold: the
+    process hung after its traceback (CI, the channel's spin thread handling the call's
+    last events)."""
+    outcome = _read(call, settings, on_progress, on_missing, on_manifest)
+    del call  # this frame is in the error's traceback
+    if isinstance(outcome, FarmError):
+        raise outcome
+    return outcome
+
+
+def _read(
+    call,
+    settings: ClientSettings,
+    on_progress: Callable[[pb.Progress], None] | None,
+    on_missing: Callable[[pb.Missing], None] | None,
+    on_manifest: Callable[[pb.Manifest], None] | None,
+) -> Received | FarmError:
+    """_receive's reading: its failure returned, with no traceback or context (which hold
+    this frame and the call)."""
     started = time.monotonic()
     header: pb.ArtifactHeader | None = None
     decoder: _Decoder | None = None
@@ -444,19 +474,28 @@ def _receive(
                     raise FarmError("the farm sent artifact bytes before their header")
                 decoder.feed(event.chunk)
     except grpc.RpcError as e:
+        # The error is the call: its traceback (this frame, gRPC's) holds it, a cycle that
+        # only a garbage collection frees, maybe the interpreter's exit's.
+        e.with_traceback(None)
         job = f" [job {job_id}]" if job_id else ""
         if silence.fired:
-            raise GatewayLost(
+            return GatewayLost(
                 f"farm silent for {settings.inactivity_timeout_s:g} s "
                 f"(no progress, no data; TORCHFARM_INACTIVITY_TIMEOUT){job}",
                 silent=True,
-            ) from None
-        raise _rpc_error(e, job) from None
+            )
+        return _rpc_error(e, job)
+    except FarmError as e:  # bytes refused: the call ends here
+        call.cancel()
+        return e.with_traceback(None)
     finally:
         silence.close()
     if header is None or decoder is None:
-        raise FarmError("the farm ended the stream without an artifact")
-    return _received(header, decoder, started, rpc_s)
+        return FarmError("the farm ended the stream without an artifact")
+    try:
+        return _received(header, decoder, started, rpc_s)
+    except FarmError as e:  # the digest check
+        return e.with_traceback(None)
 
 
 def _received(
