@@ -42,6 +42,27 @@ def test_clean_rows_have_no_problems():
     assert [r["ratio"] for r in rows] == [1.2, 1.2, 1.0, 1.0]  # printed, never asserted
 
 
+def test_the_alternating_ratio_is_cpu_time_and_only_where_inductor_traced_its_own():
+    result = _result()
+    timed = {"farm_ms": 9.0, "inductor_ms": 9.0, "farm_cpu_ms": 4.4, "inductor_cpu_ms": 4.0}
+    result["first"]["variants"]["native"]["alternating"] = dict(timed, valid=True)
+    result["first"]["variants"]["skip"]["alternating"] = dict(timed, valid=False)
+    native, skip = runner.rows({"m": result})[::2]
+    assert (native["abba_ratio"], skip["abba_ratio"]) == (1.1, None)
+    assert "alternating steps, CPU): median 1.10" in runner.table([native, skip])
+
+
+def test_the_bracketed_ratio_takes_inductor_before_and_after_the_farm():
+    result = _result()
+    variants = result["first"]["variants"]
+    for name, cpu in (("inductor", 4.0), ("native", 5.0), ("skip", 4.5)):
+        variants[name]["steady_cpu_ms"] = cpu
+    assert runner.rows({"m": result})[0]["aba_ratio"] is None  # no second inductor run
+    variants["inductor_again"] = dict(_variant(), steady_cpu_ms=6.0)
+    native, skip = runner.rows({"m": result})[::2]
+    assert (native["aba_ratio"], skip["aba_ratio"]) == (1.0, 0.9)
+
+
 def test_more_graphs_or_recompiles_than_inductor_fail():
     assert any("3 graphs" in p for p in runner.problems(_result(graphs=3), "skip"))
     assert any("9 recompiles" in p for p in runner.problems(_result(recompiles=9), "skip"))

@@ -20,6 +20,16 @@ traced, restored ones excluded) and recompiles (guard failures that made Dynamo 
 again), the steady training step (median of steps 5-12), the farm's graph sources, what
 became of the package, and the time spent in torchfarm's identity-check guard
 (dynamo_package.LateChecks.__call__, timed from outside).
+
+Steady steps are timed in wall time and in the thread's CPU time (time.thread_time: one
+intra-op thread, so the forward and the CPU backward run on this thread; the time other
+processes hold the core is left out). With ZOO_STEADY_ROUNDS=N (the runner's bench; the pytest
+tier leaves it unset and costs what it did) each variant's loop runs N more timed training
+steps, inductor's loop runs again after the farm's variants (`inductor_again`: the two bracket
+them), and each farm variant runs N rounds of alternating steps beside a fresh copy of the
+model under inductor (`alternating`). In a restoring process that copy runs the restored code
+(torch checks a frame's precompile entries first, for any backend): `valid` is then False and
+the figures are the same code timed twice, the measurement's own noise.
 """
 
 from __future__ import annotations
@@ -40,6 +50,11 @@ from tests.zoo import models  # noqa: E402
 
 TRAIN_STEPS = 12
 STEADY = slice(4, 12)  # steps 5-12
+# The runner's bench (ZOO_STEADY_ROUNDS; the pytest tier's 0 keeps its time): as many more
+# training steps in each variant's loop, timed only, inductor's loop again after the farm's,
+# and as many rounds of the alternating measurement (alternate_with_inductor)
+ROUNDS = int(os.environ.get("ZOO_STEADY_ROUNDS", "0"))
+WARM_ROUNDS = 4  # the alternating phase's first rounds, not kept: inductor's copy compiles there
 INFER_STEPS = 3
 LR = 1e-2
 TOLERANCE = 1e-3  # relative (norm) error against eager: loss, output and every gradient
@@ -127,6 +142,22 @@ def _error(tensors: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
     return max([*errs, 0.0 if len(tensors) == len(expected) else float("inf")])
 
 
+def train_step(built: models.Built, fn, optimizer, step: int) -> tuple:
+    """One training step (forward, loss, backward, SGD step) on the batch of `step`: its loss,
+    output and gradients, and its wall and thread CPU milliseconds. With one intra-op thread
+    (main) the forward and the CPU backward run on this thread: its CPU time leaves out the
+    time other processes hold the core (not their effect on the core's caches)."""
+    args, kwargs = built.batch(step, True)
+    started, started_cpu = time.perf_counter(), time.thread_time()
+    optimizer.zero_grad(set_to_none=True)
+    loss, out = built.loss(fn(*args, **kwargs))
+    loss.backward()
+    grads = [p.grad.clone() for p in built.model.parameters() if p.grad is not None]
+    optimizer.step()
+    cpu_ms = (time.thread_time() - started_cpu) * 1e3
+    return loss, out, grads, (time.perf_counter() - started) * 1e3, cpu_ms
+
+
 def run_loops(built: models.Built, fn, references: list[dict], limits: dict | None = None) -> dict:
     """Train TRAIN_STEPS steps (forward, loss, backward, SGD step), then INFER_STEPS steps
     of inference, each step against `references` (records: eager's, then inductor's). A step
@@ -140,6 +171,7 @@ def run_loops(built: models.Built, fn, references: list[dict], limits: dict | No
     errors: list[float] = []
     wrong: list[str] = []
     step_ms: list[float] = []
+    cpu_ms: list[float] = []
 
     def check(phase: str, step: int, tensors: list[torch.Tensor]) -> None:
         record[phase].append(tensors)
@@ -156,15 +188,14 @@ def run_loops(built: models.Built, fn, references: list[dict], limits: dict | No
 
     model.train()
     for step in range(TRAIN_STEPS):
-        args, kwargs = built.batch(step, True)
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss, out = built.loss(fn(*args, **kwargs))
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        optimizer.step()
-        step_ms.append((time.perf_counter() - started) * 1e3)
+        loss, out, grads, wall, cpu = train_step(built, fn, optimizer, step)
+        step_ms.append(wall)
+        cpu_ms.append(cpu)
         check("train", step, [loss.detach().clone(), out.detach().clone(), *grads])
+    for step in range(TRAIN_STEPS, TRAIN_STEPS + ROUNDS):  # timed only: no reference
+        *_, wall, cpu = train_step(built, fn, optimizer, step % TRAIN_STEPS)
+        step_ms.append(wall)
+        cpu_ms.append(cpu)
     model.eval()
     infer_ms = []
     with torch.no_grad():
@@ -179,9 +210,75 @@ def run_loops(built: models.Built, fn, references: list[dict], limits: dict | No
         "max_err": max(errors, default=0.0),
         "wrong": wrong,
         "steady_ms": round(statistics.median(step_ms[STEADY]), 3),
+        # the thread's CPU time, median of steps 5-12 and the ROUNDS timed ones
+        "steady_cpu_ms": round(statistics.median(cpu_ms[STEADY.start :]), 3),
         "first_step_s": round(step_ms[0] / 1e3, 2),
         "infer_ms": round(statistics.median(infer_ms[1:]), 3),
     }
+
+
+def alternate_with_inductor(name: str, built: models.Built, fn, inductor_cache: str) -> dict:
+    """The steady step of a farm variant's code beside inductor's, in one window: a fresh copy
+    of the model under torch.compile(backend="inductor") (no Dynamo reset: the farm's frames
+    stay installed, restored or traced; inductor's copy compiles from the run's local cache)
+    and ROUNDS rounds of one training step of each, in ABBA order, so that the box's load
+    and the process's drift fall on both. Medians of the kept rounds' wall and thread CPU ms.
+    `valid` is False where inductor's copy ran no frame of its own (it would time the farm's
+    code twice)."""
+    from torch._dynamo.utils import counters
+
+    other = models.build(name)
+    sides = [(built, fn), (other, torch.compile(other.model, backend="inductor"))]
+    optimizers = [torch.optim.SGD(b.model.parameters(), lr=LR) for b, _ in sides]
+    times: list[list[tuple[float, float]]] = [[], []]
+    graphs = counters["stats"]["unique_graphs"]
+    private = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
+    try:
+        for b, _ in sides:
+            b.model.train()
+        for round_ in range(WARM_ROUNDS + ROUNDS):
+            for i in (0, 1) if round_ % 2 == 0 else (1, 0):
+                *_, wall, cpu = train_step(*sides[i], optimizers[i], round_ % TRAIN_STEPS)
+                times[i].append((wall, cpu))
+    finally:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = private
+    farm, inductor = (t[WARM_ROUNDS:] for t in times)
+    if os.environ.get("ZOO_PROFILE"):  # a folder: where each side's operators went
+        for side, optimizer, label in zip(sides, optimizers, ("farm", "inductor")):
+            _profile(*side, optimizer, os.path.join(os.environ["ZOO_PROFILE"], label))
+
+    def median(times: list, i: int) -> float:
+        return round(statistics.median(t[i] for t in times), 3)
+
+    return {
+        "valid": counters["stats"]["unique_graphs"] > graphs,
+        "rounds": ROUNDS,
+        "farm_ms": median(farm, 0),
+        "inductor_ms": median(inductor, 0),
+        "farm_cpu_ms": median(farm, 1),
+        "inductor_cpu_ms": median(inductor, 1),
+    }
+
+
+def _profile(built: models.Built, fn, optimizer, prefix: str) -> None:
+    """torch.profiler's table of 12 training steps (self CPU time by operator and by Python
+    function), written to `prefix`-<pid>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for step in range(TRAIN_STEPS):
+            train_step(built, fn, optimizer, step)
+    averages = prof.key_averages()
+    with open(f"{prefix}-{os.getpid()}.txt", "w") as f:
+        f.write(
+            averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
+        )
+        f.write(
+            prof.key_averages(group_by_stack_n=6).table(
+                sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90
+            )
+        )
 
 
 def compiled(variant: str, model: torch.nn.Module):
@@ -224,10 +321,15 @@ def run_variant(
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
     built = models.build(name)
     row: dict = {"exception": "", "stopped": ""}
+    counts = None
     try:
-        result = run_loops(built, compiled(variant, built.model), references, limits)
+        fn = compiled(variant, built.model)
+        result = run_loops(built, fn, references, limits)
         row.update({k: v for k, v in result.items() if k != "record"})
         row["record"] = result["record"]
+        counts = dynamo_counts()  # before the alternating phase: its inductor copy traces
+        if ROUNDS and variant != "inductor":
+            row["alternating"] = alternate_with_inductor(name, built, fn, inductor_cache)
     except TooManyGraphs as e:
         row["stopped"] = str(e)
     except Exception as e:
@@ -235,7 +337,7 @@ def run_variant(
         row["traceback"] = traceback.format_exc()[-2000:]
     finally:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = private_cache
-    row.update(dynamo_counts())
+    row.update(counts or dynamo_counts())
     row["sources"] = sorted({r.source for r in history})
     row["not_farm"] = [f"{r.label}: {r.source}: {r.why[-300:]}" for r in history if r.why]
     guard, log = timers
@@ -264,6 +366,10 @@ def main(name: str, inductor_cache: str) -> dict:
         row = run_variant(name, variant, references, timers, inductor_cache, limits)
         row.pop("record", None)
         result["variants"][variant] = row
+    if ROUNDS:  # inductor again, after the farm's variants: its two runs bracket theirs
+        again = run_variant(name, "inductor", references, timers, inductor_cache)
+        again.pop("record", None)
+        result["variants"]["inductor_again"] = again
     return result
 
 

@@ -110,6 +110,26 @@ def _skip_state(package_log: list[str]) -> str:
     return "off" if not package_log else "failed"
 
 
+def _bracketed_ratio(run: dict, entry: str) -> float | None:
+    """The farm's steady step over inductor's, thread CPU time, inductor's taken as the mean
+    of its run before the farm's variants and its run after them (the client's
+    ZOO_STEADY_ROUNDS), so that a drift over the process favours no variant."""
+    farm = run["variants"][entry].get("steady_cpu_ms")
+    before, after = (run["variants"].get(v, {}).get("steady_cpu_ms") for v in INDUCTOR_RUNS)
+    return round(farm / ((before + after) / 2), 3) if farm and before and after else None
+
+
+INDUCTOR_RUNS = ("inductor", "inductor_again")
+
+
+def _alternating_ratio(alternating: dict) -> float | None:
+    """The farm's steady step over inductor's, thread CPU time, from the client's alternating
+    phase (ZOO_STEADY_ROUNDS); None where it did not run or timed the farm's code twice."""
+    if not alternating.get("valid") or not alternating.get("inductor_cpu_ms"):
+        return None
+    return round(alternating["farm_cpu_ms"] / alternating["inductor_cpu_ms"], 3)
+
+
 def rows(results: dict[str, dict]) -> list[dict]:
     """One row per model, entry point and process (or one per unavailable model)."""
     table = []
@@ -128,6 +148,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                     continue
                 farm, inductor = run["variants"][entry], run["variants"]["inductor"]
                 ratio = farm.get("steady_ms", 0) / max(inductor.get("steady_ms", 0), 1e-9)
+                alternating = farm.get("alternating") or {}
                 table.append(
                     {
                         "model": name,
@@ -146,6 +167,9 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "inductor_ms": inductor.get("steady_ms"),
                         "eager_ms": run["eager_ms"],
                         "ratio": round(ratio, 3) if farm.get("steady_ms") else None,
+                        "alternating": alternating,
+                        "aba_ratio": _bracketed_ratio(run, entry),
+                        "abba_ratio": _alternating_ratio(alternating),
                         "guard_us": farm["identity_guard"]["us_per_call"],
                         "guard_calls": farm["identity_guard"]["calls"],
                         "guard_first_us": farm["identity_guard"].get("first_us"),
@@ -164,7 +188,8 @@ def table(table_rows: list[dict]) -> str:
     """The printed table: one line per row, then the steady-step ratios' median."""
     head = (
         f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'ind off':>8}{'graphs':>8}"
-        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'guard us':>9}"
+        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'aba':>6}{'abba':>6}"
+        f"{'guard us':>9}"
         f"  {'skip':<9}torch"
     )
     lines = [head, "-" * len(head)]
@@ -177,19 +202,28 @@ def table(table_rows: list[dict]) -> str:
             continue
         guard = "-" if r["guard_us"] is None else f"{r['guard_us']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        aba, abba = (
+            "-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("aba_ratio", "abba_ratio")
+        )
         lines.append(
             f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}{int(bool(r['exception'])):>4}"
             f"{r['wrong_steps']:>6}{r['inductor_off_eager']:>8}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
             f"{r['recompiles']:>4}/{r['inductor_recompiles']:<3}{r['local']:>6}"
             f"{'-' if r['steady_ms'] is None else format(r['steady_ms'], '.2f'):>9}"
-            f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{guard:>9}  {r['skip'] or '-':<9}{r['torch']}"
+            f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{aba:>6}{abba:>6}{guard:>9}"
+            f"  {r['skip'] or '-':<9}{r['torch']}"
         )
-    ratios = [r["ratio"] for r in table_rows if r.get("ratio")]
-    if ratios:
-        lines.append(
-            f"steady step farm/inductor: median {statistics.median(ratios):.2f}, "
-            f"max {max(ratios):.2f} over {len(ratios)} rows (targets: 1.05, 1.2)"
-        )
+    for what, key in (
+        ("steps 5-12, wall", "ratio"),
+        ("aba: inductor before and after, CPU", "aba_ratio"),
+        ("abba: alternating steps, CPU", "abba_ratio"),
+    ):
+        ratios = [r[key] for r in table_rows if r.get(key)]
+        if ratios:
+            lines.append(
+                f"steady step farm/inductor ({what}): median {statistics.median(ratios):.2f}, "
+                f"max {max(ratios):.2f} over {len(ratios)} rows (targets: 1.05, 1.2)"
+            )
     return "\n".join(lines)
 
 
@@ -203,6 +237,7 @@ def main() -> None:
     args = parser.parse_args()
     for key, value in TEST_FARM_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("ZOO_STEADY_ROUNDS", "200")  # the bench's steady step (client.py)
     names = args.models.split(",")
     unavailable = {n: models.unavailable(n) for n in names}
     results = {}
