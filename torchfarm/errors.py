@@ -30,6 +30,8 @@ TorchfarmError
   + NotSaveable (RuntimeError) ...... here: raised by the adapter, caught by compiler/
   + BuildRefused (ValueError) ....... here: raised by the adapter's checks, caught by workers/
   + MissingNativeObject (RuntimeError)  compiler/native.py: a fallback, never caught by name
+  + Unsupported (ValueError) ........ compiler/descriptor.py: a graph keyed by its payload
+  + Mismatch (ValueError) ........... compiler/descriptor.py: a payload refused, as a failure
   contract/settings: none (a bad value is a ValueError, a bad call a gRPC status)
 
 Outside the root: torch_adapter/compile/concurrent_backward.py's Stopped is a BaseException, not an

@@ -16,7 +16,7 @@ from torchfarm.client import fetch, records, remote
 from torchfarm.client.fetch import Fetched, Question
 from torchfarm.client.pool import Job, pool
 from torchfarm.client.prefetch import program
-from torchfarm.compiler import guards, serialize, structure
+from torchfarm.compiler import descriptor, guards, serialize, structure
 from torchfarm.compiler.inductor import config_patches, load_artifact
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import key_parts, public_key
@@ -73,9 +73,18 @@ class FarmGraph:
     def ask(self, target: pb.Target | None = None) -> Question:
         """What to ask the farm, built on Dynamo's thread (pickling reads its ShapeEnv, and
         the program's positions follow Dynamo's order); for this process's target, shown to
-        `request_observers`, unless `target` is given (client/prepare.py)."""
+        `request_observers`, unless `target` is given (client/prepare.py). A static graph is
+        keyed by its descriptor, and its payload made on a miss only (at once where an
+        observer keeps the request); any other is keyed by its payload."""
+        try:
+            described = descriptor.describe(self.gm)
+        except descriptor.Unsupported as e:
+            log.debug("%s: keyed by its payload (%s)", self.label, e)
+            described = b""
+        observed = target is None and bool(request_observers)
         self.request = pb.CompileRequest(
-            graph=serialize.dumps(self.gm),
+            graph=serialize.dumps(self.gm) if observed or not described else b"",
+            descriptor=described,
             target=target or local_target(self.device),
             options=self.options,
             label=self.label,
@@ -92,20 +101,31 @@ class FarmGraph:
             "payload_s": payload_s,
             "key_s": time.monotonic() - self.started - payload_s,
         }
-        return Question(self.request, ask, self.inputs, self.timings)
+        return Question(self.request, ask, self.inputs, self.timings, self._payload)
+
+    def _payload(self) -> bytes:
+        """The payload, made on a miss (its time: miss_payload_s)."""
+        started = time.monotonic()
+        payload = serialize.dumps(self.gm)
+        self.timings["miss_payload_s"] = time.monotonic() - started
+        return payload
 
     def _ask(self, request: pb.CompileRequest) -> pb.Ask:
         """The Get ask: its key (computed here, as the gateway computes it), the sizes of the
         inputs' SymInts (the farm picks the entry whose guards hold on them), the key's parts
         (to explain a miss) and the graph's place in the program (prefetch)."""
-        graph_key = public_key(request.graph, request.target, request.options)
+        graph_key = public_key(request.graph, request.target, request.options, request.descriptor)
         return pb.Ask(
             key=graph_key,
             private=request.private,
             sizes=hints(symbol_inputs(self.inputs)),
             label=request.label,
             key_parts=key_parts(
-                request.graph, request.target, request.options, structure.digest(self.gm)
+                request.graph,
+                request.target,
+                request.options,
+                structure.digest(self.gm),
+                request.descriptor,
             ),
             program=program.place(graph_key),
         )

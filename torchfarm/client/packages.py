@@ -283,7 +283,7 @@ def _graph_ref(bid: str) -> GraphRef:
     record = next(r for r in reversed(records.history) if r.label == request.label)
     if record.source not in _FARM_SOURCES or not record.digest:
         raise LookupError(f"{request.label} was not served by the farm ({record.source})")
-    key = public_key(request.graph, request.target, request.options)
+    key = public_key(request.graph, request.target, request.options, request.descriptor)
     return GraphRef(request.SerializeToString(), sizes, record.digest, device_index, key)
 
 
@@ -323,7 +323,8 @@ def fetch_graph(
     its key and digest; nothing of the graph is serialized or hashed (payload_s 0); the
     payload goes only if the farm lost the entry."""
     ask = pb.Ask(
-        key=ref.key or public_key(request.graph, request.target, request.options),
+        key=ref.key
+        or public_key(request.graph, request.target, request.options, request.descriptor),
         private=request.private,
         sizes=ref.sizes,
         label=request.label,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from torchfarm.compiler import descriptor as graph_descriptor
 from torchfarm.compiler import files, guards, native, serialize, structure, trace_state
 from torchfarm.compiler.compilers import CompileContext
 from torchfarm.contract import modes
@@ -77,15 +78,22 @@ def compile_payload(
     hints: Mapping[str, int | float] | None = None,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None,
     tuning_gpus: tuple[str, ...] = (),
+    descriptor: bytes = b"",
 ) -> pb.Artifact:
     """Compile a serialized graph with Inductor. Unpickles the payload: run in a sandbox.
+    With a `descriptor` (the key's), only the graph that has it is compiled
+    (compiler/descriptor.py; descriptor.Mismatch otherwise).
     `on_stage(AUTOTUNING)` / `on_stage(COMPILING)` (Progress.Stage) mark where benchmarking
     starts and ends. With two or more `tuning_gpus`, max-autotune benchmarks its candidates
     on all of them at once (torch_adapter/compile/tuning_devices.py)."""
     started = time.perf_counter()
     if threads > 0:
         torch.set_num_threads(threads)
-    gm = serialize.loads(payload, hints)
+    gm = (
+        graph_descriptor.verified(payload, hints or {}, descriptor)
+        if descriptor
+        else serialize.loads(payload, hints)
+    )
     graph_structure = structure.digest(gm)  # before compiling, which may rewrite the graph
     inputs = serialize.example_inputs(gm)
     # A graph without tensor inputs (sizes in, new tensors out) has no fake mode to find.
@@ -140,6 +148,7 @@ class InductorCompiler:
             dict(request.size_hints) | dict(request.float_hints),
             context.on_stage,
             context.tuning_gpus,
+            request.descriptor,
         )
 
 

@@ -20,10 +20,11 @@ library that defines them (TORCHFARM_OP_LIBRARIES), and only with the same schem
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copyreg
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import sympy
@@ -49,6 +50,8 @@ _PICKLE_OPTIONS = Options(ops_filter=None)
 _NEWOBJ = (copyreg.__newobj__, copyreg.__newobj_ex__)  # type: ignore[attr-defined]
 # The hints `loads` puts back while it unpickles.
 _loading_hints: contextvars.ContextVar[dict[str, int | float]] = contextvars.ContextVar("hints")
+# The ShapeEnvs `loads` rebuilt from its payload, while it unpickles.
+_loaded_env: contextvars.ContextVar[list] = contextvars.ContextVar("envs")
 # The CUDA index that `dumps` writes as the canonical one, while it pickles (None: none).
 _local_index: contextvars.ContextVar[int | None] = contextvars.ContextVar("index", default=None)
 # Types that are never a persistent id (GraphPickler's is an object(); ours are devices and
@@ -97,6 +100,9 @@ class _PortableShapeEnv(graph_pickler.ShapeEnvPickleData):
 
     def unpickle(self, unpickle_state) -> ShapeEnv:
         env = super().unpickle(unpickle_state)
+        loaded = _loaded_env.get(None)
+        if loaded is not None:
+            loaded.append(env)
         symbols = {str(s): s for s in env.var_to_range}
         values = {
             symbols[name]: sympy.Float(v) if isinstance(v, float) else sympy.Integer(v)
@@ -190,7 +196,7 @@ class _PortablePickler(GraphPickler):
         if type(obj) in _BY_PICKLE:  # most of a payload's objects: answered first
             return None
         if type(obj) is torch.device:
-            return ("device", str(_canonical(obj)))
+            return ("device", str(canonical(obj)))
         if isinstance(obj, sympy.Basic):
             numbers = self.__dict__.setdefault("_sympy_numbers", {})
             value = self._sympy_value(obj)
@@ -259,7 +265,7 @@ class _Generated(torch.fx.GraphModule):
         return None if "_code" in self.__dict__ else super().recompile()
 
 
-def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The graph with only the metadata the compiler needs; subgraphs (torch.cond branches,
     autograd.Function forward/backward) come along the same way, anything else read with
     get_attr (weights) is refused."""
@@ -268,27 +274,32 @@ def _metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
+            value = attribute(gm, node.target)
             if not isinstance(value, torch.fx.GraphModule):
                 raise ValueError(
                     f"graph reads {type(value).__name__} {node.target!r} with "
                     "get_attr; the farm needs parameters lifted to inputs"
                 )
-            _set_attribute(root, node.target, _metadata_only(value))
+            _set_attribute(root, node.target, metadata_only(value))
         new = graph.node_copy(node, lambda n: env[n])
-        canonical = _canonical_arguments(new)
-        if canonical is not None:  # else left as copied: an assignment updates their users
-            new.args, new.kwargs = canonical
+        arguments = canonical_arguments(new)
+        if arguments is not None:  # else left as copied: an assignment updates their users
+            new.args, new.kwargs = arguments
         new.meta = {k: node.meta[k] for k in _KEPT_NODE_META if k in node.meta}
-        if node.op == "placeholder" and (node.meta.get("tensor_dict") or {}).get(
-            "_dynamo_static_input_type"
-        ):
+        if node.op == "placeholder" and is_static_input(node):
             new.meta[_STATIC_INPUT] = True
         schema = graph_pickler.custom_op_schema(node.target)
         if schema is not None:
             new.meta[_OP_SCHEMA] = schema
         env[node] = new
     return _Generated(root, graph)
+
+
+def is_static_input(node: torch.fx.Node) -> bool:
+    """Whether Dynamo marked the placeholder static (on a rebuilt graph: the payload's mark)."""
+    return node.meta.get(_STATIC_INPUT) is True or bool(
+        (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+    )
 
 
 def _device_index(value: object, bare_int: bool = False) -> int | None:
@@ -324,31 +335,32 @@ def _leaves(value: object) -> list:
     return [value]
 
 
-def _canonical(device: torch.device) -> torch.device:
+def canonical(device: torch.device) -> torch.device:
+    """`device` as the payload names it (inside `canonical_device`)."""
     index = _local_index.get()
     if index is not None and device.type == "cuda" and device.index == index:
         return torch.device("cuda", device_remap.CANONICAL_INDEX)
     return device
 
 
-def _canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict] | None:
+def canonical_arguments(node: torch.fx.Node) -> tuple[tuple, dict] | None:
     """The node's arguments with the local CUDA index, in any form, made canonical; None
     where they name no local CUDA index."""
     index = _local_index.get()
 
-    def canonical(value: object, bare_int: bool) -> object:
+    def one(value: object, bare_int: bool) -> object:
         if index is None or _device_index(value, bare_int) != index:
             return value
         if isinstance(value, torch.device):
-            return _canonical(value)
+            return canonical(value)
         if isinstance(value, str):
             return f"cuda:{device_remap.CANONICAL_INDEX}"
         return device_remap.CANONICAL_INDEX
 
     def mapped(value: object, bare_int: bool) -> object:
         if not isinstance(value, (tuple, list)):
-            return canonical(value, bare_int)
-        items = [canonical(v, False) for v in value]
+            return one(value, bare_int)
+        items = [one(v, False) for v in value]
         changed = any(new is not old for new, old in zip(items, value, strict=True))
         return type(value)(items) if changed else value
 
@@ -368,7 +380,7 @@ def _cuda_indices(gm: torch.fx.GraphModule) -> set[int]:
     found: set[int] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
+            value = attribute(gm, node.target)
             if isinstance(value, torch.fx.GraphModule):
                 found |= _cuda_indices(value)
         values = [(v, False) for v in _leaves(node.meta.get("example_value"))]
@@ -394,7 +406,7 @@ def local_device_index(gm: torch.fx.GraphModule) -> int | None:
     return None
 
 
-def _attribute(module: torch.nn.Module, path: str):
+def attribute(module: torch.nn.Module, path: str):
     for name in path.split("."):
         module = getattr(module, name)
     return module
@@ -409,14 +421,22 @@ def _set_attribute(root: torch.nn.Module, path: str, value: torch.nn.Module) -> 
     root.add_module(name, value)
 
 
+@contextlib.contextmanager
+def canonical_device(gm: torch.fx.GraphModule) -> Iterator[None]:
+    """Within the block, `canonical` and `canonical_arguments` write the graph's local CUDA
+    index as the canonical one (see `local_device_index`)."""
+    token = _local_index.set(local_device_index(gm))
+    try:
+        yield
+    finally:
+        _local_index.reset(token)
+
+
 def dumps(gm: torch.fx.GraphModule) -> bytes:
     """Serialize a Dynamo graph (parameters lifted to inputs) deterministically, without
     weights, on the canonical CUDA device (see `local_device_index`)."""
-    token = _local_index.set(local_device_index(gm))
-    try:
-        return _PortablePickler.dumps(_metadata_only(gm), _PICKLE_OPTIONS)
-    finally:
-        _local_index.reset(token)
+    with canonical_device(gm):
+        return _PortablePickler.dumps(metadata_only(gm), _PICKLE_OPTIONS)
 
 
 def shape_env_of(inputs: list) -> ShapeEnv | None:
@@ -475,6 +495,23 @@ def loads(payload: bytes, hints: Mapping[str, int | float] | None = None) -> tor
                 f"{node.meta[_OP_SCHEMA]!r}, worker {schema!r}"
             )
     return gm
+
+
+def loads_graph_only(
+    payload: bytes, hints: Mapping[str, int | float] | None = None
+) -> torch.fx.GraphModule:
+    """`loads`, then the graph rebuilt with only what `metadata_only` keeps (what the graph's
+    descriptor covers: whatever else a payload carries is dropped, never compiled); refuses a
+    payload that rebuilds a ShapeEnv (a static graph's holds none). Runs pickle: sandbox only."""
+    envs: list[ShapeEnv] = []
+    token = _loaded_env.set(envs)
+    try:
+        gm = loads(payload, hints)
+    finally:
+        _loaded_env.reset(token)
+    if envs:
+        raise ValueError("the payload holds a ShapeEnv: its descriptor names a static graph")
+    return metadata_only(gm)
 
 
 def example_inputs(gm: torch.fx.GraphModule) -> list:

@@ -1,10 +1,14 @@
 """The cache key and the job id, computed from content alone.
 
-public key = sha256(key format, payload bytes, canonical target, canonical options). The
-client computes it for Lookup (so the payload is uploaded once, with Compile); the gateway
-recomputes it from the payload before anything is compiled or written, so a key a client
-sends is never trusted for a write. A private key is derived by the gateway from the public
-key and the authenticated tenant: no client can name another tenant's private key.
+public key = sha256(key format, graph, canonical target, canonical options), where the graph
+is its descriptor (compiler/descriptor.py, format v4: a static graph's, written without
+pickling it) or else its payload bytes (format v3). The client computes it for Lookup (so the
+payload is made and uploaded only on a miss, with Compile); the gateway recomputes it from
+the descriptor or payload it receives before anything is compiled or written, so a key a
+client sends is never trusted for a write, and the worker compiles a payload under a
+descriptor's key only once it has found the descriptor to be that payload's. A private key
+is derived by the gateway from the public key and the authenticated tenant: no client can
+name another tenant's private key.
 
 The payload holds the graph, its input metadata and the ShapeEnv without size hints, so the
 same model traced anywhere, at any batch size that keeps its symbols, on any one CUDA device
@@ -28,6 +32,8 @@ from torchfarm.contract.options import canonical_options
 from torchfarm.proto import torchfarm_pb2 as pb
 
 KEY_FORMAT = b"torchfarm-key-v3"  # v3: entries carry ShapeGuards, not guard text (issue 17)
+# v4: the graph by its descriptor (issue 52); v3 keys of those graphs are no longer asked for
+DESCRIPTOR_KEY_FORMAT = b"torchfarm-key-v4"
 _PRIVATE_FORMAT = b"torchfarm-private-key-v1"
 
 
@@ -44,9 +50,13 @@ def _hash(header: bytes, parts: list[bytes]) -> str:
     return h.hexdigest()
 
 
-def public_key(payload: bytes, target: pb.Target, options: pb.Options) -> str:
-    """The shared key of a graph, target and options; ValueError on malformed options."""
-    return _hash(KEY_FORMAT, [payload, _canonical(target), _canonical(canonical_options(options))])
+def public_key(
+    payload: bytes, target: pb.Target, options: pb.Options, descriptor: bytes = b""
+) -> str:
+    """The shared key of a graph (its `descriptor` if it has one, else its payload), target
+    and options; ValueError on malformed options."""
+    header, graph = (DESCRIPTOR_KEY_FORMAT, descriptor) if descriptor else (KEY_FORMAT, payload)
+    return _hash(header, [graph, _canonical(target), _canonical(canonical_options(options))])
 
 
 def private_key(key: str, tenant: str) -> str:
@@ -55,10 +65,14 @@ def private_key(key: str, tenant: str) -> str:
 
 
 def cache_key(
-    payload: bytes, target: pb.Target, options: pb.Options, private_to: str | None = None
+    payload: bytes,
+    target: pb.Target,
+    options: pb.Options,
+    private_to: str | None = None,
+    descriptor: bytes = b"",
 ) -> str:
     """The key of a request; `private_to` (a tenant) makes it that tenant's alone."""
-    key = public_key(payload, target, options)
+    key = public_key(payload, target, options, descriptor)
     return key if private_to is None else private_key(key, private_to)
 
 
@@ -95,12 +109,17 @@ def key_values(target: pb.Target, options: pb.Options) -> dict[str, str]:
 
 
 def key_parts(
-    payload: bytes, target: pb.Target, options: pb.Options, structure: str = ""
+    payload: bytes,
+    target: pb.Target,
+    options: pb.Options,
+    structure: str = "",
+    descriptor: bytes = b"",
 ) -> dict[str, str]:
-    """What the public key is made of, part -> sha256: the graph payload, each target field,
-    the mode, the config patches and each trace-state field; plus the graph's `structure`
-    digest when given (it identifies the program, it is not part of the key)."""
-    parts = {"graph": hashlib.sha256(payload).hexdigest()}
+    """What the public key is made of, part -> sha256: the graph (its descriptor, else its
+    payload), each target field, the mode, the config patches and each trace-state field;
+    plus the graph's `structure` digest when given (it identifies the program, it is not
+    part of the key)."""
+    parts = {"graph": hashlib.sha256(descriptor or payload).hexdigest()}
     if structure:
         parts[STRUCTURE] = structure
     parts["options.config_patches"] = hashlib.sha256(
@@ -111,10 +130,18 @@ def key_parts(
     return parts
 
 
-def job_id(key: str, size_hints: Mapping[str, int], float_hints: Mapping[str, float]) -> str:
+def job_id(
+    key: str,
+    size_hints: Mapping[str, int],
+    float_hints: Mapping[str, float],
+    payload: bytes = b"",
+) -> str:
     """One compile: the key plus one trace's size hints (an entry's guards come from them) and
-    lifted floats' values."""
+    lifted floats' values; for a descriptor's key, the payload too (a payload that is not
+    the descriptor's graph fails alone: no other client waits on its job or is answered by
+    its remembered failure)."""
     hints = json.dumps(
         sorted(size_hints.items()) + sorted(float_hints.items()), separators=(",", ":")
     )
-    return hashlib.sha256(f"{key}\0{hints}".encode()).hexdigest()
+    graph = f"\0{hashlib.sha256(payload).hexdigest()}" if payload else ""
+    return hashlib.sha256(f"{key}\0{hints}{graph}".encode()).hexdigest()

@@ -225,11 +225,21 @@ class Coordinator:
         request, tenant = call.request, call.tenant
         started = time.monotonic()
         key = cache_key(
-            request.graph, request.target, call.options, tenant if request.private else None
+            request.graph,
+            request.target,
+            call.options,
+            tenant if request.private else None,
+            request.descriptor,
         )
         job = pb.Job(
             key=key,
-            job_id=job_id(key, request.size_hints, request.float_hints),
+            job_id=job_id(
+                key,
+                request.size_hints,
+                request.float_hints,
+                request.graph if request.descriptor else b"",
+            ),
+            descriptor=request.descriptor,
             target=request.target,
             options=call.options,
             size_hints=request.size_hints,

@@ -31,7 +31,7 @@ from torchfarm.cache.admin import CacheAdmin
 from torchfarm.cache.artifacts import VerifiedBlobs
 from torchfarm.cache.pools import PoolState
 from torchfarm.cache.store import Store
-from torchfarm.contract.options import canonical_options
+from torchfarm.contract.options import INDUCTOR, canonical_options, compiler_of
 from torchfarm.errors import WrongBlobStore
 from torchfarm.gateway import auth, metrics
 from torchfarm.gateway.admission import MessageDeadlines, StreamSlots, StreamsWithoutToken
@@ -270,13 +270,14 @@ class FarmServicer(pb_grpc.FarmServicer):
     def _validate(self, request: pb.CompileRequest, context) -> pb.Options:
         if not request.graph:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty graph payload")
-        if len(request.graph) > self.settings.max_payload_bytes:
-            _abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"graph payload {len(request.graph)} bytes exceeds the limit of "
-                f"{self.settings.max_payload_bytes}",
-            )
+        for name, field in (("graph payload", request.graph), ("descriptor", request.descriptor)):
+            if len(field) > self.settings.max_payload_bytes:
+                _abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{name} {len(field)} bytes exceeds the limit of "
+                    f"{self.settings.max_payload_bytes}",
+                )
         if request.target.device not in ("cpu", "cuda") or not request.target.torch_version:
             _abort(
                 context,
@@ -302,6 +303,13 @@ class FarmServicer(pb_grpc.FarmServicer):
             )
         if request.digest and not _DIGEST.fullmatch(request.digest):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "digest: 64 lowercase hex digits")
+        if request.descriptor and compiler_of(request.options) != INDUCTOR:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "descriptor: only Inductor's graphs have one (compiler "
+                f"{compiler_of(request.options)!r})",
+            )
         try:
             return canonical_options(request.options)
         except ValueError as e:

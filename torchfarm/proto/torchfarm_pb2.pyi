@@ -205,6 +205,7 @@ class CompileRequest(_message.Message):
     DIGEST_FIELD_NUMBER: _builtins.int
     PRIVATE_FIELD_NUMBER: _builtins.int
     FLOAT_HINTS_FIELD_NUMBER: _builtins.int
+    DESCRIPTOR_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """serialized FX graph, FakeTensor metadata only (hostile until proven otherwise)"""
     label: _builtins.str
@@ -214,6 +215,11 @@ class CompileRequest(_message.Message):
     private: _builtins.bool
     """(its guards hold here); empty: an unguarded entry, else compile
     the tenant's own entries: keyed to the tenant, so no other tenant
+    """
+    descriptor: _builtins.bytes
+    """The graph's descriptor (compiler/descriptor.py; hostile until proven otherwise): when
+    set, the key hashes it instead of `graph` (key format v4), and the worker compiles
+    `graph` only if its descriptor is these bytes
     """
     @_builtins.property
     def target(self) -> Global___Target: ...
@@ -240,10 +246,11 @@ class CompileRequest(_message.Message):
         digest: _builtins.str = ...,
         private: _builtins.bool = ...,
         float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        descriptor: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "float_hints", b"float_hints", "graph", b"graph", "label", b"label", "options", b"options", "private", b"private", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "digest", b"digest", "float_hints", b"float_hints", "graph", b"graph", "label", b"label", "options", b"options", "private", b"private", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2065,16 +2072,19 @@ class Job(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     QUEUED_AT_FIELD_NUMBER: _builtins.int
     FLOAT_HINTS_FIELD_NUMBER: _builtins.int
+    DESCRIPTOR_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """the cache key the gateway computed (never a client's)"""
     job_id: _builtins.str
-    """torchfarm.contract.cache_key.job_id(key, hints)"""
+    """torchfarm.contract.cache_key.job_id(key, hints[, payload])"""
     tenant: _builtins.str
     private: _builtins.bool
     label: _builtins.str
     request_id: _builtins.str
     queued_at: _builtins.float
     """Unix time the gateway queued it (MissTimings.queued_s)"""
+    descriptor: _builtins.bytes
+    """the CompileRequest's, which the key hashes if set"""
     @_builtins.property
     def target(self) -> Global___Target: ...
     @_builtins.property
@@ -2099,10 +2109,11 @@ class Job(_message.Message):
         request_id: _builtins.str = ...,
         queued_at: _builtins.float = ...,
         float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        descriptor: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["float_hints", b"float_hints", "job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "queued_at", b"queued_at", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "float_hints", b"float_hints", "job_id", b"job_id", "key", b"key", "label", b"label", "options", b"options", "private", b"private", "queued_at", b"queued_at", "request_id", b"request_id", "size_hints", b"size_hints", "target", b"target", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2454,6 +2465,7 @@ class CompileChildRequest(_message.Message):
     KERNEL_CACHE_FIELD_NUMBER: _builtins.int
     KERNEL_SOURCES_FIELD_NUMBER: _builtins.int
     FLOAT_HINTS_FIELD_NUMBER: _builtins.int
+    DESCRIPTOR_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """the CompileRequest's graph (hostile until proven otherwise)"""
     kernel_cache: _builtins.bool
@@ -2465,6 +2477,8 @@ class CompileChildRequest(_message.Message):
     """A shared job: the child reports the sources of the C++ libraries it built, which the pool
     may build in a builder of its own (workers/kernel_builder.py).
     """
+    descriptor: _builtins.bytes
+    """the Job's: if set, the graph must have it (else refused)"""
     @_builtins.property
     def target(self) -> Global___Target: ...
     @_builtins.property
@@ -2488,10 +2502,11 @@ class CompileChildRequest(_message.Message):
         kernel_cache: _builtins.bool = ...,
         kernel_sources: _builtins.bool = ...,
         float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        descriptor: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["float_hints", b"float_hints", "graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "float_hints", b"float_hints", "graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -431,7 +431,10 @@ def _compile(
     """Compile the request with its compiler; its backward by `helper`, where given."""
     for module in request.op_libraries:
         importlib.import_module(module)
-    compiler = compilers.load(compiler_of(request.options), compilers.parse(args.compilers))
+    name = compiler_of(request.options)
+    if request.descriptor and name != INDUCTOR:  # only Inductor's checks the descriptor
+        raise ValueError(f"a graph descriptor is for Inductor's graphs, not compiler {name!r}")
+    compiler = compilers.load(name, compilers.parse(args.compilers))
     context = compilers.CompileContext(
         on_stage=_on_stage, tuning_gpus=tuple(g for g in args.tuning_gpus.split(",") if g)
     )

@@ -63,7 +63,7 @@ def signer(path: str) -> signing.Signer:
 def graph_key(job: pb.Job, payload: bytes) -> str:
     """The public key of the payload this worker compiled, recomputed here (what the entry's
     signature names): a Job forged on the broker cannot get another graph's key signed."""
-    graph = public_key(payload, job.target, job.options)
+    graph = public_key(payload, job.target, job.options, job.descriptor)
     expected = private_key(graph, job.tenant) if job.private else graph
     if job.key != expected:
         raise ValueError(f"the job's key {job.key[:16]} is not its payload's ({expected[:16]})")
@@ -76,5 +76,5 @@ def _record_key_parts(meta: pb.EntryMeta, job: pb.Job, payload: bytes, structure
     child: it only groups entries, so a malformed one is left out."""
     if not _DIGEST.fullmatch(structure):
         structure = ""
-    meta.key_parts.update(key_parts(payload, job.target, job.options, structure))
+    meta.key_parts.update(key_parts(payload, job.target, job.options, structure, job.descriptor))
     meta.key_values.update(key_values(job.target, job.options))

@@ -139,6 +139,7 @@ class CompileRun:
             job.options,
             dict(job.size_hints),
             dict(job.float_hints),
+            descriptor=job.descriptor,
             on_stage=lambda stage: jobs.set_stage(job.job_id, stage),
             abandoned=lambda: jobs.abandoned(job.job_id),
             kernels_from=staged.dirs if staged else (),

@@ -509,6 +509,7 @@ class ChildSpec:
     options: pb.Options
     size_hints: Mapping[str, int] = dataclasses.field(default_factory=dict)
     float_hints: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    descriptor: bytes = b""  # the Job's: the child compiles the payload only if it has it
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None = None
     abandoned: Callable[[], bool] | None = None
     timeout_s: float | None = None
@@ -523,6 +524,7 @@ class ChildSpec:
             options=self.options,
             size_hints=self.size_hints,
             float_hints=self.float_hints,
+            descriptor=self.descriptor,
             op_libraries=_op_libraries(settings),
             kernel_cache=self.report_built,
             kernel_sources=self.report_sources,

@@ -270,7 +270,7 @@ def test_a_payload_is_what_graphpickler_gives_when_it_generates_the_code_again()
         return (x @ w).view(-1, 2).t().relu() * x.shape[0]
 
     captured = _capture(lambda x: f(x, torch.ones(4, 4)), torch.randn(3, 4), dynamic=True)
-    copy = serialize._metadata_only(captured["gm"])
+    copy = serialize.metadata_only(captured["gm"])
     regenerated = torch.fx.GraphModule(torch.nn.Module(), copy.graph)  # GraphPickler recompiles
     assert type(regenerated).recompile is torch.fx.GraphModule.recompile
     payload = serialize._PortablePickler.dumps(regenerated, serialize._PICKLE_OPTIONS)
