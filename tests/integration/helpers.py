@@ -102,10 +102,11 @@ def run_python(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[
             return returncode, f_out.read(), f_err.read()
 
 
-def direct_request(model, *inputs, mode: str = "default"):
+def direct_request(model, *inputs, mode: str = "default", described: bool = False):
     """A CompileRequest for `model`'s Dynamo graph, for calls to the gateway without the
-    backend (it compiles nothing locally)."""
-    from torchfarm.compiler import serialize
+    backend (it compiles nothing locally); `described`: with its descriptor, as the
+    backend sends a static graph's."""
+    from torchfarm.compiler import descriptor, serialize
     from torchfarm.compiler.target import local_target
     from torchfarm.proto import torchfarm_pb2 as pb
 
@@ -113,11 +114,15 @@ def direct_request(model, *inputs, mode: str = "default"):
 
     def capture(gm, example_inputs):
         captured["graph"] = serialize.dumps(gm)
+        captured["descriptor"] = descriptor.describe(gm) if described else b""
         return gm.forward
 
     torch.compile(model, backend=capture)(*inputs)
     return pb.CompileRequest(
-        graph=captured["graph"], target=local_target(), options=pb.Options(mode=mode)
+        graph=captured["graph"],
+        descriptor=captured["descriptor"],
+        target=local_target(),
+        options=pb.Options(mode=mode),
     )
 
 

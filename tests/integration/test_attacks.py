@@ -182,6 +182,32 @@ def test_malformed_payloads_get_precise_errors(farm):
     assert events[-1].WhichOneof("event") == "chunk"
 
 
+def test_a_payload_is_never_stored_under_another_graphs_descriptor(farm, store):
+    """The key of a static graph hashes its descriptor, not its payload: a client sending
+    graph A's descriptor with graph B's payload is refused by the worker's child, which
+    finds B's descriptor in the payload, and nothing is stored under A's key. A's own
+    request then compiles (the refusal is not remembered as A's failure)."""
+    inputs = torch.randn(2, 5)
+    honest = direct_request(torch.nn.Sequential(torch.nn.Linear(5, 3)), inputs, described=True)
+    other = direct_request(
+        torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Sigmoid()), inputs, described=True
+    )
+    assert honest.descriptor and other.descriptor and honest.descriptor != other.descriptor
+    key = cache_key(honest.graph, honest.target, honest.options, descriptor=honest.descriptor)
+    forged = pb.CompileRequest()
+    forged.CopyFrom(other)
+    forged.descriptor = honest.descriptor
+    with pytest.raises(grpc.RpcError) as e:
+        _compile(farm, forged)
+    assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
+    assert "not the graph its descriptor names" in e.value.details()
+    assert not store.artifacts.entries(key)
+    served = _header(_compile(farm, honest))
+    assert (served.key, served.source) == (key, "miss")
+    assert [e.public_key for e in store.artifacts.entries(key)] == [key]
+    assert _header(_compile(farm, other)).key != key
+
+
 def test_admin_rpcs_need_an_admin_token(farm, store):
     def admin(method: str, request, token: str | None):
         with grpc.insecure_channel(farm.addr) as channel:

@@ -265,8 +265,11 @@ class _Generated(torch.fx.GraphModule):
         return None if "_code" in self.__dict__ else super().recompile()
 
 
-def metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph with only the metadata the compiler needs; subgraphs (torch.cond branches,
+def metadata_only(
+    gm: torch.fx.GraphModule, module: type[torch.fx.GraphModule] = _Generated
+) -> torch.fx.GraphModule:
+    """The graph with only the metadata the compiler needs, as a `module` (the payload's
+    generates its code once: `_Generated`); subgraphs (torch.cond branches,
     autograd.Function forward/backward) come along the same way, anything else read with
     get_attr (weights) is refused."""
     graph = torch.fx.Graph()
@@ -280,7 +283,7 @@ def metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     f"graph reads {type(value).__name__} {node.target!r} with "
                     "get_attr; the farm needs parameters lifted to inputs"
                 )
-            _set_attribute(root, node.target, metadata_only(value))
+            _set_attribute(root, node.target, metadata_only(value, module))
         new = graph.node_copy(node, lambda n: env[n])
         arguments = canonical_arguments(new)
         if arguments is not None:  # else left as copied: an assignment updates their users
@@ -292,7 +295,7 @@ def metadata_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if schema is not None:
             new.meta[_OP_SCHEMA] = schema
         env[node] = new
-    return _Generated(root, graph)
+    return module(root, graph)
 
 
 def is_static_input(node: torch.fx.Node) -> bool:
@@ -511,7 +514,7 @@ def loads_graph_only(
         _loaded_env.reset(token)
     if envs:
         raise ValueError("the payload holds a ShapeEnv: its descriptor names a static graph")
-    return metadata_only(gm)
+    return metadata_only(gm, torch.fx.GraphModule)
 
 
 def example_inputs(gm: torch.fx.GraphModule) -> list:
