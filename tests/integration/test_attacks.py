@@ -202,6 +202,10 @@ def test_a_payload_is_never_stored_under_another_graphs_descriptor(farm, store):
     assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
     assert "not the graph its descriptor names" in e.value.details()
     assert not store.artifacts.entries(key)
+    forged.options.compiler = "aoti"  # a compiler that would not check the descriptor
+    with pytest.raises(grpc.RpcError) as e:
+        _compile(farm, forged)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     served = _header(_compile(farm, honest))
     assert (served.key, served.source) == (key, "miss")
     assert [e.public_key for e in store.artifacts.entries(key)] == [key]
