@@ -9,9 +9,9 @@ graph's key.
 It covers what `serialize.metadata_only` keeps: every node (op, name, target, arguments with
 the CUDA index made canonical as in the payload, type), its example value (a FakeTensor's
 metadata as torch's MetaTensorDesc describes it: sizes, strides, offset, dtype, device,
-layout, grad and view flags, its view base, its storage's size and which tensors share it,
-Dynamo's dynamic marks), the static-input marks, custom operators' schemas and subgraphs
-(torch.cond branches). Version 1 writes static graphs only: a symbol anywhere (a ShapeEnv in
+layout, grad and view flags, its view base and how autograd made the view, its storage's
+size and which tensors share it, Dynamo's dynamic marks), the static-input marks, custom
+operators' schemas and subgraphs (torch.cond branches). Version 1 writes static graphs only: a symbol anywhere (a ShapeEnv in
 the payload), or any value it cannot write exactly, raises `Unsupported`, and the graph keeps
 its payload's hash as its key (format v3).
 """
@@ -29,6 +29,7 @@ from torchfarm.compiler import serialize
 from torchfarm.errors import TorchfarmError
 from torchfarm.torch_adapter.trace import graph_pickler
 from torchfarm.torch_adapter.trace.descriptor_facts import (
+    creation_meta,
     dynamic_marks,
     is_operator,
     storage_id,
@@ -121,7 +122,7 @@ class _Writer:
             dynamic_marks(t),
         )
         base = view_base(t)
-        view = "" if base is None else f",base={self.value(base)}"
+        view = "" if base is None else f",base={self.value(base)},{creation_meta(t)}"
         return f"T{number}<{self.value(facts)}{view}>"
 
     def target(self, target: object) -> str:
