@@ -11,9 +11,9 @@ the CUDA index made canonical as in the payload, type), its example value (a Fak
 metadata as torch's MetaTensorDesc describes it: sizes, strides, offset, dtype, device,
 layout, grad and view flags, its view base and how autograd made the view, its storage's
 size and which tensors share it, Dynamo's dynamic marks), the static-input marks, custom
-operators' schemas and subgraphs (torch.cond branches). Version 1 writes static graphs only: a symbol anywhere (a ShapeEnv in
-the payload), or any value it cannot write exactly, raises `Unsupported`, and the graph keeps
-its payload's hash as its key (format v3).
+operators' schemas and subgraphs (torch.cond branches). Version 1 writes static graphs
+only: a symbol anywhere (a ShapeEnv in the payload), or any value it cannot write exactly,
+raises `Unsupported`, and the graph keeps its payload's hash as its key (format v3).
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ class _Writer:
 
     def value(self, v: Any) -> str:
         kind = type(v)
+        if kind is torch.fx.Node:
+            return f"%{v.name}"
         atom = _ATOMS.get(kind)
         if atom is not None:
             return f"{atom}{v!r}"
-        if kind is torch.fx.Node:
-            return f"%{v.name}"
         if kind in _SEQUENCES:
             return f"{kind.__name__}({','.join(self.value(x) for x in v)})"
         if kind in _MAPPINGS:
@@ -103,27 +103,26 @@ class _Writer:
         self.kept.append(storage)
         storage_number = self.storages.setdefault(storage_id(storage), len(self.storages))
         memo = getattr(t, "item_memo", None)
-        if isinstance(memo, (torch.SymInt, torch.SymFloat)):
-            raise Unsupported("a lifted float (a symbol)")
-        facts = (
-            t.dtype,
-            t.device,
-            tuple(t.size()),
-            t.stride(),
-            t.storage_offset(),
-            storage_number,
-            storage.size(),
+        sizes = (*t.size(), *t.stride(), t.storage_offset(), storage.size())
+        if isinstance(memo, (torch.SymInt, torch.SymFloat)) or any(
+            type(n) is not int for n in sizes
+        ):
+            raise Unsupported("a symbolic size or value")
+        flags = (
             t.requires_grad,
             t.is_leaf,
             t.is_inference(),
             t.is_conj(),
             t.is_neg(),
             isinstance(t, torch.nn.Parameter),
-            dynamic_marks(t),
+        )
+        facts = (
+            f"{t.dtype},{self.value(t.device)},{t.dim()},{sizes},{storage_number},"
+            f"{''.join('1' if f else '0' for f in flags)},{dynamic_marks(t)}"
         )
         base = view_base(t)
         view = "" if base is None else f",base={self.value(base)},{creation_meta(t)}"
-        return f"T{number}<{self.value(facts)}{view}>"
+        return f"T{number}<{facts}{view}>"
 
     def target(self, target: object) -> str:
         if isinstance(target, str):

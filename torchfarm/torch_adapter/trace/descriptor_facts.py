@@ -33,9 +33,10 @@ def storage_id(storage: torch.UntypedStorage) -> int:
 
 def dynamic_marks(t: torch.Tensor) -> tuple:
     """Dynamo's marks on the tensor (dims marked dynamic, hint overrides): in the payload."""
+    overrides = getattr(t, "_dynamo_hint_overrides", None)
     return (
         tuple(getattr(t, "_dynamo_dynamic_indices", ())),
-        tuple(sorted(getattr(t, "_dynamo_hint_overrides", {}).items())),
+        tuple(sorted(overrides.items())) if overrides else (),
     )
 
 
