@@ -23,7 +23,7 @@ from torchfarm.cache.artifacts import digest_of
 from torchfarm.cache.store import entry_dict
 from torchfarm.cli import app
 from torchfarm.client import backend, records
-from torchfarm.compiler import serialize, trace_state
+from torchfarm.compiler import descriptor, serialize, trace_state
 from torchfarm.compiler.inductor import ARTIFACT_FORMAT
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.cache_key import public_key
@@ -58,7 +58,8 @@ def _graph_key(model: torch.nn.Module, x: torch.Tensor) -> str:
 
     def capture(gm, example_inputs):
         options = pb.Options(mode="default", state=trace_state.capture())
-        keys.append(public_key(serialize.dumps(gm), local_target("cpu"), options))
+        described = descriptor.describe(gm)  # a static graph's key hashes its descriptor
+        keys.append(public_key(serialize.dumps(gm), local_target("cpu"), options, described))
         return gm.forward
 
     with torch.no_grad():
