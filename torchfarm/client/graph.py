@@ -74,16 +74,19 @@ class FarmGraph:
         """What to ask the farm, built on Dynamo's thread (pickling reads its ShapeEnv, and
         the program's positions follow Dynamo's order); for this process's target, shown to
         `request_observers`, unless `target` is given (client/prepare.py). A static graph is
-        keyed by its descriptor, and its payload made on a miss only (at once where an
-        observer keeps the request); any other is keyed by its payload."""
+        keyed by its descriptor, any other by its payload."""
         try:
             described = descriptor.describe(self.gm)
         except descriptor.Unsupported as e:
             log.debug("%s: keyed by its payload (%s)", self.label, e)
             described = b""
-        observed = target is None and bool(request_observers)
+        # The payload is made here, on Dynamo's thread, hit or miss: GraphPickler registers
+        # `slice` as a pytree node while it pickles, and made on a pool thread that raced
+        # Dynamo's guards on another frame (`len(SUPPORTED_NODES)`: "Guard failed on the
+        # same frame it was created", into user code; CI of c5ad892). Until the payload
+        # pickles without touching pytree's registry, a hit pays it (issue 52).
         self.request = pb.CompileRequest(
-            graph=serialize.dumps(self.gm) if observed or not described else b"",
+            graph=serialize.dumps(self.gm),
             descriptor=described,
             target=target or local_target(self.device),
             options=self.options,
