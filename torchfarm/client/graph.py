@@ -104,14 +104,7 @@ class FarmGraph:
             "payload_s": payload_s,
             "key_s": time.monotonic() - self.started - payload_s,
         }
-        return Question(self.request, ask, self.inputs, self.timings, self._payload)
-
-    def _payload(self) -> bytes:
-        """The payload, made on a miss (its time: miss_payload_s)."""
-        started = time.monotonic()
-        payload = serialize.dumps(self.gm)
-        self.timings["miss_payload_s"] = time.monotonic() - started
-        return payload
+        return Question(self.request, ask, self.inputs, self.timings)
 
     def _ask(self, request: pb.CompileRequest) -> pb.Ask:
         """The Get ask: its key (computed here, as the gateway computes it), the sizes of the
