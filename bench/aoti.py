@@ -219,7 +219,7 @@ def main() -> None:
             ratios = {"model": name, "row": "ratios"}
             local = rows.get("local", {})
             for row in ("farm miss", "farm hit", "farm sent"):
-                if "package_s" in rows.get(row, {}) and "package_s" in local:
+                if "step_ms" in rows.get(row, {}) and "step_ms" in local:  # both loaded
                     ratios[f"{row} / local"] = round(rows[row]["package_s"] / local["package_s"], 3)
                     ratios[f"{row} step / local step"] = round(
                         rows[row]["step_ms"] / local["step_ms"], 3
