@@ -1,5 +1,6 @@
 """A graph's artifact from the farm: prefetched, else one Get; verified before anything of it
-is used. Network and protobuf only, so it runs on a pool thread (client/pool.py)."""
+is used. Network and protobuf only, so it runs on a pool thread (client/pool.py), but for a
+static graph's payload made on a miss (no ShapeEnv in it: client/graph.py)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,16 @@ class Fetched(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """What the farm is asked for one graph: its Ask, the payload sent only on a miss, the
-    inputs its guards must hold on, and what building them cost (payload_s, key_s)."""
+    """What the farm is asked for one graph: its Ask, the request sent only on a miss, the
+    inputs its guards must hold on, and what building them cost (payload_s, key_s). A
+    request keyed by its descriptor may come without its payload: `payload` makes it, on a
+    miss only."""
 
     request: pb.CompileRequest
     ask: pb.Ask
     inputs: list
     before: dict[str, float]
+    payload: Callable[[], bytes] | None = None
 
 
 def fetch(
@@ -74,7 +78,7 @@ def fetch(
         listeners = remote.Listeners(
             request_id, on_progress, functools.partial(_prefetch, settings)
         )
-        received = remote.get(ask, request, settings, listeners)
+        received = remote.get(ask, request, settings, listeners, question.payload)
     finally:
         progress.close()
     explanation = ""

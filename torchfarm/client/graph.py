@@ -74,19 +74,18 @@ class FarmGraph:
         """What to ask the farm, built on Dynamo's thread (pickling reads its ShapeEnv, and
         the program's positions follow Dynamo's order); for this process's target, shown to
         `request_observers`, unless `target` is given (client/prepare.py). A static graph is
-        keyed by its descriptor, any other by its payload."""
+        keyed by its descriptor, and its payload made on a miss only (at once where an
+        observer keeps the request) by the fetch, which may run on a pool thread beside
+        Dynamo: its pickler writes no process-wide state Dynamo guards on
+        (torch_adapter/trace/graph_pickler.py); any other is keyed by its payload."""
         try:
             described = descriptor.describe(self.gm)
         except descriptor.Unsupported as e:
             log.debug("%s: keyed by its payload (%s)", self.label, e)
             described = b""
-        # The payload is made here, on Dynamo's thread, hit or miss: GraphPickler registers
-        # `slice` as a pytree node while it pickles, and made on a pool thread that raced
-        # Dynamo's guards on another frame (`len(SUPPORTED_NODES)`: "Guard failed on the
-        # same frame it was created", into user code; CI of c5ad892). Until the payload
-        # pickles without touching pytree's registry, a hit pays it (issue 52).
+        observed = target is None and bool(request_observers)
         self.request = pb.CompileRequest(
-            graph=serialize.dumps(self.gm),
+            graph=serialize.dumps(self.gm) if observed or not described else b"",
             descriptor=described,
             target=target or local_target(self.device),
             options=self.options,
@@ -104,7 +103,14 @@ class FarmGraph:
             "payload_s": payload_s,
             "key_s": time.monotonic() - self.started - payload_s,
         }
-        return Question(self.request, ask, self.inputs, self.timings)
+        return Question(self.request, ask, self.inputs, self.timings, self._payload)
+
+    def _payload(self) -> bytes:
+        """The payload, made on a miss (its time: miss_payload_s)."""
+        started = time.monotonic()
+        payload = serialize.dumps(self.gm)
+        self.timings["miss_payload_s"] = time.monotonic() - started
+        return payload
 
     def _ask(self, request: pb.CompileRequest) -> pb.Ask:
         """The Get ask: its key (computed here, as the gateway computes it), the sizes of the

@@ -288,24 +288,27 @@ def get(
     request: pb.CompileRequest | None,
     settings: ClientSettings,
     listeners: Listeners = Listeners(),
+    payload: Callable[[], bytes] | None = None,
 ) -> Received:
-    """One graph in one call: `ask` first; `request` (the payload) only if the farm answers
-    `missing` (None: a miss ends the call, FarmError)."""
+    """One graph in one call: `ask` first; `request` (the payload, made by `payload` where
+    it has none yet) only if the farm answers `missing` (None: a miss ends the call,
+    FarmError)."""
     stub = _stub(settings)
+    compile_request = None if request is None else functools.partial(_completed, request, payload)
     return _failing_over(
-        settings, functools.partial(_get_once, stub, ask, request, settings, listeners)
+        settings, functools.partial(_get_once, stub, ask, compile_request, settings, listeners)
     )
 
 
 def _get_once(
     stub: pb_grpc.FarmStub,
     ask: pb.Ask,
-    request: pb.CompileRequest | None,
+    request: Callable[[], pb.CompileRequest] | None,
     settings: ClientSettings,
     listeners: Listeners,
 ) -> Received:
     """A small hit in one unary Hit call; else Get: after Hit's `missing`, with the ask and
-    the payload sent together."""
+    the payload (`request()`) sent together."""
     missed = None
     if settings.addr not in _without_hit:
         started = time.monotonic()
@@ -323,8 +326,8 @@ def _get_once(
             missed = reply.missing
     outbox: queue.SimpleQueue[pb.GetRequest | None] = queue.SimpleQueue()
     outbox.put(pb.GetRequest(ask=ask))
-    if missed is not None:  # the payload with the ask: the gateway reads it after `missing`
-        outbox.put(pb.GetRequest(compile=request))
+    if missed is not None and request is not None:  # the payload with the ask: the gateway
+        outbox.put(pb.GetRequest(compile=request()))  # reads it after `missing`
 
     def requests() -> Iterator[pb.GetRequest]:
         while (message := outbox.get()) is not None:
@@ -336,7 +339,7 @@ def _get_once(
         if missed is None:
             missing.append(event)
             if request is not None:
-                outbox.put(pb.GetRequest(compile=request))
+                outbox.put(pb.GetRequest(compile=request()))
         if request is not None and listeners.on_progress:  # the compile is on its way to a queue
             listeners.on_progress(pb.Progress(stage=pb.Progress.QUEUED))
         outbox.put(None)
@@ -356,6 +359,15 @@ def _get_once(
     finally:
         outbox.put(None)  # a hit: the request stream ends with the ask
     return dataclasses.replace(received, missing=missing[0] if missing else None)
+
+
+def _completed(
+    request: pb.CompileRequest, payload: Callable[[], bytes] | None
+) -> pb.CompileRequest:
+    """The request with its payload, made here (a miss) if it has none yet."""
+    if payload is not None and not request.graph:
+        request.graph = payload()
+    return request
 
 
 def verified_artifact(received: Received, key: str, trusted: signing.Verifier) -> pb.Artifact:
