@@ -1,5 +1,6 @@
 """A small encoder whose modules call TorchScript functions (as older transformers encoders
-did): Dynamo guards the ScriptFunction globals, which the skip cannot save (issue 49)."""
+did): Dynamo guards the ScriptFunction globals' types, which the skip saves by name (issue 49;
+torch_adapter/trace/script_functions.py)."""
 
 import torch
 from torch import nn

@@ -16,7 +16,8 @@ The farm variants keep the process's own empty local cache (TORCHINDUCTOR_CACHE_
 
 Per variant: the exception that stopped it (if any), steps whose loss, output or gradients
 left eager's tolerance, Dynamo's graphs (counters["stats"]["unique_graphs"]: every frame
-traced, restored ones excluded) and recompiles (guard failures that made Dynamo compile a frame
+traced, restored ones excluded; `first_step_graphs`: those of the first training step) and
+recompiles (guard failures that made Dynamo compile a frame
 again), the steady training step (median of steps 5-12), the farm's graph sources, what
 became of the package, and the time spent in torchfarm's identity-check guard
 (dynamo_package.LateChecks.__call__, timed from outside).
@@ -192,6 +193,8 @@ def run_loops(built: models.Built, fn, references: list[dict], limits: dict | No
         step_ms.append(wall)
         cpu_ms.append(cpu)
         check("train", step, [loss.detach().clone(), out.detach().clone(), *grads])
+        if step == 0:  # the skip hit: a restored package traces nothing here
+            first_step_graphs = dynamo_counts()["graphs"]
     for step in range(TRAIN_STEPS, TRAIN_STEPS + ROUNDS):  # timed only: no reference
         *_, wall, cpu = train_step(built, fn, optimizer, step % TRAIN_STEPS)
         step_ms.append(wall)
@@ -213,6 +216,7 @@ def run_loops(built: models.Built, fn, references: list[dict], limits: dict | No
         # the thread's CPU time, median of steps 5-12 and the ROUNDS timed ones
         "steady_cpu_ms": round(statistics.median(cpu_ms[STEADY.start :]), 3),
         "first_step_s": round(step_ms[0] / 1e3, 2),
+        "first_step_graphs": first_step_graphs,
         "infer_ms": round(statistics.median(infer_ms[1:]), 3),
     }
 

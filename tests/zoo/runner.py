@@ -69,9 +69,10 @@ def run_model(farm, name: str, token: str) -> dict:
 def problems(result: dict, entry: str) -> list[str]:
     """What is wrong with one entry point's rows of a model (both processes): an exception, a
     step off eager and off inductor's, a graph or recompile beyond inductor's in the same
-    process. Empty when the rows are clean. Printed, not failures: a graph compiled locally
-    because the farm could not take it (`local`: the program runs as under torch.compile),
-    and inductor's own steps off eager (`ind off`)."""
+    process; in the process that restores, a package left out or a first step that traced
+    (the skip hit paid Dynamo's tracing). Empty when the rows are clean. Printed, not
+    failures: a graph compiled locally because the farm could not take it (`local`: the
+    program runs as under torch.compile), and inductor's own steps off eager (`ind off`)."""
     found = []
     for process in PROCESSES:
         run = result[process]
@@ -88,6 +89,14 @@ def problems(result: dict, entry: str) -> list[str]:
             found.append(
                 f"{process}: {entry} stopped: {farm['stopped']} (inductor: "
                 f"{inductor['graphs']}; {farm['recompile_reasons'][:1]})"
+            )
+        skip = _skip_state(farm["package_log"])
+        if process == "second" and skip == "left out":  # every frame traced in each process
+            found.append(f"second: {entry}'s package was left out ({farm['package_log'][-1:]})")
+        if process == "second" and skip == "restored" and farm.get("first_step_graphs"):
+            found.append(
+                f"second: {entry} restored its package and traced {farm['first_step_graphs']} "
+                "graphs in the first step"
             )
         for count in ("graphs", "recompiles"):
             if farm[count] > inductor[count]:
@@ -160,6 +169,7 @@ def rows(results: dict[str, dict]) -> list[dict]:
                         "inductor_off_eager": len(inductor.get("wrong", [])),
                         "max_err": farm.get("max_err"),
                         "graphs": farm["graphs"],
+                        "first_step_graphs": farm.get("first_step_graphs"),
                         "inductor_graphs": inductor["graphs"],
                         "recompiles": farm["recompiles"],
                         "inductor_recompiles": inductor["recompiles"],
@@ -188,8 +198,8 @@ def table(table_rows: list[dict]) -> str:
     """The printed table: one line per row, then the steady-step ratios' median."""
     head = (
         f"{'model':<20}{'entry':<7}{'proc':<7}{'exc':>4}{'wrong':>6}{'ind off':>8}{'graphs':>8}"
-        f"{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'aba':>6}{'abba':>6}"
-        f"{'guard us':>9}"
+        f"{'1st':>4}{'recomp':>8}{'local':>6}{'farm ms':>9}{'ind ms':>8}{'ratio':>7}{'aba':>6}"
+        f"{'abba':>6}{'guard us':>9}"
         f"  {'skip':<9}torch"
     )
     lines = [head, "-" * len(head)]
@@ -208,6 +218,7 @@ def table(table_rows: list[dict]) -> str:
         lines.append(
             f"{r['model']:<20}{r['entry']:<7}{r['process']:<7}{int(bool(r['exception'])):>4}"
             f"{r['wrong_steps']:>6}{r['inductor_off_eager']:>8}{r['graphs']:>4}/{r['inductor_graphs']:<3}"
+            f"{'-' if r['first_step_graphs'] is None else r['first_step_graphs']:>4}"
             f"{r['recompiles']:>4}/{r['inductor_recompiles']:<3}{r['local']:>6}"
             f"{'-' if r['steady_ms'] is None else format(r['steady_ms'], '.2f'):>9}"
             f"{r['inductor_ms'] or 0:>8.2f}{ratio:>7}{aba:>6}{abba:>6}{guard:>9}"

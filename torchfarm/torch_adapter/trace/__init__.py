@@ -3,6 +3,7 @@
 module           shims                                 used by
 dynamo_package   Dynamo's CompilePackage and guards    client/decorator, client/packages
 identity         Dynamo's ID_MATCH, CLOSURE_MATCH      trace/dynamo_package
+script_functions Dynamo's GuardsStatePickler, Guard    trace/dynamo_package
 named_backend    OptimizeContext.__call__ (wrapped)    client/entry (torch.compile's skip)
 guard_text       ShapeEnv's guard text, SymInt hints   client/*, compiler/guards
 deferrable       Dynamo's ShapeEnv, fake-tensor errors client/backend, client/prepare

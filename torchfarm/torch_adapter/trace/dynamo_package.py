@@ -47,7 +47,7 @@ from torch._guards import Source
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from torchfarm.torch_adapter.gate import release
-from torchfarm.torch_adapter.trace import identity
+from torchfarm.torch_adapter.trace import identity, script_functions
 
 log = logging.getLogger("torchfarm")
 
@@ -157,13 +157,15 @@ class Package(CompilePackage):
         return [True] * len(entries)
 
     def _serialize(self, manager: Any, left_out: set[int], builder: Any, guards: list, graph: Any):
-        """CheckFunctionManager.serialize_guards without the guards the package cannot save.
-        A guard it still cannot save (a ScriptFunction's global: TypeError) leaves the frame
-        out of the package here: Dynamo's own handling, a PackageError, failed the compile
-        with "check_fn.guards_state must not be None" in 2.13."""
+        """CheckFunctionManager.serialize_guards without the guards the package cannot save,
+        and with module-level TorchScript functions saved by name (script_functions.py). A
+        guard it still cannot save (a local class's type, a ScriptFunction no name reaches)
+        leaves the frame out of the package here: Dynamo's own handling, a PackageError,
+        failed the compile with "check_fn.guards_state must not be None" in 2.13."""
         try:
-            kept = [g for g in guards if id(g) not in left_out]
-            return CheckFunctionManager.serialize_guards(manager, builder, kept, graph)
+            kept = [script_functions.savable(g, builder) for g in guards if id(g) not in left_out]
+            with script_functions.saved_by_name():
+                return CheckFunctionManager.serialize_guards(manager, builder, kept, graph)
         except Exception as e:
             if self._current_entry is not None:
                 self._bypass(f"its guards cannot be saved ({type(e).__name__}: {e})")
