@@ -13,7 +13,7 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter.compile import standalone
 
 
-def _compiled_on_the_worker(model, x, dynamic: bool):
+def _compiled_on_the_worker(model, x, dynamic: bool, mode: str = "default"):
     """Dynamo's graph of `model` and the worker's artifact for it."""
     requests = []
 
@@ -26,7 +26,7 @@ def _compiled_on_the_worker(model, x, dynamic: bool):
         torch._dynamo.mark_dynamic(x, 0)  # the batch size alone
     torch.compile(model, backend=capture)(x)
     (gm,) = requests
-    options = pb.Options(mode="default", state=trace_state.capture())
+    options = pb.Options(mode=mode, state=trace_state.capture())
     hints = serialize.size_hints(gm)
     return gm, inductor.compile_payload(serialize.dumps(gm), options, 1, dict(hints))
 
@@ -112,6 +112,23 @@ def test_a_load_writes_only_what_cannot_load_from_memory_and_nothing_twice(
     # Loading it again in this process rewrites nothing.
     inductor.load_artifact(artifact)
     assert _files(empty_cache_dir) == written
+
+
+def test_a_max_autotune_entry_holds_only_what_its_loaded_code_uses(empty_cache_dir):
+    """max-autotune on CPU (issue 52): the entry's C++ libraries are exactly those its forward
+    and backward load (not one built for a benchmark), its kernels those its output code
+    defines, it bundles no Triton kernel, and the hit steps equal to eager."""
+    model, x = build("mlp")
+    gm, artifact = _compiled_on_the_worker(model, x, False, "max-autotune-no-cudagraphs")
+    loaded = inductor.load_artifact(artifact)
+    real = _real_inputs(gm, batch=None)
+    eager, got = _step(gm, real), _step(loaded, real)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b)
+    loaded_objects = {os.path.basename(p) for p in _files(empty_cache_dir) if p.endswith(".so")}
+    assert loaded_objects == {f"{n.source_sha256}.so" for n in artifact.natives}
+    assert len(artifact.natives) == len(artifact.kernels) > 0  # one library per C++ kernel
+    assert b"TritonKernelArtifact" not in artifact.inductor  # an empty bundle pickles no class
 
 
 def test_a_dynamic_training_graph_loads_from_memory_equal_to_eager_at_every_size(
