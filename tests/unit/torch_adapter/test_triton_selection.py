@@ -165,6 +165,17 @@ def test_a_compiled_graph_gets_the_selected_bundle_while_entered(bundled):
     assert graph._triton_bundle is bundled
 
 
+def test_a_bundle_shaped_otherwise_is_kept_whole_not_a_failed_compile(bundled, caplog):
+    odd = TritonBundle(bundled.kernel_artifacts, [StaticallyLaunchedAutotuner("k", NORM, None)])
+    graph = CompiledFxGraph.__new__(CompiledFxGraph)
+    graph.compiled_fn_runner = None
+    graph.source_code = _output_code([NORM])
+    with triton_selection.only_launched():
+        graph.set_triton_bundle(odd)
+    assert graph._triton_bundle is odd
+    assert "kept whole" in caplog.text
+
+
 def test_files_of_unknown_kinds_and_unreadable_groups_are_kept():
     files = {"k.json": b"{}", "k.cubin": b"bin", "k.ptx": b"ptx", "__grp__k.json": b"not json"}
     assert triton_selection.needed_files(files) == {

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -47,6 +48,8 @@ from torch._inductor.triton_bundler import (
     TritonKernelArtifact,
     TritonKernelArtifacts,
 )
+
+log = logging.getLogger("torchfarm.worker")  # it runs in the compile child
 
 # Build stages Triton's NVIDIA backend writes before the binary (3.6: source, ttir, ttgir, llir,
 # ptx, then cubin); a load reads the binary and the JSON only. Other backends' stages are kept.
@@ -123,7 +126,10 @@ def only_launched() -> Iterator[None]:
 
     def set_triton_bundle(self, triton_bundle):
         if isinstance(triton_bundle, TritonBundle):
-            triton_bundle = selected(triton_bundle, self.source_code)
+            try:
+                triton_bundle = selected(triton_bundle, self.source_code)
+            except (AttributeError, TypeError):  # a torch whose bundle is shaped otherwise
+                log.warning("Triton bundle kept whole: cannot select from it", exc_info=True)
         return original(self, triton_bundle)
 
     setattr(CompiledFxGraph, "set_triton_bundle", set_triton_bundle)  # noqa: B010
