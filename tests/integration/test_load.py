@@ -2,6 +2,7 @@
 a static and a dynamic training graph load equal to eager, and a load writes only what
 Inductor's loader cannot take from memory (the output code's module, the C++ libraries)."""
 
+import json
 import os
 
 import pytest
@@ -10,10 +11,10 @@ import torch
 from tests.models import build
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter.compile import standalone
+from torchfarm.torch_adapter.compile import gemm_benchmarks, standalone
 
 
-def _compiled_on_the_worker(model, x, dynamic: bool):
+def _compiled_on_the_worker(model, x, dynamic: bool, mode: str = "default"):
     """Dynamo's graph of `model` and the worker's artifact for it."""
     requests = []
 
@@ -26,7 +27,7 @@ def _compiled_on_the_worker(model, x, dynamic: bool):
         torch._dynamo.mark_dynamic(x, 0)  # the batch size alone
     torch.compile(model, backend=capture)(x)
     (gm,) = requests
-    options = pb.Options(mode="default", state=trace_state.capture())
+    options = pb.Options(mode=mode, state=trace_state.capture())
     hints = serialize.size_hints(gm)
     return gm, inductor.compile_payload(serialize.dumps(gm), options, 1, dict(hints))
 
@@ -112,6 +113,56 @@ def test_a_load_writes_only_what_cannot_load_from_memory_and_nothing_twice(
     # Loading it again in this process rewrites nothing.
     inductor.load_artifact(artifact)
     assert _files(empty_cache_dir) == written
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b).relu()
+
+
+@pytest.mark.parametrize(
+    ("training", "backends"),
+    [(True, "ATEN,CPP"), (False, "CPP")],
+    ids=["benchmarked", "template-only"],
+)
+def test_a_max_autotune_entry_holds_only_the_objects_its_load_uses(tmp_path, training, backends):
+    """max-autotune on CPU (issue 52): the entry ships exactly the C++ libraries its forward
+    and backward load, and the hit runs equal to eager. Training, a bmm's C++ template and ATen
+    candidates are built and benchmarked (with the candidates' libraries the entry was 662 KB,
+    4.3x default mode's); with the C++ template alone, it is rendered into the output code and
+    its library ships."""
+    a = torch.randn(8, 64, 96, requires_grad=training)
+    b = torch.randn(8, 96, 64, requires_grad=training)
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(_Bmm(), backend=lambda gm, _: graphs.append(gm) or gm.forward)(a, b)
+    (gm,) = graphs
+    options = pb.Options(
+        mode="max-autotune-no-cudagraphs",
+        state=trace_state.capture(),
+        config_patches_json=json.dumps({"max_autotune_gemm_backends": backends}),
+    )
+    with standalone.cache_dir_at(str(tmp_path / "worker")), gemm_benchmarks.counted() as tuned:
+        artifact = inductor.compile_payload(serialize.dumps(gm), options, 1, {})
+    if backends == "CPP":
+        assert any("bmm" in k.name for k in artifact.kernels)  # the template
+    else:
+        assert tuned.candidates >= 2  # candidates were built and benchmarked
+    with standalone.cache_dir_at(str(tmp_path / "client")):
+        loaded = inductor.load_artifact(artifact)
+        inputs = [torch.randn_like(t).requires_grad_(training) for t in (a, b)]
+        out = loaded(*inputs)[0]
+        expected = _Bmm()(*inputs)
+        torch.testing.assert_close(out, expected)
+        if training:
+            grads = torch.autograd.grad(out.sum(), inputs)
+            want = torch.autograd.grad(expected.sum(), inputs)
+            for got, w in zip(grads, want, strict=True):
+                torch.testing.assert_close(got, w)
+    loaded_objects = {os.path.basename(p) for p in _files(str(tmp_path / "client"))}
+    shipped = {f"{n.source_sha256}.so" for n in artifact.natives}
+    assert shipped == {p for p in loaded_objects if p.endswith(".so")}
+    assert len(artifact.natives) == len(artifact.kernels) > 0  # one library per C++ kernel
 
 
 def test_a_dynamic_training_graph_loads_from_memory_equal_to_eager_at_every_size(

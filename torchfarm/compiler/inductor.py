@@ -19,7 +19,12 @@ from torchfarm.compiler.compilers import CompileContext
 from torchfarm.contract import modes
 from torchfarm.errors import NotSaveable
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.torch_adapter.compile import autotune_progress, standalone, tuning_devices
+from torchfarm.torch_adapter.compile import (
+    autotune_progress,
+    standalone,
+    triton_selection,
+    tuning_devices,
+)
 from torchfarm.torch_adapter.compile.autograd_cache_log import AutogradCacheLog
 from torchfarm.torch_adapter.load import autotune_results, device_remap, triton_bundle
 from torchfarm.torch_adapter.load.cudagraphs_on_load import cudagraphs_on_load
@@ -36,10 +41,11 @@ ARTIFACT_FORMAT = 3
 # Autotune Triton kernels at compile time, on the worker's GPU, so that the results travel in
 # the artifact and a client's first call tunes nothing (see `_autotune_results_here`).
 # torch 2.13's standalone_compile switches it on itself; set here for every supported torch.
-# Ship every Triton kernel built: its binaries and statically launchable autotuners go into
-# the artifact (TritonBundler), so a GPU hit runs no Triton compile, no ptxas and no
-# launcher build (torch_adapter/load/triton_bundle.py); both are torch's defaults outside fbcode,
-# set here so that no environment variable turns them off.
+# Ship the Triton kernels the output code launches: their binaries and statically launchable
+# autotuners go into the artifact (TritonBundler), so a GPU hit runs no Triton compile, no
+# ptxas and no launcher build (torch_adapter/load/triton_bundle.py); both are torch's defaults
+# outside fbcode, set here so that no environment variable turns them off. Benchmarked
+# candidates and build stages stay out (torch_adapter/compile/triton_selection.py).
 WORKER_CONFIG = {
     "cpp_cache_precompile_headers": precompiled_headers.enabled_here(),
     "triton.autotune_at_compile_time": True,
@@ -110,6 +116,7 @@ def compile_payload(
         autotune_progress.reporting(on_stage),
         autotune_results.coordesc_results_kept(),
         tuning_devices.spread_over(tuning_gpus),
+        triton_selection.only_launched(),
         static_inputs.declared(serialize.static_inputs(gm)),
         AutogradCacheLog() as cache_log,
     ):

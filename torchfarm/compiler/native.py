@@ -1,8 +1,10 @@
 """Ship Inductor's compiled C++ objects with the artifact, so that a hit runs no compiler.
 
 On CPU a CompiledArtifact holds C++ source; loading it runs g++ (seconds) and Inductor's
-ISA probe. The worker records every object it builds, keyed by the sha256 of its source;
-the client serves those objects to Inductor's loader instead of compiling.
+ISA probe. The worker records every object its output code loads, keyed by the sha256 of
+its source; the client serves those objects to Inductor's loader instead of compiling. The
+libraries of the C++ template candidates that max-autotune benchmarked stay out (a bmm's
+training entry was 4.3x its default-mode one with them, issue 52).
 """
 
 from __future__ import annotations
@@ -31,21 +33,31 @@ def _source_digest(main_code: str, optimized_code: str | None) -> str:
 
 @contextlib.contextmanager
 def capture(objects: dict[str, bytes]) -> Iterator[dict[str, bytes]]:
-    """Worker side: record every C++ library Inductor builds and loads into `objects`."""
+    """Worker side: record into `objects` every C++ library Inductor builds and loads, but
+    those only a benchmarked candidate loaded (left out on leaving)."""
+    candidates: set[str] = set()
+    used: set[str] = set()
 
     def load_async(cls, original, main_code, *args, optimized_code=None, **kwargs):
         load = original(cls, main_code, *args, optimized_code=optimized_code, **kwargs)
+        digest = _source_digest(main_code, optimized_code)
+        (candidates if benchmarking() else used).add(digest)
 
         def load_and_record():
             lib = load()
             with open(cpp_libraries.library_path(lib), "rb") as f:
-                objects[_source_digest(main_code, optimized_code)] = f.read()
+                objects[digest] = f.read()
             return lib
 
         return load_and_record
 
-    with cpp_libraries.wrapped_load_async(load_async):
+    with (
+        cpp_libraries.benchmarks_marked() as benchmarking,
+        cpp_libraries.wrapped_load_async(load_async),
+    ):
         yield objects
+    for digest in candidates - used:
+        objects.pop(digest, None)
 
 
 @contextlib.contextmanager

@@ -8,18 +8,23 @@ pool's kernel builds: workers/kernel_builder.py).
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
 submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]), the same on
-CppPythonBindingsCodeCache, and CppCodeCache._load_library. Verified: torch 2.11.0, 2.13.0,
-2.15.0. `sources_written` wraps codecache.write(content, extension, ...) -> (basename,
-path): checked on 2.13.0 only.
+CppPythonBindingsCodeCache, and CppCodeCache._load_library. `benchmarks_marked` wraps
+torch._inductor.autotune_process.CppBenchmarkRequest.precompile and make_run_fn (each builds
+the candidate's library with CppCodeCache.load, in the calling thread). Verified: torch
+2.11.0, 2.13.0, 2.15.0. `sources_written` wraps codecache.write(content, extension, ...) ->
+(basename, path): checked on 2.13.0 only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch._inductor import codecache
+from torch._inductor.autotune_process import CppBenchmarkRequest
 
 
 def load_library(cls: Any, path: str, key: str) -> object:
@@ -90,3 +95,31 @@ def sources_written(callback: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         codecache.write = original
+
+
+@contextlib.contextmanager
+def benchmarks_marked() -> Iterator[Callable[[], bool]]:
+    """While entered, the function it gives tells whether the calling thread is building or
+    loading the library of a C++ template candidate that max-autotune benchmarks (not a
+    kernel of the output code: a chosen template is rendered into it anew)."""
+    inside = threading.local()
+    saved = {name: CppBenchmarkRequest.__dict__[name] for name in ("precompile", "make_run_fn")}
+
+    def marked(method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside.depth -= 1
+
+        return run
+
+    for name, method in saved.items():
+        setattr(CppBenchmarkRequest, name, marked(method))
+    try:
+        yield lambda: getattr(inside, "depth", 0) > 0
+    finally:
+        for name, method in saved.items():
+            setattr(CppBenchmarkRequest, name, method)

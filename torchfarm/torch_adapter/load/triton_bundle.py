@@ -1,8 +1,9 @@
 """How long a load spends on the Triton kernels an artifact carries ready-built.
 
-The worker's compile bundles every Triton kernel it built (`TritonBundler`, on by default
-outside fbcode: `bundle_triton_into_fx_graph_cache`) into the compiled graph: the binaries
-(cubin, json, ttir...) and, with `use_static_cuda_launcher` (on by default), the statically
+The worker's compile bundles the Triton kernels its output code launches (`TritonBundler`, on
+by default outside fbcode: `bundle_triton_into_fx_graph_cache`; the selection:
+torch_adapter/compile/triton_selection.py) into the compiled graph: the binaries (cubin and
+its JSON metadata) and, with `use_static_cuda_launcher` (on by default), the statically
 launchable autotuners. On load, `TritonBundler.read_and_emit` writes the binaries into
 Triton's cache dir (the static launcher loads a cubin from a path) and files the static
 autotuners where the output code's `async_compile.triton(...)` finds them, so a hit runs
