@@ -4,6 +4,8 @@ Inductor's loader cannot take from memory (the output code's module, the C++ lib
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -235,3 +237,57 @@ def test_a_float_lifted_to_an_input_compiles_on_the_worker_equal_to_eager(empty_
         inputs = [x, torch.tensor(value, dtype=torch.float64)]
         assert [i.shape for i in inputs] == [i.shape for i in example_inputs]
         torch.testing.assert_close(loaded(*inputs), gm(*inputs))
+
+
+_FRESH_LOAD = """
+import sys
+import torch
+from torchfarm.compiler import inductor
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter.compile import standalone
+
+artifact_path, cache_dir, io_path = sys.argv[1:]
+artifact = pb.Artifact.FromString(open(artifact_path, "rb").read())
+inputs, expected = torch.load(io_path)
+with standalone.cache_dir_at(cache_dir):
+    loaded = inductor.load_artifact(artifact)
+(out,) = loaded(*inputs)
+out.square().mean().backward()
+got = [out.detach(), *(t.grad for t in inputs if t.requires_grad)]
+for a, b in zip(got, expected, strict=True):
+    torch.testing.assert_close(a, b)
+heavy = [m for m in ("torch._inductor.select_algorithm", "torch._inductor.graph",
+                     "torch._inductor.compile_fx", "torch._inductor.codegen.memory_planning")
+         if m in sys.modules]
+print("imported:", heavy)
+"""
+
+
+def test_a_fresh_process_loads_and_runs_the_graph_without_inductors_compile_path(
+    static_mlp, tmp_path
+):
+    """The output code imports torchfarm's extern kernels (light_wrapper) and the load leaves
+    Inductor's graph module out (graph_import): no lowerings, no kernel templates."""
+    gm, artifact = static_mlp
+    assert b"import torchfarm.torch_adapter.load.extern_kernels as extern_kernels" in (
+        artifact.inductor
+    )
+    assert b"from torch._inductor.select_algorithm import extern_kernels" not in artifact.inductor
+    inputs = _real_inputs(gm, batch=None)
+    torch.save((inputs, _step(gm, inputs)), tmp_path / "io.pt")
+    (tmp_path / "artifact").write_bytes(artifact.SerializeToString())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FRESH_LOAD,
+            str(tmp_path / "artifact"),
+            str(tmp_path / "c"),
+            str(tmp_path / "io.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "imported: []", done.stdout

@@ -21,12 +21,13 @@ from torchfarm.errors import NotSaveable
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter.compile import (
     autotune_progress,
+    light_wrapper,
     standalone,
     triton_selection,
     tuning_devices,
 )
 from torchfarm.torch_adapter.compile.autograd_cache_log import AutogradCacheLog
-from torchfarm.torch_adapter.load import autotune_results, device_remap, triton_bundle
+from torchfarm.torch_adapter.load import autotune_results, device_remap, graph_import, triton_bundle
 from torchfarm.torch_adapter.load.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.trace import fake_tensors, static_inputs
 from torchfarm.torch_adapter.trace.shape_env import ShapeEnv
@@ -128,7 +129,8 @@ def compile_payload(
                 f"{'; '.join(cache_log.messages) or e}"
             ) from e
     shape_guards = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
-    inductor_bytes = standalone.save(compiled)
+    # A client's load then imports less of Inductor (torch_adapter/compile/light_wrapper.py).
+    inductor_bytes = standalone.save(light_wrapper.lightened(compiled))
     return pb.Artifact(
         format=ARTIFACT_FORMAT,
         inductor=inductor_bytes,
@@ -236,6 +238,7 @@ def load_artifact(
         _autotune_results_here(directory, artifact.tuned_configs),
         cudagraphs_on_load(cudagraphs),
         device_remap.on_device(device_index),
+        graph_import.left_out(),
     ):
         return standalone.load(artifact.inductor)
 

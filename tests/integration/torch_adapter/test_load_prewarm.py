@@ -23,7 +23,8 @@ import torchfarm.client.backend, torchfarm.client.entry
 from torchfarm.torch_adapter.load import load_prewarm
 assert load_prewarm._thread is None, "importing the backend started the prewarm"
 compiled = torch.compile(lambda x: x.sin() + 1, backend="torchfarm")
-assert "torch._inductor.compile_fx" in sys.modules
+assert "torch._inductor.decomposition" in sys.modules
+assert "torch._inductor.compile_fx" not in sys.modules  # a load does not need it
 assert load_prewarm._thread is not None, "choosing the backend started no prewarm"
 compiled(torch.randn(4))
 load_prewarm.wait()
@@ -52,7 +53,8 @@ import torchfarm.client.backend
 from torchfarm.compiler import target
 from torchfarm.torch_adapter.load import load_prewarm
 torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
-assert "torch._inductor.compile_fx" in sys.modules
+assert "torch._inductor.decomposition" in sys.modules
+assert "torch._inductor.compile_fx" not in sys.modules  # a load does not need it
 assert load_prewarm._thread is None, "the prewarm thread started before the first step"
 load_prewarm.resume()
 assert load_prewarm._thread is not None

@@ -11,4 +11,5 @@ concurrent_backward  AOTAutograd's forward/backward steps  workers/compile_child
 gemm_benchmarks      algorithm selection's timings cache   workers/compile_child
 tuning_devices       Inductor's autotuning process pool    compiler/inductor
 cpp_libraries        CppCodeCache.load_async, its build    compiler/native, workers/kernel_*
+light_wrapper        the output code's import lines        compiler/inductor
 """

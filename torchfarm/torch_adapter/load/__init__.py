@@ -7,4 +7,6 @@ cudagraphs_on_load  the post-compile cudagraphs step      compiler/inductor
 triton_bundle       TritonBundler's load of the kernels   compiler/inductor
 autotune_results    the loaded kernels' autotune cache    compiler/inductor, workers/kernel_cache
 device_remap        the device index baked into outputs   compiler/serialize, compiler/inductor
+extern_kernels      select_algorithm's extern_kernels     the loaded output code
+graph_import        the load's import of graph lowering   compiler/inductor
 """

@@ -1,10 +1,11 @@
 """What a fresh process's first artifact load needs, done before it is needed.
 
-A hit's load is mostly one-time work of the process, not of the artifact: importing
-Inductor's compile path (AOTAutograd's cache load imports compile_fx and its lowerings),
-Inductor's hash of torch's sources (`torch_key`, in its kernels' and tuning caches' keys)
-and, with Triton, building Triton's driver stubs (a C compiler run) and hashing Triton. On an
-H100 (torch 2.11, bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit.
+A hit's load is mostly one-time work of the process, not of the artifact: importing what
+the load imports beyond the client's own modules (Inductor's decompositions, which the
+artifact's pickled entry names), Inductor's hash of torch's sources (`torch_key`, in its
+kernels' and tuning caches' keys) and, with Triton, building Triton's driver stubs (a C
+compiler run) and hashing Triton. On an H100 (torch 2.11, bench/gpu `profile`) that was
+4.3 s of a 4.8 s GPT hit (when this imported Inductor's compile path).
 torch.compile(backend="inductor") pays the imports inside torch.compile and the rest along its
 first step, one after another.
 
@@ -13,6 +14,12 @@ same torch build), and the load takes it (`known_torch_key`). Hashed on this thr
 0.3-0.4 s alone and, beside Dynamo's trace, 4.2 s of GIL-shared time, after which the first
 load still waited 1.1 s for it (H200, llama, 2026-11-29).
 
+Inductor's compile path (compile_fx, its lowerings and kernel templates) is not imported:
+the worker's output code does not import it (torch_adapter/compile/light_wrapper.py), nor
+does the load (torch_adapter/load/graph_import.py); imported here, it was 28% of a CPU skip
+hit (docs/benchmarks.md). A graph that the farm cannot serve imports it where it compiles
+locally.
+
 Triton's driver build (a C compiler run, then `ptxas --version`) waits on subprocesses, not
 the GIL, so it runs on a thread of its own, started first, beside Triton's hashing.
 
@@ -20,8 +27,8 @@ the GIL, so it runs on a thread of its own, started first, beside Triton's hashi
 Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
 two threads at once can meet a half-initialised module of torch's circular imports — and
 leaves the hashing and the compiler run to a thread, where they overlap Dynamo's tracing.
-The thread's work imports nothing of torch, so it starts before Inductor's compile path is
-imported (1-2 s on this thread) and runs beside that import: started after it, the first
+The thread's work imports nothing of torch, so it starts before this thread's imports and
+runs beside them: started after Inductor's compile path was imported here (1-2 s), the first
 load of a skip hit waited 0.8 s for the thread (H200, qwen3, 2026-11-29). A
 load `wait`s for that thread: it never races it. In no-wait mode the first step runs eagerly
 and loads nothing,
@@ -29,7 +36,7 @@ and that thread, which takes the GIL between files, slowed Dynamo's tracing of i
 finding 7): there `start(defer=True)` imports only, and the thread starts at `resume` (after
 the first step) or in the first load's `wait`.
 
-Uses `torch._inductor.compile_fx` (import), `torch._inductor.codecache.torch_key` and
+Uses `torch._inductor.decomposition` (import), `torch._inductor.codecache.torch_key` and
 `torch.utils._triton.triton_backend` / `triton_hash_with_backend` and
 `torch._inductor.runtime.triton_compat.triton_key`. Verified (source read): torch 2.11.0,
 2.13.0, 2.15.0.
@@ -58,7 +65,7 @@ def start(defer: bool = False) -> None:
             _deferred = _triton_work()
     if not defer:
         resume()
-    _import_compile_path()
+    _import_load_path()
 
 
 def resume() -> None:
@@ -114,10 +121,10 @@ def _triton_work() -> list[Callable[[], object]]:
         return []
 
 
-def _import_compile_path() -> None:
-    """Inductor's compile path, which AOTAutograd's cache load imports (once per process)."""
+def _import_load_path() -> None:
+    """What the load imports beyond the client's modules (once per process)."""
     try:
-        import torch._inductor.compile_fx  # noqa: F401
+        import torch._inductor.decomposition  # noqa: F401
     except Exception as e:  # the load imports it itself and reports what fails
         log.debug("prewarming the artifact load: %s", e)
 
