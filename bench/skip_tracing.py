@@ -10,8 +10,9 @@ unless said otherwise, side by side in one run:
   farm_hit_skip   the same with the skip (the default) and the package saved by an earlier
                   process: Dynamo's output installed, no frame traced
   floor           no compile: the imports that a restored graph's code needs (Dynamo, for its
-                  guards and frames; AOTAutograd's and Inductor's runtime, which the loaded
-                  wrapper imports), then the step run eagerly: what any skip hit pays at least
+                  guards and frames; AOTAutograd's and Inductor's runtime, which the load and
+                  the loaded wrapper import), then the step run eagerly: what any skip hit
+                  pays at least
 
 It prints each median, frames traced, and farm_hit_skip / pt_remote_warm and / pt_local_warm
 (issue 26's CPU target: farm_hit_skip <= 0.4x pt_local_warm), and floor / pt_local_warm.
@@ -45,12 +46,15 @@ STAGES = {
     "floor": "imports a restore needs + eager",
 }
 # What a restored graph's code imports on the CPU (torch 2.13): Dynamo (its package, guards
-# and frames), AOTAutograd's cache entry, and the modules Inductor's Python wrapper imports
+# and frames), AOTAutograd's cache entry, and what the load and Inductor's Python wrapper
+# import, as the worker rewrites it (torch_adapter/compile/light_wrapper.py; not
+# select_algorithm's lowerings and kernel templates, nor codegen.memory_planning)
 RESTORE_IMPORTS = (
     "torch._dynamo",
     "torch._functorch._aot_autograd.aot_autograd_result",
-    "torch._inductor.select_algorithm",
-    "torch._inductor.codegen.memory_planning",
+    "torch._inductor.async_compile",
+    "torch._inductor.debug",
+    "torch._inductor.decomposition",
 )
 
 
