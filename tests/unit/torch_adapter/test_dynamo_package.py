@@ -301,6 +301,34 @@ def test_a_package_that_fails_to_install_leaves_no_name_a_later_trace_makes(monk
     torch._dynamo.reset()
 
 
+def relu_act(x):
+    return x.relu()
+
+
+def tanh_act(x):
+    return x.tanh()
+
+
+ACTS = {"relu": relu_act, "tanh": tanh_act}  # transformers' ACT2FN is one
+
+
+def picks_an_act(x):
+    return ACTS["relu"](x) * len(list(ACTS))  # a function from a dict whose keys it reads
+
+
+def test_a_function_in_a_dict_whose_keys_the_frame_reads_is_restored(monkeypatch):
+    """Its identity guard goes through a dict guarded on its key order: the install failed
+    with "DictGuardManager must guard on keys" (deberta-v2's restore, issue 49)."""
+    x = torch.randn(4, 8)
+    compiled = _restore(picks_an_act, x)
+    assert torch.equal(compiled(x), picks_an_act(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setitem(ACTS, "relu", tanh_act)  # another function: traced again
+    assert torch.equal(compiled(x), picks_an_act(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_a_generic_attribute_is_found_again_past_getattr():
     """transformers' configs: `object.__getattribute__(self.config, 'get_text_config')`, a
     source 2.11 guards; without a path the whole entry frame traced on every hit there."""

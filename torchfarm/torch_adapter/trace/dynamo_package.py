@@ -395,14 +395,22 @@ def _add_identity_guards(
 
 def _in_scope(local: dict, scope: dict, create_fn: Callable, builder: Any, guard: Any) -> None:
     """Builds `guard` with Dynamo's own builder function, reading values from this process's
-    objects instead of the package's stand-ins (copies, by value, of what the trace saw)."""
-    saved = builder.scope, builder.src_get_value_cache
+    objects instead of the package's stand-ins (copies, by value, of what the trace saw).
+    The dicts whose key order the frame guards are these objects too: the builder knows them
+    by the stand-ins' ids, and a guard through one (`G['ACTS']['gelu']`, a function in a
+    dict the frame iterates) failed the install with "DictGuardManager must guard on keys"
+    (deberta-v2, issue 49)."""
+    saved = builder.scope, builder.src_get_value_cache, builder.key_order_guarded_dict_ids
     builder.scope = {**saved[0], "L": local, "G": scope}
     builder.src_get_value_cache = {}
+    builder.key_order_guarded_dict_ids = set(saved[2])
+    for source in builder.check_fn_manager.output_graph.guard_on_key_order:
+        with contextlib.suppress(Exception):  # not reachable from here: not this guard's
+            builder.key_order_guarded_dict_ids.add(id(builder.get(source)))
     try:
         create_fn(builder, guard)
     finally:
-        builder.scope, builder.src_get_value_cache = saved
+        builder.scope, builder.src_get_value_cache, builder.key_order_guarded_dict_ids = saved
 
 
 def _forget_first_build(entries: Sequence[Any]) -> None:
