@@ -2,8 +2,10 @@
 Dynamo traces, then installed after Dynamo's caches are reset, runs the function with no frame
 traced; a rebound global or a changed default after the install is traced again."""
 
+import collections as _collections  # not `collections`: Dynamo names it by its id here
 import contextlib
 import itertools
+import pickle
 import re
 import sys
 import types
@@ -265,6 +267,66 @@ def test_names_of_an_installed_package_are_never_made_again_in_this_process(monk
     dynamo_package._skip_installed_ids({module.__name__})
     assert next(output_graph._compile_id_counter) == 42
     assert next(bytecode_transformation._unique_id_counter) == 58
+
+
+def ordered(x):
+    return _collections.OrderedDict(y=x.relu())
+
+
+def test_a_package_that_fails_to_install_leaves_no_name_a_later_trace_makes(monkeypatch):
+    """A failed install leaves the module as it found it: the zoo's deberta-v2, whose saved
+    guards failed to load in a process forked like the saving one, traced instead and made
+    `___module_collections_<id>_c12` again, a name the install had left: "already exists in
+    scope" raised into the user's step (issue 49)."""
+    from torch._dynamo import output_graph
+
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    monkeypatch.setattr(output_graph, "_compile_id_counter", itertools.count(1000))
+    package = dynamo_package.new_package()
+    dynamo_package.record(package, ordered)
+    dynamo_package.optimize(lambda gm, _: gm.forward, package, None, False)(ordered)(x)
+    saved = dynamo_package.dumps(package)
+    by_id = [n for n in pickle.loads(saved)[1][__name__] if n.startswith("___module_")]
+    assert by_id, "the package reads collections by Dynamo's by-id name"
+    torch._dynamo.reset()
+    for name in by_id:  # a fresh process has none of this one's trace
+        globals().pop(name, None)
+    monkeypatch.setattr(output_graph, "_compile_id_counter", itertools.count(1000))  # forked
+    with pytest.raises(RuntimeError, match="not found"):  # a graph it cannot have
+        dynamo_package.install(dynamo_package.new_package(), ordered, saved, {})
+    assert not set(by_id) & set(globals())
+    compiled = torch.compile(ordered, backend="eager")  # what the caller does next: trace
+    assert torch.equal(compiled(x)["y"], x.relu())
+    torch._dynamo.reset()
+
+
+def relu_act(x):
+    return x.relu()
+
+
+def tanh_act(x):
+    return x.tanh()
+
+
+ACTS = {"relu": relu_act, "tanh": tanh_act}  # transformers' ACT2FN is one
+
+
+def picks_an_act(x):
+    return ACTS["relu"](x) * len(list(ACTS))  # a function from a dict whose keys it reads
+
+
+def test_a_function_in_a_dict_whose_keys_the_frame_reads_is_restored(monkeypatch):
+    """Its identity guard goes through a dict guarded on its key order: the install failed
+    with "DictGuardManager must guard on keys" (deberta-v2's restore, issue 49)."""
+    x = torch.randn(4, 8)
+    compiled = _restore(picks_an_act, x)
+    assert torch.equal(compiled(x), picks_an_act(x))
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setitem(ACTS, "relu", tanh_act)  # another function: traced again
+    assert torch.equal(compiled(x), picks_an_act(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_a_generic_attribute_is_found_again_past_getattr():

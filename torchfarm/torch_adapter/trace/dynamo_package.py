@@ -395,14 +395,22 @@ def _add_identity_guards(
 
 def _in_scope(local: dict, scope: dict, create_fn: Callable, builder: Any, guard: Any) -> None:
     """Builds `guard` with Dynamo's own builder function, reading values from this process's
-    objects instead of the package's stand-ins (copies, by value, of what the trace saw)."""
-    saved = builder.scope, builder.src_get_value_cache
+    objects instead of the package's stand-ins (copies, by value, of what the trace saw).
+    The dicts whose key order the frame guards are these objects too: the builder knows them
+    by the stand-ins' ids, and a guard through one (`G['ACTS']['gelu']`, a function in a
+    dict the frame iterates) failed the install with "DictGuardManager must guard on keys"
+    (deberta-v2, issue 49)."""
+    saved = builder.scope, builder.src_get_value_cache, builder.key_order_guarded_dict_ids
     builder.scope = {**saved[0], "L": local, "G": scope}
     builder.src_get_value_cache = {}
+    builder.key_order_guarded_dict_ids = set(saved[2])
+    for source in builder.check_fn_manager.output_graph.guard_on_key_order:
+        with contextlib.suppress(Exception):  # not reachable from here: not this guard's
+            builder.key_order_guarded_dict_ids.add(id(builder.get(source)))
     try:
         create_fn(builder, guard)
     finally:
-        builder.scope, builder.src_get_value_cache = saved
+        builder.scope, builder.src_get_value_cache, builder.key_order_guarded_dict_ids = saved
 
 
 def _forget_first_build(entries: Sequence[Any]) -> None:
@@ -491,24 +499,33 @@ def install(
 ) -> None:
     """Install a saved package: its frames' guards and bytecode, `backends` by their ids. Raises
     (any type) if it does not fit this process: torch/Python versions, changed sources, a
-    global it names missing; the caller then records a fresh package."""
+    global it names missing; the caller then records a fresh package, and the module scopes
+    are as before the call.
+
+    Every global the install added is removed on failure, not only those CompilePackage's
+    uninstall knows: the modules the package's bytecode reads by Dynamo's by-id names
+    (`___module_collections_<id>_c12`, `_<id>_c5`) were left behind, with Dynamo's counters
+    not moved past them (_skip_installed_ids), and the fresh trace of a process forked like
+    the saving one made the same names: "Name ... already exists in scope" raised into the
+    user's step (deberta-v2, whose guards failed to load: issue 49)."""
     entry, modules = pickle.loads(dynamo)
-    for module, names in modules.items():  # before install: its bytecode names them
-        for name, imported in names.items():
-            vars(sys.modules[module]).setdefault(name, importlib.import_module(imported))
-    package.initialize(entry_function(target), entry)
-    modules = {code.python_module for code in entry.codes}
-    before = {name: set(vars(sys.modules[name])) for name in modules if name in sys.modules}
+    scopes = {code.python_module for code in entry.codes} | set(modules)
+    before = {name: set(vars(sys.modules[name])) for name in scopes if name in sys.modules}
     try:
+        for module, names in modules.items():  # before install: its bytecode names them
+            for name, imported in names.items():
+                vars(sys.modules[module]).setdefault(name, importlib.import_module(imported))
+        package.initialize(entry_function(target), entry)
         package.install({_BackendId(bid): _Installed(fn) for bid, fn in backends.items()})
-        _skip_installed_ids(modules)
+        _skip_installed_ids(scopes)
     except BaseException:
-        package.uninstall()
-        for name, names in before.items():  # install adds builtins dicts uninstall leaves,
-            scope = vars(sys.modules[name])  # whose names a fresh trace would clash with
+        with contextlib.suppress(Exception):  # not initialized: nothing installed
+            package.uninstall()
+        for name, names in before.items():  # builtins dicts too, which uninstall leaves
+            scope = vars(sys.modules[name])
             for key in set(scope) - names:
-                if key.startswith("__builtins_dict__"):
-                    del scope[key]
+                if getattr(scope[key], "__name__", None) != f"{name}.{key}":  # a submodule
+                    del scope[key]  # imported meanwhile stays its package's attribute
         raise
 
 
