@@ -7,6 +7,7 @@ import hashlib
 import torch
 import zstandard
 
+from tests.unit.dynamo_graphs import captured
 from torchfarm.client import remote
 from torchfarm.client.graph import FarmGraph
 from torchfarm.compiler import serialize
@@ -17,15 +18,7 @@ ARTIFACT = b"an artifact"
 
 
 def _static_graph() -> torch.fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(lambda x: x[1:, ::2].sin() * 2, backend=backend)(torch.randn(4, 6))
-    (gm,) = graphs
+    (gm,) = captured(lambda x: x[1:, ::2].sin() * 2, torch.randn(4, 6), dynamic=None)
     return gm
 
 

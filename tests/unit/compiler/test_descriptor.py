@@ -8,19 +8,8 @@ import hashlib
 import pytest
 import torch
 
+from tests.unit.dynamo_graphs import captured
 from torchfarm.compiler import descriptor, serialize
-
-
-def _graphs(model, *inputs, dynamic=False) -> list[torch.fx.GraphModule]:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, dynamic=dynamic)(*inputs)
-    return graphs
 
 
 class _Views(torch.nn.Module):
@@ -46,7 +35,7 @@ def test_the_worker_finds_the_clients_descriptor_in_the_payload_it_rebuilds():
         (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(3, 8)),
         (_Views(), torch.randn(4, 6)),
     ]:
-        (gm,) = _graphs(model, x)
+        (gm,) = captured(model, x)
         payload, described = _payload_and_descriptor(gm)
         rebuilt = descriptor.verified(payload, {}, described)
         assert descriptor.describe(rebuilt) == described
@@ -78,7 +67,7 @@ def test_graphs_whose_payloads_differ_have_different_descriptors_and_equal_ones_
     }
     digests = {}
     for name, (model, inputs) in cases.items():
-        (gm,) = _graphs(model, inputs)
+        (gm,) = captured(model, inputs)
         payload, described = _payload_and_descriptor(gm)
         digests[name] = (hashlib.sha256(payload).digest(), hashlib.sha256(described).digest())
     payloads = {p for p, _ in digests.values()}
@@ -90,8 +79,8 @@ def test_graphs_whose_payloads_differ_have_different_descriptors_and_equal_ones_
 
 def test_a_payload_under_another_graphs_descriptor_is_refused():
     x = torch.randn(3, 8)
-    (a,) = _graphs(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), x)
-    (b,) = _graphs(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sigmoid()), x)
+    (a,) = captured(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), x)
+    (b,) = captured(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sigmoid()), x)
     with pytest.raises(descriptor.Mismatch, match="not the graph its descriptor names"):
         descriptor.verified(serialize.dumps(b), {}, descriptor.describe(a))
 
@@ -99,10 +88,10 @@ def test_a_payload_under_another_graphs_descriptor_is_refused():
 def test_a_dynamic_graph_has_no_descriptor_and_its_payload_none_under_a_static_one():
     x = torch.randn(3, 8)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-    (dynamic,) = _graphs(model, x, dynamic=True)
+    (dynamic,) = captured(model, x, dynamic=True)
     with pytest.raises(descriptor.Unsupported):
         descriptor.describe(dynamic)
-    (static,) = _graphs(model, x)
+    (static,) = captured(model, x)
     hints = serialize.size_hints(dynamic)
     with pytest.raises(ValueError, match="holds a ShapeEnv"):
         descriptor.verified(serialize.dumps(dynamic), hints, descriptor.describe(static))

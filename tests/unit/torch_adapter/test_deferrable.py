@@ -2,6 +2,7 @@
 
 import torch
 
+from tests.unit.dynamo_graphs import captured
 from torchfarm.torch_adapter.trace.deferrable import deferrable
 
 
@@ -15,25 +16,13 @@ def _(x):
     return torch.empty_like(x)
 
 
-def _graphs(fn, *args, dynamic: bool) -> list[torch.fx.GraphModule]:
-    graphs: list[torch.fx.GraphModule] = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, dynamic=dynamic)(*args)
-    return graphs
-
-
 def test_a_graph_is_deferrable_only_without_a_symbol_in_its_inputs_or_its_values():
     def matmul(x, w):
         return torch.relu(x @ w)
 
     x, w = torch.randn(4, 8), torch.randn(8, 3)
-    assert [deferrable(g) for g in _graphs(matmul, x, w, dynamic=False)] == [True]
-    assert [deferrable(g) for g in _graphs(matmul, x, w, dynamic=True)] == [False]
+    assert [deferrable(g) for g in captured(matmul, x, w, dynamic=False)] == [True]
+    assert [deferrable(g) for g in captured(matmul, x, w, dynamic=True)] == [False]
 
 
 def test_a_data_dependent_size_inside_a_static_graph_makes_it_symbolic():
@@ -41,7 +30,7 @@ def test_a_data_dependent_size_inside_a_static_graph_makes_it_symbolic():
         return torch.nonzero(x).sum() * 2
 
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        graphs = _graphs(nonzero, torch.tensor([0.0, 1.0, 2.0]), dynamic=False)
+        graphs = captured(nonzero, torch.tensor([0.0, 1.0, 2.0]), dynamic=False)
     assert [deferrable(g) for g in graphs] == [False]
 
 
@@ -51,7 +40,7 @@ def test_a_static_graph_calling_a_custom_operator_blocks():
     def custom(x):
         return torch.ops.torchfarm_unit.twice(torch.sin(x))
 
-    assert [deferrable(g) for g in _graphs(custom, torch.randn(4), dynamic=False)] == [False]
+    assert [deferrable(g) for g in captured(custom, torch.randn(4), dynamic=False)] == [False]
 
 
 def test_calls_made_for_their_effect_leave_a_static_graph_deferrable():
@@ -62,7 +51,7 @@ def test_calls_made_for_their_effect_leave_a_static_graph_deferrable():
             scale = x.abs().amax()
         return x * scale
 
-    graphs = _graphs(no_grad_inside, torch.randn(4, requires_grad=True), dynamic=False)
+    graphs = captured(no_grad_inside, torch.randn(4, requires_grad=True), dynamic=False)
     assert any(n.target is torch._C._set_grad_enabled for g in graphs for n in g.graph.nodes), (
         "the graph should switch grad mode itself"
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+from tests.unit.dynamo_graphs import captured
 from torchfarm.compiler import serialize
 from torchfarm.torch_adapter.trace import graph_pickler
 
@@ -34,17 +35,9 @@ def _sliced(x):
 
 
 def _graph() -> torch.fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
     x = torch.randn(6, 8)
     torch._dynamo.mark_dynamic(x, 0)
-    torch.compile(_sliced, backend=backend)(x)
-    (gm,) = graphs
+    (gm,) = captured(_sliced, x, dynamic=None)
     return gm
 
 
