@@ -53,8 +53,15 @@ for PART in "$@"; do  # each part starts a farm of its own
         PYTHONUNBUFFERED=1 python3 bench/coverage/suite.py --device cuda --scale large \
             --parallel 4 --sandbox "$TORCHFARM_SANDBOX" --only "${ONLY:-}" --out "$OUT" \
             --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), 16 cores"
-    elif [ "$PART" = ddp ]; then  # needs 2 GPUs (nvidia-h200-x2): one rank per GPU
-        PYTHONUNBUFFERED=1 python3 bench/ddp.py --device cuda --json "$OUT/results-ddp.json" || echo "ddp failed ($?)"
+    elif [ "$PART" = ddp ]; then  # needs 2 GPUs (nvidia-h200-x2): one rank per GPU; DDP_MODELS
+        # (default blocks; zoo:NAME too), one bench each, each with an empty farm of its own
+        IFS=, read -ra DDP_ALL <<< "${DDP_MODELS:-blocks}"
+        for m in "${DDP_ALL[@]}"; do
+            logs="$OUT/ddp-logs-${m#zoo:}"; mkdir -p "$logs"
+            PYTHONUNBUFFERED=1 timeout "${DDP_TIMEOUT:-300}" python3 bench/ddp.py --device cuda --model "$m" \
+                --json "$OUT/results-ddp-${m#zoo:}.json" --log-dir "$logs" \
+                || echo "ddp $m failed ($?)"
+        done
     elif [ "$PART" = never_wait ]; then  # issue 20: MODELS (default gpt), MODES, STEPS, FARM_GPU/CLIENT_GPU
         PYTHONUNBUFFERED=1 python3 bench/never_wait.py --device cuda --models "${MODELS:-gpt}" \
             --modes "${MODES:-default}" --steps "${STEPS:-200}" --json "$OUT/never_wait.json" \
