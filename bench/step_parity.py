@@ -134,13 +134,22 @@ def timed_figures(
 
 
 def wait_quiet(busy_cores: float = 1.0, timeout_s: float = 180.0) -> float:
-    """Until the machine's processes together used less than `busy_cores` CPUs over a second
-    (/proc/stat), at most `timeout_s`; the seconds waited."""
+    """Until the processes on this process's CPUs together used less than `busy_cores` CPUs
+    over a second (/proc/stat's per-CPU lines; a bench pinned to its own cores, e.g. one
+    runner per GPU, waits for its own work only), at most `timeout_s`; the seconds waited."""
+    mine = os.sched_getaffinity(0)
 
     def busy_ticks() -> int:
+        busy = 0
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-        return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+            for line in f:
+                name, *values = line.split()
+                if not name.startswith("cpu"):
+                    break
+                if name != "cpu" and int(name[3:]) in mine:
+                    ticks = [int(v) for v in values]
+                    busy += sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        return busy
 
     started = time.monotonic()
     hz = os.sysconf("SC_CLK_TCK")

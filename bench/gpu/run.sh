@@ -73,7 +73,8 @@ for PART in "$@"; do  # each part starts a farm of its own
     elif [ "$PART" = zoo ]; then  # issue 49: the hit part's rows for ZOO_MODELS, split over
         # ZOO_RUNNERS runners (default: one per GPU), each a run.py with its own farm on GPU
         # r % GPUS and cores of its own, side by side, each model's processes one after another
-        # in its runner; rows stream to $OUT/zoo-runnerN/log.txt (MODE, BENCH_STEADY=0 pass through)
+        # in its runner; rows stream to $OUT/zoo-runnerN/log.txt (MODE, BENCH_STEADY=0 pass through;
+        # ZOO_PART=novel runs run.py's novel part instead of hit)
         ZOO_MODELS=${ZOO_MODELS:-zoo:llama,zoo:qwen3,zoo:gpt2,zoo:gpt-neox,zoo:deberta-v2,zoo:chatglm-encoder,zoo:timm-convnext,zoo:unet}
         GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
         RUNNERS=${ZOO_RUNNERS:-$GPUS}; PER=$(( $(nproc) / RUNNERS ))
@@ -84,7 +85,7 @@ for PART in "$@"; do  # each part starts a farm of its own
             mkdir -p "$OUT/zoo-runner$r"
             (IFS=,; CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-480}" taskset -c $((r * PER))-$((r * PER + PER - 1)) \
-                python3 bench/gpu/run.py --part hit --out "$OUT/zoo-runner$r" \
+                python3 bench/gpu/run.py --part "${ZOO_PART:-hit}" --out "$OUT/zoo-runner$r" \
                 > "$OUT/zoo-runner$r/log.txt" 2>&1 || echo "zoo runner $r failed ($?)") &
         done
         wait
