@@ -74,16 +74,18 @@ for PART in "$@"; do  # each part starts a farm of its own
         # ZOO_RUNNERS runners (default: one per GPU), each a run.py with its own farm on GPU
         # r % GPUS and cores of its own, side by side, each model's processes one after another
         # in its runner; rows stream to $OUT/zoo-runnerN/log.txt (MODE, BENCH_STEADY=0 pass through;
-        # ZOO_PART=novel runs run.py's novel part instead of hit)
+        # ZOO_PART=novel runs run.py's novel part instead of hit; ZOO_MODES=a,b: runner r's MODE
+        # is the (r mod 2)th, e.g. max-autotune beside default in one call)
         ZOO_MODELS=${ZOO_MODELS:-zoo:llama,zoo:qwen3,zoo:gpt2,zoo:gpt-neox,zoo:deberta-v2,zoo:chatglm-encoder,zoo:timm-convnext,zoo:unet}
         GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
         RUNNERS=${ZOO_RUNNERS:-$GPUS}; PER=$(( $(nproc) / RUNNERS ))
         IFS=, read -ra ALL <<< "$ZOO_MODELS"
+        IFS=, read -ra MODES <<< "${ZOO_MODES:-${MODE:-default}}"  # runner r: MODES[r % count]
         for ((r = 0; r < RUNNERS; r++)); do
             mine=(); for ((i = r; i < ${#ALL[@]}; i += RUNNERS)); do mine+=("${ALL[i]}"); done
             [ ${#mine[@]} -gt 0 ] || continue
             mkdir -p "$OUT/zoo-runner$r"
-            (IFS=,; CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
+            (IFS=,; MODE=${MODES[r % ${#MODES[@]}]} CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-480}" taskset -c $((r * PER))-$((r * PER + PER - 1)) \
                 python3 bench/gpu/run.py --part "${ZOO_PART:-hit}" --out "$OUT/zoo-runner$r" \
                 > "$OUT/zoo-runner$r/log.txt" 2>&1 || echo "zoo runner $r failed ($?)") &
