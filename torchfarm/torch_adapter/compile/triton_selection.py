@@ -46,7 +46,9 @@ triton_config_to_hashable (how the recheck matches a config). Verified on CPU by
 tests, on synthetic cache entries bundled and emitted by torch itself: torch 2.11.0 with
 triton 3.6.0 and 2.15.0 with triton 3.9.0 (their cache managers find what is kept; a cut
 autotuner pickled, loaded by TritonBundler.load_autotuners and rechecked by the client's
-recheck), 2.13.0. No real Triton kernel ran.
+recheck), 2.13.0; and on 2.11.0 and 2.15.0 with real binaries (a recorded H100 kernel built
+by Triton's ptxas, tests/integration/torch_adapter/test_triton_selection.py). No Triton
+kernel was launched.
 """
 
 from __future__ import annotations
