@@ -36,7 +36,8 @@ hit:      issue 26: the farm hit against what users pick instead, for GPT and Re
           (torch.compile(backend="torchfarm")) and with it (torchfarm.compile with
           TORCHFARM_SKIP_TRACING=1: one process saves Dynamo's package, the next restores
           it); the hits' profiles, bytes per entry beside
-          PyTorch's remote-cache bytes, the ratios and their geomeans; with BENCH_STEADY=1
+          PyTorch's remote-cache bytes (what they are made of: MODEL-entry-contents.json,
+          bench/entry_contents.py), the ratios and their geomeans; with BENCH_STEADY=1
           (default 0 here: first steps only) each stage's steady step over local cold's.
 prepare:  issue 30: for GPT and one coverage model (or MODELS=a,b,...): `torchfarm prepare`
           in a process that sees no GPU (CUDA_VISIBLE_DEVICES empty), then the real first step
@@ -331,7 +332,26 @@ class Runner:
         }
         print(json.dumps(row), flush=True)
         self.rows.append(row)
+        self.write_entry_contents(model, entries)
         return seconds
+
+    def write_entry_contents(self, model: str, entries: list[dict]) -> None:
+        """What the new entries' bytes are made of (bench/entry_contents.py), in
+        MODEL-entry-contents.json; a failure to list them is printed, the run goes on."""
+        try:
+            from entry_contents import contents
+
+            store = self.farm.store()
+            listing = []
+            for row in entries:
+                entry = store.artifacts.entry(row["key"], row["digest"])
+                data = store.artifacts.read(row["key"], entry) if entry else None
+                listing.append(contents(data) if data else {"key": row["key"], "read": False})
+            name = f"{model.replace(':', '-')}-entry-contents.json"
+            with open(os.path.join(self.outdir, name), "w") as f:
+                json.dump(listing, f, indent=1)
+        except Exception as e:  # noqa: BLE001 - the listing must not cost the run its rows
+            print(f"entry contents of {model}: {e!r}", flush=True)
 
     def profile_hit(self, model: str, redis_port: int) -> None:
         """A miss, then a hit with its load under cProfile (MODEL-hit-profile.txt); then the

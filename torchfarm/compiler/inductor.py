@@ -117,7 +117,7 @@ def compile_payload(
         autotune_progress.reporting(on_stage),
         autotune_results.coordesc_results_kept(),
         tuning_devices.spread_over(tuning_gpus),
-        triton_selection.only_launched(),
+        triton_selection.only_launched(autotune_results.filed_result),
         static_inputs.declared(serialize.static_inputs(gm)),
         AutogradCacheLog() as cache_log,
     ):

@@ -3,17 +3,25 @@ with only the files a load reads: a synthetic Triton cache dir, bundled by torch
 TritonBundler, selected against an output code written as Inductor writes it (kernels
 recorded on an H100), then emitted by torch's own loader into an empty cache dir."""
 
+import glob
 import json
 import os
+import pickle
 import types
 
 import pytest
 from torch._inductor import config
+from torch._inductor.async_compile import CompiledTritonKernels
 from torch._inductor.output_code import CompiledFxGraph
+from torch._inductor.runtime import triton_heuristics as heuristics
+from torch._inductor.runtime.autotune_cache import AutotuneCache
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner, StaticTritonCompileResult
 from torch._inductor.triton_bundler import StaticallyLaunchedAutotuner, TritonBundle, TritonBundler
 
 from tests.unit.torch_adapter.recorded_triton_kernels import KERNELS
+from torchfarm.torch_adapter import gate
 from torchfarm.torch_adapter.compile import triton_selection
+from torchfarm.torch_adapter.load import autotune_results
 
 NORM = "triton_per_fused_gelu_native_layer_norm_0"
 GEMM = "triton_tem_fused_mm_0"  # the template the GEMM autotuning chose
@@ -59,11 +67,11 @@ def _cache_entry(directory: str, kernel_hash: str, name: str, extra: tuple = ())
 
 
 def _autotuner(name: str, *hashes: str) -> StaticallyLaunchedAutotuner:
-    """A statically launchable autotuner whose configs' binaries are in `hashes`."""
+    """A statically launchable autotuner whose configs' binaries are in `hashes` (its kernel
+    tuned nowhere: no source file to find a result beside)."""
     results = [types.SimpleNamespace(kernel=types.SimpleNamespace(hash=h)) for h in hashes]
-    return StaticallyLaunchedAutotuner(
-        f"key-{name}", name, types.SimpleNamespace(compile_results=results)
-    )
+    kernel = types.SimpleNamespace(compile_results=results, filename=None, inductor_meta={})
+    return StaticallyLaunchedAutotuner(f"key-{name}", name, kernel)
 
 
 @pytest.fixture
@@ -195,3 +203,196 @@ def test_a_name_is_launched_only_as_a_whole_word():
     assert not triton_selection.launched("triton_mm", code)
     assert not triton_selection.launched("triton_poi_fused_add", code)
     assert triton_selection.launched("triton_poi_fused_add_1", code)
+
+
+# ---- a kernel the worker tuned: its autotuner cut to the config its result names ----------
+
+META = {"coordinate_descent_tuning": True}  # max-autotune's
+RESULT = autotune_results.filed_result  # what the worker's compile cuts to (compiler/inductor.py)
+
+
+class _Config:
+    """A triton.Config's fields that the autotune cache reads (CPU builds have no Triton)."""
+
+    def __init__(self, xblock: int) -> None:
+        self.kwargs = {"XBLOCK": xblock}
+        self.num_warps, self.num_stages = 4, 1
+
+
+def _result(kernel_hash: str, config_) -> StaticTritonCompileResult:
+    """A static compile result as a compile builds one: its binary's hash and raw cubin."""
+    kernel = types.SimpleNamespace(hash=kernel_hash, name=NORM, cubin_raw=b"cubin", cubin_path=None)
+    return StaticTritonCompileResult(kernel, config_, {"device": 0, "device_type": "cuda"}, META)
+
+
+def _tuned_autotuner(worker: str, configs: list, hashes: list[str]) -> StaticallyLaunchedAutotuner:
+    """The norm's autotuner as torch bundles it: copied before tuning, with every config it
+    started from (their raw cubins cleared), its source in the worker's cache dir."""
+    kernel = CachingAutotuner.__new__(CachingAutotuner)
+    kernel.__dict__.update(
+        filename=os.path.join(worker, "ab", "cabcdef.py"),
+        inductor_meta=dict(META),
+        compile_results=[_result(h, c) for h, c in zip(hashes, configs)],
+        launchers=[],
+        deterministic_mode=False,
+        heuristic_type=heuristics.HeuristicType.POINTWISE,
+        size_hints=None,
+        device_props=None,
+    )
+    kernel.prepare_for_caching()
+    return StaticallyLaunchedAutotuner(f"key-{NORM}", NORM, kernel)
+
+
+def _tune(autotuner: StaticallyLaunchedAutotuner, configs: list, best, coordesc=False) -> None:
+    """The worker's autotune result, written by torch's own autotune cache."""
+    kernel = autotuner.kernel
+    cache = AutotuneCache.create(
+        kernel.inductor_meta, kernel.filename, heuristics.hash_configs(configs)
+    )
+    cache.save(best, 10**6, found_by_coordesc=coordesc)
+
+
+def _with(bundled: TritonBundle, autotuner: StaticallyLaunchedAutotuner) -> TritonBundle:
+    """`bundled` with the norm's autotuner replaced by `autotuner`."""
+    others = [a for a in bundled.static_autotuners if a.kernel_name != NORM]
+    return TritonBundle(bundled.kernel_artifacts, [autotuner, *others])
+
+
+def _loaded(bundle: TritonBundle, worker: str, client, monkeypatch):
+    """What the client makes of `bundle` sent in an artifact with the worker's results: the
+    bundle emitted by torch's loader (the names of the autotuners it loaded) and the norm's
+    autotuner after the load's recheck, which must compile nothing."""
+    data = pickle.dumps(bundle)
+    tuned = {}
+    for path in glob.glob(os.path.join(worker, "*", "*.best_config")):
+        name = os.path.relpath(path, worker)
+        (client / name).parent.mkdir(parents=True, exist_ok=True)
+        (client / name).write_bytes(open(path, "rb").read())
+        tuned[name] = path
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(client / "triton"))
+    monkeypatch.setattr(CompiledTritonKernels, "_cache", {})
+    with config.patch(bundle_triton_into_fx_graph_cache=True, use_static_triton_launcher=True):
+        meta = TritonBundler.read_and_emit(pickle.loads(data))
+    future = CompiledTritonKernels._cache[f"key-{NORM}"]
+
+    def compile_from_source():
+        raise AssertionError("the client compiled the kernel")
+
+    with autotune_results.worker_results_win(str(client), set(tuned)):
+        future.static_autotuner.recheck_autotune_cache(compile_from_source)
+    return meta.statically_launched_kernel_names, future.static_autotuner
+
+
+def test_a_tuned_kernel_keeps_only_the_config_its_result_names(bundled, tmp_path, monkeypatch):
+    worker = str(tmp_path / "worker")
+    configs = [_Config(64), _Config(128)]
+    autotuner = _tuned_autotuner(worker, configs, ["hnorm1", "hnorm2"])
+    _tune(autotuner, configs, configs[1])
+    chosen = triton_selection.selected(
+        _with(bundled, autotuner), _output_code([NORM, GEMM]), RESULT
+    )
+    (cut,) = [a for a in chosen.static_autotuners if a.kernel_name == NORM]
+    assert [r.kernel.hash for r in cut.kernel.compile_results] == ["hnorm2"]
+    assert [r.kernel.hash for r in autotuner.kernel.compile_results] == ["hnorm1", "hnorm2"]
+    assert {k.kernel_hash for k in chosen.kernel_artifacts} == {"hnorm2", "hgemm"}
+    # the client loads it statically, and its recheck takes that config without compiling
+    names, kernel = _loaded(chosen, worker, tmp_path / "client", monkeypatch)
+    assert names == [NORM]
+    assert [r.kernel.hash for r in kernel.compile_results] == ["hnorm2"]
+    assert kernel.autotune_cache_info["autotune_cache_state"] == "hit"
+    if gate.release_tuple() < (2, 13):  # 2.13+ skips the rescaling of a hit itself
+        assert kernel.inductor_meta["dynamic_scale_rblock"] is False
+
+
+def test_a_config_coordinate_descent_found_is_the_one_built_here(bundled, tmp_path, monkeypatch):
+    """Coordinate descent found a config after the autotuner was bundled: the static result
+    this process built for it replaces the bundled ones (raw cubin cleared), and of the
+    kernel's other binaries (the configs it started from, those it tried) none is kept."""
+    triton = pytest.importorskip("triton")  # the result names a triton.Config of its own
+    worker = str(tmp_path / "worker")
+    configs = [triton.Config({"XBLOCK": 64}), triton.Config({"XBLOCK": 128})]
+    found = triton.Config({"XBLOCK": 256}, num_warps=8)
+    autotuner = _tuned_autotuner(worker, configs, ["hnorm1", "hnorm2"])
+    _tune(autotuner, configs, found, coordesc=True)
+    bundle = _with(bundled, autotuner)
+    with config.patch(bundle_triton_into_fx_graph_cache=True, use_static_triton_launcher=False):
+        TritonBundler.begin_compile()
+        for kernel_hash in ("hfound", "htried"):  # what coordinate descent built, named alike
+            _cache_entry(str(tmp_path / "built"), kernel_hash, NORM)
+            TritonBundler.put(kernel_hash, 0)
+        tried, _ = TritonBundler.collect()
+    bundle = TritonBundle(
+        bundle.kernel_artifacts + tried.kernel_artifacts, bundle.static_autotuners
+    )
+    key = heuristics.triton_config_to_hashable
+    built = {(autotuner.kernel.filename, key(found)): _result("hfound", found)}
+    chosen = triton_selection.selected(bundle, _output_code([NORM]), RESULT, built)
+    (cut,) = chosen.static_autotuners
+    assert [r.kernel.hash for r in cut.kernel.compile_results] == ["hfound"]
+    assert cut.kernel.compile_results[0].kernel.cubin_raw is None  # TritonBundler has the file
+    assert {k.kernel_hash for k in chosen.kernel_artifacts} == {"hfound"}
+    names, kernel = _loaded(chosen, worker, tmp_path / "client", monkeypatch)
+    assert names == [NORM]
+    assert [key(r.config) for r in kernel.compile_results] == [key(found)]
+
+
+def test_a_kernel_whose_result_names_no_config_at_hand_is_kept_whole(bundled, tmp_path):
+    """A result this process did not build (another compile's): the autotuner and every
+    binary of its name stay, as before."""
+    triton = pytest.importorskip("triton")  # 2.13+ makes a triton.Config of such a result
+    worker = str(tmp_path / "worker")
+    configs = [triton.Config({"XBLOCK": 64}), triton.Config({"XBLOCK": 128})]
+    autotuner = _tuned_autotuner(worker, configs, ["hnorm1", "hnorm2"])
+    _tune(autotuner, configs, triton.Config({"XBLOCK": 32}))  # none of its configs
+    chosen = triton_selection.selected(_with(bundled, autotuner), _output_code([NORM]), RESULT)
+    assert chosen.static_autotuners[0] is autotuner
+    assert {k.kernel_hash for k in chosen.kernel_artifacts} == {"hnorm1", "hnorm2"}
+
+
+def test_a_result_torch_cannot_read_keeps_the_autotuner_whole(bundled, tmp_path):
+    worker = str(tmp_path / "worker")
+    configs = [_Config(64), _Config(128)]
+    autotuner = _tuned_autotuner(worker, configs, ["hnorm1", "hnorm2"])
+    _tune(autotuner, configs, configs[1])
+    (path,) = glob.glob(os.path.join(worker, "*", "*.best_config"))
+    result = json.loads(open(path).read())
+    with open(path, "w") as f:  # a result without its warps: torch 2.13+ raises KeyError
+        json.dump({k: v for k, v in result.items() if k != "num_warps"}, f)
+    chosen = triton_selection.selected(_with(bundled, autotuner), _output_code([NORM]), RESULT)
+    assert chosen.static_autotuners[0] is autotuner
+    assert {k.kernel_hash for k in chosen.kernel_artifacts} == {"hnorm1", "hnorm2"}
+
+
+def test_while_entered_the_static_results_built_here_are_kept_as_built(
+    bundled, tmp_path, monkeypatch
+):
+    """The result `_precompile_config` returns goes on to load its binary (a launcher):
+    what a graph's bundle is cut to is a copy taken before that, without the raw cubin."""
+    triton = pytest.importorskip("triton")
+    worker = str(tmp_path / "worker")
+    configs = [triton.Config({"XBLOCK": 64}), triton.Config({"XBLOCK": 128})]
+    autotuner = _tuned_autotuner(worker, configs, ["hnorm1", "hnorm2"])
+    found = triton.Config({"XBLOCK": 256})
+    _tune(autotuner, configs, found, coordesc=True)
+    returned = _result("hfound", found)
+    monkeypatch.setattr(CachingAutotuner, "_precompile_config", lambda self, cfg: returned)
+    live = types.SimpleNamespace(filename=autotuner.kernel.filename)  # the tuned autotuner
+    graph = CompiledFxGraph.__new__(CompiledFxGraph)
+    graph.compiled_fn_runner = None
+    graph.source_code = _output_code([NORM])
+    with triton_selection.only_launched(RESULT):
+        assert CachingAutotuner._precompile_config(live, found) is returned
+        returned.kernel.function = 7  # what loading it for a launcher sets
+        graph.set_triton_bundle(_with(bundled, autotuner))
+    assert CachingAutotuner._precompile_config(live, found) is returned  # left: torch's own
+    (cut,) = graph._triton_bundle.static_autotuners
+    (kept,) = cut.kernel.compile_results
+    assert kept.kernel.hash == "hfound" and kept.kernel.cubin_raw is None
+    assert not hasattr(kept.kernel, "function") and returned.kernel.cubin_raw == b"cubin"
+
+
+def test_precompile_is_wrapped_only_while_entered():
+    original = CachingAutotuner._precompile_config
+    with triton_selection.only_launched():
+        assert CachingAutotuner._precompile_config is not original
+    assert CachingAutotuner._precompile_config is original

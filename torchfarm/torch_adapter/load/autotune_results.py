@@ -13,7 +13,13 @@ path (`CachingAutotuner.recheck_autotune_cache`). While `worker_results_win` is 
   (2.14.1 added `dynamic_scale_rblock_eligible` and turned an assert into a raise).
 - torch 2.11's recheck ignores a kernel with a single config, which is what coordinate
   descent (max-autotune) leaves, so there it is replaced by `_recheck_2_11` (the body of
-  2.13's recheck, with the worker's result found).
+  2.13's recheck, with the worker's result found). Like 2.13's, a kernel whose result was
+  found is not rescaled after it (`_dynamic_scale_rblock`): 2.11 would compile configs with
+  halved reduction blocks beside the result on the client, and the worker's bundle holds
+  only the result's binary (torch_adapter/compile/triton_selection.py).
+
+`filed_result` is the config a load takes from the worker's result: the compile side cuts a
+kernel's bundled autotuner to it (triton_selection).
 
 `result_path` / `module_result_path` name where Inductor's local autotune cache keeps a
 kernel's result: the compile side places earlier results there
@@ -146,6 +152,17 @@ def _result_for(result: dict, configs: list, inductor_meta) -> object | None:
     )
 
 
+def filed_result(autotuner) -> object | None:
+    """The config a load of `autotuner` takes from the result filed beside its source: one of
+    its compile results' configs, or one found beside them (by coordinate descent; on 2.13+
+    also by the rblock rescaling); None where no result is filed or it names none."""
+    found = _local_result(autotuner)
+    if found is None:
+        return None
+    configs = [result.config for result in autotuner.compile_results]
+    return _result_for(found[2], configs, autotuner.inductor_meta)
+
+
 def _file_under_these_configs(autotuner) -> None:
     """Re-file the worker's result under the hash of the kernel's bundled configs."""
     found = _local_result(autotuner)
@@ -169,11 +186,13 @@ def _recheck_2_11(self, reload_kernel_from_src) -> None:
     if self.autotune_cache_info.get("autotune_cache_state") == "hit":
         best = cached[0]
     else:
-        found = _local_result(self)
-        best = _result_for(found[2], configs, self.inductor_meta) if found else None
+        best = filed_result(self)
         if best is None:
             return
         self.autotune_cache_info = {"autotune_cache_state": "hit", "source": "torchfarm"}
+    # 2.13's _dynamic_scale_rblock skips a kernel whose result was found; 2.11's would add
+    # configs with halved reduction blocks next to the result (compiled here, then tuned again)
+    self.inductor_meta = {**self.inductor_meta, "dynamic_scale_rblock": False}
     by_coordesc = getattr(best, "found_by_coordesc", False)
     wanted = heuristics.triton_config_to_hashable(best)
     for result in self.compile_results:
