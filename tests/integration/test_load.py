@@ -257,7 +257,9 @@ got = [out.detach(), *(t.grad for t in inputs if t.requires_grad)]
 for a, b in zip(got, expected, strict=True):
     torch.testing.assert_close(a, b)
 heavy = [m for m in ("torch._inductor.select_algorithm", "torch._inductor.graph",
-                     "torch._inductor.compile_fx", "torch._inductor.codegen.memory_planning")
+                     "torch._inductor.compile_fx", "torch._inductor.codegen.memory_planning",
+                     "torch._inductor.decomposition", "torch._inductor.debug",
+                     "torch._inductor.autotune_process")
          if m in sys.modules]
 print("imported:", heavy)
 """
@@ -267,12 +269,16 @@ def test_a_fresh_process_loads_and_runs_the_graph_without_inductors_compile_path
     static_mlp, tmp_path
 ):
     """The output code imports torchfarm's extern kernels (light_wrapper) and the load leaves
-    Inductor's graph module out (graph_import): no lowerings, no kernel templates."""
+    Inductor's graph module out (graph_import): no lowerings, no kernel templates; the entry
+    names torchfarm's decomposition picker, not Inductor's decompositions (light_wrapper), and
+    the graph's calls read Inductor's debug flags without its debug module (debug_flags)."""
     gm, artifact = static_mlp
     assert b"import torchfarm.torch_adapter.load.extern_kernels as extern_kernels" in (
         artifact.inductor
     )
     assert b"from torch._inductor.select_algorithm import extern_kernels" not in artifact.inductor
+    assert b"torchfarm.torch_adapter.load.decompositions" in artifact.inductor
+    assert b"torch._inductor.decomposition" not in artifact.inductor
     inputs = _real_inputs(gm, batch=None)
     torch.save((inputs, _step(gm, inputs)), tmp_path / "io.pt")
     (tmp_path / "artifact").write_bytes(artifact.SerializeToString())

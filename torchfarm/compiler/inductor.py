@@ -27,7 +27,14 @@ from torchfarm.torch_adapter.compile import (
     tuning_devices,
 )
 from torchfarm.torch_adapter.compile.autograd_cache_log import AutogradCacheLog
-from torchfarm.torch_adapter.load import autotune_results, device_remap, graph_import, triton_bundle
+from torchfarm.torch_adapter.load import (
+    autotune_results,
+    debug_flags,
+    decompositions,
+    device_remap,
+    graph_import,
+    triton_bundle,
+)
 from torchfarm.torch_adapter.load.cudagraphs_on_load import cudagraphs_on_load
 from torchfarm.torch_adapter.trace import fake_tensors, static_inputs
 from torchfarm.torch_adapter.trace.shape_env import ShapeEnv
@@ -130,7 +137,8 @@ def compile_payload(
             ) from e
     shape_guards = guards.produce(fake_mode.shape_env or ShapeEnv(), inputs)
     # A client's load then imports less of Inductor (torch_adapter/compile/light_wrapper.py).
-    inductor_bytes = standalone.save(light_wrapper.lightened(compiled))
+    lighter = light_wrapper.lightened(compiled, decompositions.select_decomp_table)
+    inductor_bytes = standalone.save(lighter)
     return pb.Artifact(
         format=ARTIFACT_FORMAT,
         inductor=inductor_bytes,
@@ -230,6 +238,7 @@ def load_artifact(
         raise ValueError(f"artifact format {artifact.format}, this client reads {ARTIFACT_FORMAT}")
     objects = {n.source_sha256: n.binary for n in artifact.natives}
     spent = timings if timings is not None else {}
+    debug_flags.provide()  # the loaded graphs' calls read Inductor's debug flags
     with (
         _artifact_cache_dir(artifact, device_index) as directory,
         standalone.inductor_config.patch(_LOAD_CONFIG),

@@ -14,7 +14,8 @@ def _refusing_farm() -> dict[str, str]:
 def test_choosing_the_backend_imports_the_load_path_and_prewarms_on_a_thread():
     # A fresh interpreter: importing the backend or its entry module starts nothing; Dynamo's
     # lookup of backend="torchfarm" (in torch.compile, before any trace) imports the load's
-    # modules and starts the thread, so both overlap the first trace; a load's wait() sees
+    # modules (the client's: nothing of Inductor's compile path, decompositions or debug
+    # module) and starts the thread, so both overlap the first trace; a load's wait() sees
     # it finished.
     code = """
 import sys
@@ -23,8 +24,9 @@ import torchfarm.client.backend, torchfarm.client.entry
 from torchfarm.torch_adapter.load import load_prewarm
 assert load_prewarm._thread is None, "importing the backend started the prewarm"
 compiled = torch.compile(lambda x: x.sin() + 1, backend="torchfarm")
-assert "torch._inductor.decomposition" in sys.modules
-assert "torch._inductor.compile_fx" not in sys.modules  # a load does not need it
+assert "torchfarm.compiler.inductor" in sys.modules
+for unneeded in ("compile_fx", "decomposition", "debug"):  # a load needs none of them
+    assert f"torch._inductor.{unneeded}" not in sys.modules, unneeded
 assert load_prewarm._thread is not None, "choosing the backend started no prewarm"
 compiled(torch.randn(4))
 load_prewarm.wait()
@@ -53,7 +55,7 @@ import torchfarm.client.backend
 from torchfarm.compiler import target
 from torchfarm.torch_adapter.load import load_prewarm
 torch.compile(lambda x: x.sin() + 1, backend="torchfarm")(torch.randn(4))
-assert "torch._inductor.decomposition" in sys.modules
+assert "torchfarm.compiler.inductor" in sys.modules
 assert "torch._inductor.compile_fx" not in sys.modules  # a load does not need it
 assert load_prewarm._thread is None, "the prewarm thread started before the first step"
 load_prewarm.resume()

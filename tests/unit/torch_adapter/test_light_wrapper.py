@@ -1,7 +1,7 @@
-"""The lighter imports of a loaded graph's output code (light_wrapper, extern_kernels): the
-same objects as Inductor's own, on this torch release, so a release that changes one fails
-here (the load's stand-in for Inductor's graph module: tests/integration/torch_adapter/
-test_graph_import.py)."""
+"""The lighter imports of a loaded graph's output code and entry (light_wrapper,
+extern_kernels, decompositions): the same objects as Inductor's own, on this torch release,
+so a release that changes one fails here (the load's stand-ins for Inductor's graph and debug
+modules: tests/integration/torch_adapter/test_graph_import.py, test_debug_flags.py)."""
 
 import inspect
 import types
@@ -10,7 +10,7 @@ import torch
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
 from torchfarm.torch_adapter.compile import light_wrapper
-from torchfarm.torch_adapter.load import extern_kernels
+from torchfarm.torch_adapter.load import decompositions, extern_kernels
 
 
 def test_every_extern_kernel_of_the_table_is_inductors_own():
@@ -67,3 +67,26 @@ def test_the_rewrite_replaces_whole_lines_one_for_one():
     namespace: dict = {}
     exec(lighter[0] + "\n" + lighter[2], namespace)  # the lighter lines import what they name
     assert namespace["extern_kernels"].mm is torch.mm
+
+
+def test_the_loads_decomposition_picker_gives_inductors_table():
+    from torch._inductor.decomposition import select_decomp_table
+
+    assert decompositions.select_decomp_table() == select_decomp_table()
+
+
+def test_only_inductors_decomposition_picker_is_replaced_in_a_copy_of_the_kwargs():
+    from torch._inductor.decomposition import select_decomp_table
+
+    def picker() -> dict:
+        return {}
+
+    kwargs = {"get_decomp_fn": select_decomp_table, "is_backward": True}
+    assert light_wrapper.lighter_fx_kwargs(kwargs, picker) == {
+        "get_decomp_fn": picker,
+        "is_backward": True,
+    }
+    assert kwargs["get_decomp_fn"] is select_decomp_table  # the compiled graph's own, kept
+    own = {"get_decomp_fn": dict, "is_backward": False}  # a picker of the caller's own
+    assert light_wrapper.lighter_fx_kwargs(own, picker) is own
+    assert light_wrapper.lighter_fx_kwargs({}, picker) == {}  # torch 2.11 keeps none

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch._inductor import codecache
-from torch._inductor.autotune_process import CppBenchmarkRequest
 
 
 def load_library(cls: Any, path: str, key: str) -> object:
@@ -102,6 +101,9 @@ def benchmarks_marked() -> Iterator[Callable[[], bool]]:
     """While entered, the function it gives tells whether the calling thread is building or
     loading the library of a C++ template candidate that max-autotune benchmarks (not a
     kernel of the output code: a chosen template is rendered into it anew)."""
+    # a compile's import (Inductor's IR and AOTAutograd's compile path): a load never needs it
+    from torch._inductor.autotune_process import CppBenchmarkRequest
+
     inside = threading.local()
     saved = {name: CppBenchmarkRequest.__dict__[name] for name in ("precompile", "make_run_fn")}
 

@@ -9,4 +9,6 @@ autotune_results    the loaded kernels' autotune cache    compiler/inductor, wor
 device_remap        the device index baked into outputs   compiler/serialize, compiler/inductor
 extern_kernels      select_algorithm's extern_kernels     the loaded output code
 graph_import        the load's import of graph lowering   compiler/inductor
+debug_flags         Inductor's debug module's flags       compiler/inductor (the loaded calls)
+decompositions      Inductor's decomposition picker       the loaded entry (compiler/inductor)
 """

@@ -14,8 +14,7 @@ imports the real module, which replaces it. Where Inductor's graph module is alr
 imported (a local compile ran in this process), nothing changes.
 
 Uses torch._inductor.output_code.CompiledFxGraph.after_deserialization (wrapped while the
-block runs), torch._inductor.debug (imported: 28 modules, 0.4 s there) and the
-`from .graph import GraphLowering` that follows that call in
+block runs) and the `from .graph import GraphLowering` that follows that call in
 torch._inductor.codecache.FxGraphCache.cache_hit_post_compile.
 Verified (sources read): torch 2.11.0, 2.13.0, 2.15.0.
 """
@@ -29,9 +28,6 @@ import threading
 import types
 from collections.abc import Iterator
 
-# The loaded graphs' calls read torch._inductor.debug's flags (CompiledFxGraph.__call__),
-# an attribute that exists once the module is imported, as Inductor's graph module does.
-import torch._inductor.debug  # noqa: F401
 from torch._inductor.output_code import CompiledFxGraph
 
 _GRAPH = "torch._inductor.graph"

@@ -1,11 +1,10 @@
 """What a fresh process's first artifact load needs, done before it is needed.
 
-A hit's load is mostly one-time work of the process, not of the artifact: importing what
-the load imports beyond the client's own modules (Inductor's decompositions, which the
-artifact's pickled entry names), Inductor's hash of torch's sources (`torch_key`, in its
-kernels' and tuning caches' keys) and, with Triton, building Triton's driver stubs (a C
-compiler run) and hashing Triton. On an H100 (torch 2.11, bench/gpu `profile`) that was
-4.3 s of a 4.8 s GPT hit (when this imported Inductor's compile path).
+A hit's load is mostly one-time work of the process, not of the artifact: Inductor's hash
+of torch's sources (`torch_key`, in its kernels' and tuning caches' keys) and, with Triton,
+building Triton's driver stubs (a C compiler run) and hashing Triton. On an H100 (torch
+2.11, bench/gpu `profile`) that was 4.3 s of a 4.8 s GPT hit (when this imported Inductor's
+compile path).
 torch.compile(backend="inductor") pays the imports inside torch.compile and the rest along its
 first step, one after another.
 
@@ -14,29 +13,30 @@ same torch build), and the load takes it (`known_torch_key`). Hashed on this thr
 0.3-0.4 s alone and, beside Dynamo's trace, 4.2 s of GIL-shared time, after which the first
 load still waited 1.1 s for it (H200, llama, 2026-11-29).
 
-Inductor's compile path (compile_fx, its lowerings and kernel templates) is not imported:
-the worker's output code does not import it (torch_adapter/compile/light_wrapper.py), nor
-does the load (torch_adapter/load/graph_import.py); imported here, it was 28% of a CPU skip
-hit (docs/benchmarks.md). A graph that the farm cannot serve imports it where it compiles
-locally.
+Nothing of Inductor is imported here: a load imports no more than the client's own modules
+do. Not Inductor's compile path (compile_fx, its lowerings and kernel templates), which
+neither the worker's output code (torch_adapter/compile/light_wrapper.py) nor the load
+(graph_import.py) imports; imported here, it was 28% of a CPU skip hit (docs/benchmarks.md).
+Nor Inductor's decompositions, which an artifact names no more (decompositions.py), nor its
+debug module (debug_flags.py): imported here, they took 0.25 s on the CPU box (torch 2.13,
+the collector off), a fifth of a skip hit's imports. A graph that the farm cannot serve
+imports them where it compiles locally, and an older worker's artifact as it loads.
 
 Triton's driver build (a C compiler run, then `ptxas --version`) waits on subprocesses, not
 the GIL, so it runs on a thread of its own, started first, beside Triton's hashing.
 
 `start` runs when the farm's backend is chosen (client/entry.py, inside torch.compile, as
-Inductor's imports are; torchfarm.compile): it imports on the calling thread — imports on
-two threads at once can meet a half-initialised module of torch's circular imports — and
-leaves the hashing and the compiler run to a thread, where they overlap Dynamo's tracing.
-The thread's work imports nothing of torch, so it starts before this thread's imports and
-runs beside them: started after Inductor's compile path was imported here (1-2 s), the first
-load of a skip hit waited 0.8 s for the thread (H200, qwen3, 2026-11-29). A
-load `wait`s for that thread: it never races it. In no-wait mode the first step runs eagerly
-and loads nothing,
-and that thread, which takes the GIL between files, slowed Dynamo's tracing of it (issue 27,
-finding 7): there `start(defer=True)` imports only, and the thread starts at `resume` (after
-the first step) or in the first load's `wait`.
+Inductor's imports are; torchfarm.compile): it imports Triton's modules on the calling
+thread — imports on two threads at once can meet a half-initialised module of torch's
+circular imports — and leaves the hashing and the compiler run to a thread, where they
+overlap Dynamo's tracing and the client's imports (started after Inductor's compile path was
+imported, 1-2 s, the first load of a skip hit waited 0.8 s for the thread: H200, qwen3,
+2026-11-29). A load `wait`s for that thread: it never races it. In no-wait mode the first
+step runs eagerly and loads nothing, and that thread, which takes the GIL between files,
+slowed Dynamo's tracing of it (issue 27, finding 7): there `start(defer=True)` imports only,
+and the thread starts at `resume` (after the first step) or in the first load's `wait`.
 
-Uses `torch._inductor.decomposition` (import), `torch._inductor.codecache.torch_key` and
+Uses `torch._inductor.codecache.torch_key` and
 `torch.utils._triton.triton_backend` / `triton_hash_with_backend` and
 `torch._inductor.runtime.triton_compat.triton_key`. Verified (source read): torch 2.11.0,
 2.13.0, 2.15.0.
@@ -57,15 +57,14 @@ _deferred: list[Callable[[], object]] | None = None  # imported, its thread not 
 
 
 def start(defer: bool = False) -> None:
-    """Import what a load needs, then hash and build on a thread (with `defer`: from
-    `resume` on); once per process."""
+    """Import Triton's modules, then hash and build on a thread (with `defer`: from `resume`
+    on); once per process."""
     global _deferred
     with _lock:
         if _thread is None and _deferred is None:
             _deferred = _triton_work()
     if not defer:
         resume()
-    _import_load_path()
 
 
 def resume() -> None:
@@ -119,14 +118,6 @@ def _triton_work() -> list[Callable[[], object]]:
     except Exception as e:  # only ever a slower load: the load does the same work itself
         log.debug("prewarming the artifact load: %s", e)
         return []
-
-
-def _import_load_path() -> None:
-    """What the load imports beyond the client's modules (once per process)."""
-    try:
-        import torch._inductor.decomposition  # noqa: F401
-    except Exception as e:  # the load imports it itself and reports what fails
-        log.debug("prewarming the artifact load: %s", e)
 
 
 def _beside(build: Callable[[], object]) -> threading.Thread:
