@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from torchfarm.client import keywords
+from torchfarm.client import collector, keywords
 from torchfarm.settings import ClientSettings
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's; the package supports 3.10
@@ -55,10 +55,11 @@ def compile(
     torch.compile's `mode`, `dynamic`, `fullgraph` and `options` (CompileOptions), and the
     farm's `addr` and `token` (default: TORCHFARM_ADDR, TORCHFARM_TOKEN) and `wait`:
     `wait=False` runs a graph the farm must compile eagerly meanwhile (default: TORCHFARM_WAIT)."""
-    from torchfarm.client.backend import start, torchfarm_backend
-
     chosen = keywords.chosen(compile, options, DEFAULTS)
-    start(ClientSettings.from_env(addr=addr, token=token, wait=wait))  # overlaps the trace
+    with collector.paused():  # the client's imports
+        from torchfarm.client.backend import start, torchfarm_backend
+
+        start(ClientSettings.from_env(addr=addr, token=token, wait=wait))  # overlaps the trace
     backend = functools.partial(
         torchfarm_backend,
         mode=chosen["mode"],
@@ -69,6 +70,7 @@ def compile(
     )
     kwargs = dict(backend=backend, dynamic=chosen["dynamic"], fullgraph=chosen["fullgraph"])
 
+    @collector.paused()  # a package's restore imports and unpickles
     def wrap(target):
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
             init = target.__init__
@@ -92,6 +94,7 @@ def compile(
     return wrap if obj is None else wrap(obj)
 
 
+@collector.paused()  # a package's restore imports and unpickles
 def take_over(target: Any, compile: Compile) -> Any:
     """`torch.compile(target, backend="torchfarm")` with the skip, as `torchfarm.compile(target)`
     with the same arguments makes it, under a package key of its own (the entry point is in

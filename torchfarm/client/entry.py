@@ -16,13 +16,16 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     if name != "torchfarm_backend":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from torchfarm.client import backend, decorator
-    from torchfarm.settings import ClientSettings
+    from torchfarm.client import collector
 
-    settings = ClientSettings.from_env()
-    backend.start(settings)
-    if decorator.skips_tracing(settings):
-        from torchfarm.torch_adapter.trace import named_backend
+    with collector.paused():  # the client's imports
+        from torchfarm.client import backend, decorator
+        from torchfarm.settings import ClientSettings
 
-        named_backend.intercept(backend.torchfarm_backend, decorator.take_over)
+        settings = ClientSettings.from_env()
+        backend.start(settings)
+        if decorator.skips_tracing(settings):
+            from torchfarm.torch_adapter.trace import named_backend
+
+            named_backend.intercept(backend.torchfarm_backend, decorator.take_over)
     return backend.torchfarm_backend
