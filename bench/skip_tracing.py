@@ -10,9 +10,10 @@ unless said otherwise, side by side in one run:
   farm_hit_skip   the same with the skip (the default) and the package saved by an earlier
                   process: Dynamo's output installed, no frame traced
   floor           no compile: the imports that a restored graph's code needs (Dynamo, for its
-                  guards and frames; AOTAutograd's and Inductor's runtime, which the load and
-                  the loaded wrapper import), then the step run eagerly: what any skip hit
-                  pays at least
+                  guards and frames, and what its optimize() imports; AOTAutograd's and
+                  Inductor's runtime, which the load and the loaded wrapper import), with the
+                  garbage collector paused as torchfarm.compile pauses it, then the step run
+                  eagerly: what any skip hit pays at least
 
 It prints each median, frames traced, and farm_hit_skip / pt_remote_warm and / pt_local_warm
 (issue 26's CPU target: farm_hit_skip <= 0.4x pt_local_warm), and floor / pt_local_warm.
@@ -46,15 +47,15 @@ STAGES = {
     "floor": "imports a restore needs + eager",
 }
 # What a restored graph's code imports on the CPU (torch 2.13): Dynamo (its package, guards
-# and frames), AOTAutograd's cache entry, and what the load and Inductor's Python wrapper
-# import, as the worker rewrites it (torch_adapter/compile/light_wrapper.py; not
-# select_algorithm's lowerings and kernel templates, nor codegen.memory_planning)
+# and frames, and the debug wrapper its optimize() imports), AOTAutograd's cache entry, and
+# what the load and Inductor's Python wrapper import, as the worker rewrites it
+# (torch_adapter/compile/light_wrapper.py; not select_algorithm's lowerings and kernel
+# templates, nor codegen.memory_planning, nor Inductor's decompositions or debug module)
 RESTORE_IMPORTS = (
     "torch._dynamo",
+    "torch._dynamo.repro.after_dynamo",
     "torch._functorch._aot_autograd.aot_autograd_result",
     "torch._inductor.async_compile",
-    "torch._inductor.debug",
-    "torch._inductor.decomposition",
 )
 
 
@@ -89,8 +90,11 @@ def client(backend: str, model_name: str) -> None:
 
         compiled = torchfarm.compile(model)
     elif backend == "floor":
-        for name in RESTORE_IMPORTS:
-            importlib.import_module(name)
+        from torchfarm.client import collector
+
+        with collector.paused():
+            for name in RESTORE_IMPORTS:
+                importlib.import_module(name)
         compiled = model
     else:
         compiled = torch.compile(model, backend=backend)
