@@ -107,6 +107,9 @@ class Runner:
             TORCHFARM_ADDR=addr,
             TORCHFARM_TOKEN=TOKEN,
             TORCHFARM_PROGRESS="0",
+            # the skip only in the stages that name it (`farm-skip`): on by default on 2.11 since
+            # its CPU zoo passed, which would turn the farm-hit stage into a second skip stage
+            TORCHFARM_SKIP_TRACING="0",
             TF_PTXAS_LOG=f"{cache}/ptxas-{time.time_ns()}.log",
         )
 
