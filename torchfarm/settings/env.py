@@ -218,7 +218,7 @@ SETTINGS: tuple[Setting, ...] = (
         " a later process installs it and traces no frame it can restore (docs/architecture.md, "
         '"Skipping Dynamo on a hit"). Needs `TORCHFARM_TOKEN` and a torch release in '
         "`dynamo_package.VERIFIED`",
-        shown="(per release: on for 2.13, off elsewhere)",
+        shown="(per release: on for 2.11 and 2.13, off elsewhere)",
     ),
     Setting(
         "TORCHFARM_PACKAGE_KEY",
