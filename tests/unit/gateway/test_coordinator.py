@@ -106,6 +106,7 @@ def test_a_miss_is_queued_once_then_served_and_the_repeat_is_a_hit(store):
     first, merged = [], []
     waiting = _in_background(first, coordinator, _call())
     job = queue.next()
+    _until_waiting(first)  # its first progress read while the job is queued, not after
     second = _in_background(merged, coordinator, _call())  # same job: single flight
     _until_waiting(merged)
     _store_as_worker(store, job, compile_seconds=3.0)
