@@ -37,7 +37,7 @@ print("ok")
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard: a CUDA build's fresh process took > 120 s on a loaded box
         env=_refusing_farm(),
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
@@ -72,7 +72,7 @@ print("ok")
         [sys.executable, "-c", "import sys\n" + code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard: a CUDA build's fresh process took > 120 s on a loaded box
         env=env,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
