@@ -59,12 +59,13 @@ def _compiled_graphs(root, depth: int = 6) -> list:
 
 def _graph(graph) -> dict:
     """One compiled graph's bytes: output code, Triton files by kernel, autotuners, the rest."""
+    from torchfarm.torch_adapter.compile.triton_selection import kernel_name
+
     bundle = getattr(graph, "_triton_bundle", None)
     kernels: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [entries, bytes]
     extensions: dict[str, int] = defaultdict(int)
     for entry in getattr(bundle, "kernel_artifacts", None) or []:
-        names = [a.filename for a in entry.artifacts]
-        stem = next((n[:-5] for n in names if n.endswith(".json") and "__grp__" not in n), "?")
+        stem = kernel_name([a.filename for a in entry.artifacts]) or "?"
         kernels[stem][0] += 1
         for artifact in entry.artifacts:
             kernels[stem][1] += len(artifact.payload)
