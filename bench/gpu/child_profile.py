@@ -1,13 +1,13 @@
 """Where a farm compile child's time goes, graph by graph: the floor of a miss.
 
-    child_profile.py MODEL OUTDIR        (MODEL: a bench model or coverage:NAME)
+    child_profile.py MODEL OUTDIR [--pool-only]   (MODEL: a bench model, coverage:NAME or zoo:NAME)
 
 The parent traces one training step of MODEL with a backend that keeps each graph's
 CompileRequest and runs eagerly. Each distinct request is then compiled in
 a fresh process warmed as a GPU pool's compile child is (workers/compile_child.warm_up), on
 empty Inductor and Triton caches, the backward in the same process (no helper), under
 cProfile: once warmed without the throwaway compile (workers/warm_compile.py), once with it,
-one after the other. One JSON line per graph and warm-up on stdout: warm-up and compile
+one after the other (`--pool-only`: only with it, as a GPU pool's children are). One JSON line per graph and warm-up on stdout: warm-up and compile
 seconds, the top functions by cumulative time, and torch's own compile-phase times; the
 pstats files go to OUTDIR.
 """
@@ -100,14 +100,14 @@ def compile_one(path: str, outdir: str, throwaway: bool) -> None:
     print(json.dumps(row), flush=True)
 
 
-def main(name: str, outdir: str) -> None:
+def main(name: str, outdir: str, pool_only: bool) -> None:
     os.makedirs(outdir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="child-profile-")
     for number, (label, data) in enumerate(requests(name)):
         path = os.path.join(work, f"{name.replace(':', '-')}-{number}.req")
         with open(path, "wb") as f:
             f.write(data)
-        for throwaway in (False, True):
+        for throwaway in (True,) if pool_only else (False, True):
             env = {
                 **os.environ,
                 "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-"),
@@ -131,4 +131,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--compile":
         compile_one(sys.argv[2], sys.argv[3], throwaway="--throwaway" in sys.argv[4:])
     else:
-        main(sys.argv[1], sys.argv[2])
+        main(sys.argv[1], sys.argv[2], pool_only="--pool-only" in sys.argv[3:])
