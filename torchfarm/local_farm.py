@@ -23,6 +23,10 @@ from torchfarm.cache.store import Store
 from torchfarm.errors import FarmNotReady
 from torchfarm.settings import env as settings_env
 
+# util-linux's, on every Debian and Ubuntu; without it the farm's processes can outlive a
+# killed parent, as before
+_SETPRIV = shutil.which("setpriv")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -134,9 +138,14 @@ class LocalFarm:
         self.stop()
 
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start one of the farm's processes in a session of its own, tied to this process's
+        life: it gets SIGKILL when the thread that started it ends (util-linux `setpriv
+        --pdeathsig`, kept across its exec), so a SIGKILLed `torchfarm up` or test leaves no
+        redis-server, gateway or worker behind. Start a farm from a thread that outlives it."""
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        tied = [_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []
         proc = subprocess.Popen(
-            cmd,
+            [*tied, *cmd],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

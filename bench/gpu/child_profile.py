@@ -1,15 +1,15 @@
 """Where a farm compile child's time goes, graph by graph: the floor of a miss.
 
-    child_profile.py MODEL OUTDIR [--pool-only]   (MODEL: a bench model, coverage:NAME or zoo:NAME)
+    child_profile.py MODEL OUTDIR [--pool-only]   (MODEL: a bench model, coverage:NAME, zoo:NAME)
 
 The parent traces one training step of MODEL with a backend that keeps each graph's
-CompileRequest and runs eagerly. Each distinct request is then compiled in
-a fresh process warmed as a GPU pool's compile child is (workers/compile_child.warm_up), on
-empty Inductor and Triton caches, the backward in the same process (no helper), under
-cProfile: once warmed without the throwaway compile (workers/warm_compile.py), once with it,
-one after the other (`--pool-only`: only with it, as a GPU pool's children are). One JSON line per graph and warm-up on stdout: warm-up and compile
-seconds, the top functions by cumulative time, and torch's own compile-phase times; the
-pstats files go to OUTDIR.
+CompileRequest and runs eagerly. Each distinct request is then compiled in a fresh process
+warmed as a GPU pool's compile child is (workers/compile_child.warm_up), on empty Inductor and
+Triton caches, the backward in the same process (no helper), under cProfile: once warmed
+without the throwaway compile (workers/warm_compile.py), once with it, one after the other
+(`--pool-only`: only with it, as a GPU pool's children are). One JSON line per graph and warm-up
+on stdout: warm-up and compile seconds, the top functions by cumulative time, and torch's
+own compile-phase times; the pstats files go to OUTDIR.
 """
 
 from __future__ import annotations

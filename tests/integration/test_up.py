@@ -1,7 +1,7 @@
 """`torchfarm up`: prints the operator's block (address, an admin token the cache CLI works
-with alone, the recovery command) when ready, starts a worker that exits again, SIGTERM
-leaves no process behind, and it is closed where asked: tenants from the environment are
-honoured, its Redis wants a password."""
+with alone, the recovery command) when ready, starts a worker that exits again, SIGTERM (or
+SIGKILL) leaves no process behind, and it is closed where asked: tenants from the
+environment are honoured, its Redis wants a password."""
 
 import os
 import re
@@ -153,16 +153,44 @@ def test_up_prints_address_serves_honours_tenants_and_stops_cleanly(tmp_path):
         started = _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        alive = started
-        while alive and time.monotonic() < deadline:
-            alive = {
-                p
-                for p in started
-                if os.path.exists(f"/proc/{p}")
-                and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
-            }
-            time.sleep(0.2)
+        alive = _alive_after(started, 10)
+        assert not alive, f"left running: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive_after(pids: set[int], seconds: float) -> set[int]:
+    """Those of `pids` still running (not zombies) once `seconds` have passed, or fewer."""
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = {
+            p
+            for p in pids
+            if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+        }
+    return alive
+
+
+def test_a_killed_up_leaves_no_process_behind():
+    # SIGKILL gives `torchfarm up` no chance to stop its farm: its redis-servers, gateway and
+    # worker (each in a session of its own) must end with it all the same.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchfarm", "up", "--grpc-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, TORCHFARM_TENANTS=f"alice:{hash_token(TOKENS['alice'])}"),
+    )
+    try:
+        assert _operator_block(proc)["TORCHFARM_ADDR"]  # ready
+        started = _descendants(proc.pid)
+        assert len(_workers(started)) == 1 and len(started) >= 4, started
+        proc.kill()
+        proc.wait(timeout=30)
+        alive = _alive_after(started, 30)
         assert not alive, f"left running: {alive}"
     finally:
         if proc.poll() is None:
