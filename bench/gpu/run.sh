@@ -75,17 +75,22 @@ for PART in "$@"; do  # each part starts a farm of its own
         # r % GPUS and cores of its own, side by side, each model's processes one after another
         # in its runner; rows stream to $OUT/zoo-runnerN/log.txt (MODE, BENCH_STEADY=0 pass through;
         # ZOO_PART=novel runs run.py's novel part instead of hit; ZOO_MODES=a,b: runner r's MODE
-        # is the (r mod 2)th, e.g. max-autotune beside default in one call)
+        # is the (r mod 2)th, e.g. max-autotune beside default in one call; ZOO_ENVS="A=0,B=1;A=1":
+        # runner r's extra environment the (r mod count)th, its farm's too; ZOO_SPLIT=0: every
+        # runner runs every model, e.g. a worker setting off beside on, each on a GPU of its own)
         ZOO_MODELS=${ZOO_MODELS:-zoo:llama,zoo:qwen3,zoo:gpt2,zoo:gpt-neox,zoo:deberta-v2,zoo:chatglm-encoder,zoo:timm-convnext,zoo:unet}
         GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
         RUNNERS=${ZOO_RUNNERS:-$GPUS}; PER=$(( $(nproc) / RUNNERS ))
         IFS=, read -ra ALL <<< "$ZOO_MODELS"
         IFS=, read -ra MODES <<< "${ZOO_MODES:-${MODE:-default}}"  # runner r: MODES[r % count]
+        IFS=';' read -ra ENVS <<< "${ZOO_ENVS:-ZOO_ENV_NONE=1}"
         for ((r = 0; r < RUNNERS; r++)); do
-            mine=(); for ((i = r; i < ${#ALL[@]}; i += RUNNERS)); do mine+=("${ALL[i]}"); done
+            step=$RUNNERS; first=$r; [ "${ZOO_SPLIT:-1}" = 0 ] && { step=1; first=0; }
+            mine=(); for ((i = first; i < ${#ALL[@]}; i += step)); do mine+=("${ALL[i]}"); done
             [ ${#mine[@]} -gt 0 ] || continue
             mkdir -p "$OUT/zoo-runner$r"
-            (IFS=,; MODE=${MODES[r % ${#MODES[@]}]} CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
+            extra=${ENVS[r % ${#ENVS[@]}]}
+            (IFS=,; export $extra; MODE=${MODES[r % ${#MODES[@]}]} CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-480}" taskset -c $((r * PER))-$((r * PER + PER - 1)) \
                 python3 bench/gpu/run.py --part "${ZOO_PART:-hit}" --out "$OUT/zoo-runner$r" \
                 > "$OUT/zoo-runner$r/log.txt" 2>&1 || echo "zoo runner $r failed ($?)") &
