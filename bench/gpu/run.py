@@ -11,8 +11,8 @@ miss:     local cold vs farm miss (then the hit) for GPT and ResNet-50, mode def
 novel:    issue 28: local cold vs farm miss on an empty farm for MODELS (default GPT and four
           coverage architectures, training steps; `zoo:NAME` as in hit), MODE (default
           "default"), and their geomean; step time farm/local from a farm hit after the miss
-          (the worker idle); the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (auto: on
-          here); PARITY=gpt then times that model's farm code beside a local compile in one
+          (the worker idle); the worker runs TORCHFARM_CONCURRENT_BACKWARD as set (off by
+          default); PARITY=gpt then times that model's farm code beside a local compile in one
           process (parity.py).
 sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and its 8-layer
           sibling), MODE (default "default"): local cold of B on empty caches; local A, then

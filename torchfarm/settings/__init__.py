@@ -170,7 +170,7 @@ class WorkerSettings(_FromEnv):
     kernel_builds: int = _var("KERNEL_BUILDS")  # 0: sizing.default_kernel_builds()
     kernel_build_priority: str = _var("KERNEL_BUILD_PRIORITY")
     spread_tuning: bool = _var("SPREAD_TUNING")
-    concurrent_backward: str = _var("CONCURRENT_BACKWARD")  # auto: resolved here
+    concurrent_backward: str = _var("CONCURRENT_BACKWARD")
     kernel_names: str = _var("KERNEL_NAMES")
 
     def __post_init__(self) -> None:
@@ -182,11 +182,6 @@ class WorkerSettings(_FromEnv):
             object.__setattr__(self, "kernel_builds", sizing.default_kernel_builds())
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
-        if self.concurrent_backward == "auto":
-            on = (os.cpu_count() or 1) >= sizing.CONCURRENT_BACKWARD_MIN_CORES and (
-                self.device == "cuda" or self._helper_fits()
-            )
-            object.__setattr__(self, "concurrent_backward", "1" if on else "0")
         processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
         share_mb = sizing.compile_share_mb(self.concurrency, self.warm_children * processes)
         if not self.compile_disk_mb:
@@ -199,15 +194,6 @@ class WorkerSettings(_FromEnv):
                 "memory_limit_mb",
                 sizing.compile_memory_mb(share_mb, self.compile_disk_mb, processes),
             )
-
-    def _helper_fits(self) -> bool:
-        """Whether a CPU compile's default memory cap, split with a helper, still holds a
-        compile (an operator's own cap is taken as given)."""
-        if self.memory_limit_mb != -1:
-            return True
-        share_mb = sizing.compile_share_mb(self.concurrency, 2 * self.warm_children)
-        disk_mb = self.compile_disk_mb or sizing.default_disk_mb(share_mb)
-        return sizing.memory_cap_mb(share_mb, disk_mb, 2) >= sizing.MIN_COMPILE_MEMORY_MB
 
     @property
     def visibility_timeout_s(self) -> float:

@@ -654,16 +654,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "TORCHFARM_CONCURRENT_BACKWARD",
         str,
-        "auto",
+        "0",
         "worker",
         "1: each compile child has a helper in its sandbox that compiles a training graph's "
         "backward while the child compiles the forward; the child's backward is then a lookup of "
-        "the helper's (a failed helper costs nothing but its CPU: the child compiles it itself). "
-        "auto = on from 8 cores, and on CPU only where the memory allows a second process per "
-        "compile (a CPU compile's memory cap is split between the two). On the H200 it took the "
-        "farm's novel training misses from 0.97× to 0.88× a local cold compile "
-        "(docs/benchmarks.md)",
-        choices=("auto", "1", "0"),
+        "the helper's (a failed helper costs nothing but its CPU: the child compiles it itself; "
+        "a CPU compile's memory cap is split between the two). Off by default: on the H200 zoo "
+        "it made the worker's compiles 1.3-1.5× longer than without it, side by side (vit, "
+        'convnext, gpt2; docs/benchmarks.md, "Novel misses")',
+        choices=("1", "0"),
     ),
     Setting(
         "TORCHFARM_KERNEL_CACHE_MB",

@@ -40,7 +40,6 @@ def default_kernel_builds() -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
-CONCURRENT_BACKWARD_MIN_CORES = 8  # TORCHFARM_CONCURRENT_BACKWARD=auto turns it on from here
 COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
 WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
 
