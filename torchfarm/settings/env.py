@@ -659,9 +659,9 @@ SETTINGS: tuple[Setting, ...] = (
         "1: each compile child has a helper in its sandbox that compiles a training graph's "
         "backward while the child compiles the forward; the child's backward is then a lookup of "
         "the helper's (a failed helper costs nothing but its CPU: the child compiles it itself; "
-        "a CPU compile's memory cap is split between the two). Off by default: on the H200 zoo "
-        "it made the worker's compiles 1.3-1.5× longer than without it, side by side (vit, "
-        'convnext, gpt2; docs/benchmarks.md, "Novel misses")',
+        "a CPU compile's memory cap is split between the two). Off by default: side by side on an "
+        "H200 it made the worker's compiles of three of five zoo models 1.3-1.6× longer (vit, "
+        'convnext, gpt2), llama\'s 0.8× (docs/benchmarks.md, "Novel misses")',
         choices=("1", "0"),
     ),
     Setting(
