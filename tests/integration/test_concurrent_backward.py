@@ -26,9 +26,13 @@ def helped_farm():
         yield farm
 
 
-def test_the_backward_compiled_by_the_helper_gives_eagers_gradients(helped_farm):
-    model, x = build("transformer", seed=3)
-    compiled = torchfarm.compile(model, addr=helped_farm.addr)
+def _helped_step(farm: LocalFarm, name: str, seed: int) -> None:
+    """One training step of model `name` on the farm (a miss): eager's output and gradients,
+    and the child's backward the helper's entry, not a compile of its own (a lookup: the
+    worker logs it from the child's `fxgraph_cache_hit` count)."""
+    before = log_of(farm, "worker0").count(HELPED)
+    model, x = build(name, seed=seed)
+    compiled = torchfarm.compile(model, addr=farm.addr)
     backend.history.clear()
     out = compiled(x)
     out.square().mean().backward()
@@ -41,8 +45,19 @@ def test_the_backward_compiled_by_the_helper_gives_eagers_gradients(helped_farm)
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, want)
-    # The child's backward was the helper's entry, not a compile of its own.
-    assert log_of(helped_farm, "worker0").count(HELPED) == 1
+    assert log_of(farm, "worker0").count(HELPED) == before + 1
+
+
+def test_the_backward_compiled_by_the_helper_gives_eagers_gradients(helped_farm):
+    _helped_step(helped_farm, "transformer", seed=3)
+
+
+def test_activations_the_forward_stores_channels_last_reach_the_helper(helped_farm):
+    """Inductor's layout optimization stores the activations a convolution's backward needs
+    channels-last (here oneDNN's CPU; on a GPU a graph of fewer than 300 nodes per
+    convolution: a ViT's patch embedding), and AOTAutograd restrides the backward's inputs to
+    them: the child sends the helper its forward's strides, so the keys still agree."""
+    _helped_step(helped_farm, "cnn", seed=5)
 
 
 def test_an_inference_graph_compiles_and_the_helper_has_nothing_to_do(helped_farm):

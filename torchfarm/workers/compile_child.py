@@ -21,7 +21,9 @@ two tenants ever share a process.
 With `--concurrent-backward` it starts, first thing, a helper: the same module with
 `--backward-helper`, in the same sandbox, which warms up beside it, gets the same request
 and compiles the graph's backward while this process compiles the forward
-(torch_adapter/compile/concurrent_backward.py). What it compiled reaches the artifact only through
+(torch_adapter/compile/concurrent_backward.py). On its stdin come two frames (FRAME): the
+request, then the forward's output strides (JSON) once this process has lowered its forward.
+What it compiled reaches the artifact only through
 the Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
 itself where that misses); its one report, the GEMM candidates it benchmarked and their
 problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
@@ -45,7 +47,9 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import json
 import os
+import queue
 import selectors
 import signal
 import socket
@@ -53,8 +57,8 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from typing import IO, Any, BinaryIO, Protocol
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -64,7 +68,11 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import env
 from torchfarm.workers import kernel_cache, warm_fork
 
-# Each report on the child's stdout is preceded by its length, 8 bytes big-endian.
+if TYPE_CHECKING:  # it imports torch, which the worker importing this module never needs
+    from torchfarm.torch_adapter.compile.concurrent_backward import Strides
+
+# Each report on the child's stdout, and each frame on its helper's stdin, is preceded by
+# its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
 HELPER_REPORT = "torchfarm-helper.pb"  # the backward helper's KernelFiles, in the shared cache dir
 # A fork server's protocol. On its stdin (a Unix socket): FORK with the request's stdin,
@@ -229,22 +237,52 @@ class _ForkedHelper:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _hand_over(helper: _Helper | None, request: bytes, compiles: bool) -> None:
-    """Give the helper the request (from a thread: a helper still warming up reads it only
-    then, and a large request fills the pipe), or end it where it has nothing to do."""
+def _hand_over(
+    helper: _Helper | None, request: bytes, compiles: bool
+) -> Callable[[Strides | None], None]:
+    """Give the helper the request, and what it returns is called with the forward's output
+    strides (None: no more to send). Frames are written from a thread: a helper still warming
+    up reads only then, and a large request fills the pipe. A helper with nothing to do gets
+    an empty pipe (a None first)."""
     if helper is None or helper.stdin is None:
-        return
+        return lambda strides: None
     pipe = helper.stdin
+    frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    frames.put(request if compiles else None)
 
     def write() -> None:
         try:
-            if compiles:
-                pipe.write(request)
+            while (frame := frames.get()) is not None:
+                pipe.write(FRAME.pack(len(frame)) + frame)
+                pipe.flush()
             pipe.close()
         except BrokenPipeError:  # the helper died: the child compiles its backward itself
             pass
 
     threading.Thread(target=write, name="backward-helper-request", daemon=True).start()
+
+    def send(strides: Strides | None) -> None:
+        frames.put(None if strides is None else json.dumps(strides).encode())
+
+    return send
+
+
+def _read_frame(stream: BinaryIO) -> bytes | None:
+    """The next frame from the child (None at the end of the pipe)."""
+    head = stream.read(FRAME.size)
+    if len(head) < FRAME.size:
+        return None
+    (size,) = FRAME.unpack(head)
+    data = stream.read(size)
+    return data if len(data) == size else None
+
+
+def _strides(stream: BinaryIO) -> Strides | None:
+    """The forward's output strides the child sent (None where it sent none)."""
+    frame = _read_frame(stream)
+    if frame is None:
+        return None
+    return [None if s is None else tuple(int(n) for n in s) for s in json.loads(frame)]
 
 
 def _end(helper: _Helper | None) -> None:
@@ -358,9 +396,10 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
         return 0
     request = pb.CompileChildRequest.FromString(data)
     helped = helper is not None and compiler_of(request.options) == INDUCTOR
-    _hand_over(helper, data, helped)
+    send = _hand_over(helper, data, helped)
     with _kernel_hooks(args, request) as hooks:
-        artifact = _compile(args, request, helper if helped else None)
+        artifact = _compile(args, request, helper if helped else None, send)
+    send(None)  # a helper still waiting for strides (no forward was compiled) ends
     files = hooks.report(args, request)
     if helped:  # where the graph had a backward, the helper has exited: its report is whole
         helper_files = _helper_report(hooks.cache_dir)
@@ -426,9 +465,13 @@ def _kernel_hooks(
 
 
 def _compile(
-    args: argparse.Namespace, request: pb.CompileChildRequest, helper: _Helper | None
+    args: argparse.Namespace,
+    request: pb.CompileChildRequest,
+    helper: _Helper | None,
+    send_strides: Callable[[Strides], None],
 ) -> pb.Artifact:
-    """Compile the request with its compiler; its backward by `helper`, where given."""
+    """Compile the request with its compiler; its backward by `helper`, where given, which
+    `send_strides` tells the forward's output strides."""
     for module in request.op_libraries:
         importlib.import_module(module)
     name = compiler_of(request.options)
@@ -442,7 +485,7 @@ def _compile(
         return compiler.compile(request, context)
     from torchfarm.torch_adapter.compile import concurrent_backward
 
-    with concurrent_backward.backward_from(helper.wait) as backward:
+    with concurrent_backward.backward_from(helper.wait, send_strides) as backward:
         artifact = compiler.compile(request, context)
         artifact.backward = backward.compiled_by
     return artifact
@@ -471,8 +514,8 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
     warm_fork.die_with_parent()  # ends with its child, sandbox or not
     if not warmed:
         _warm_up(args)
-    data = sys.stdin.buffer.read()
-    if not data:  # nothing to help with (not an Inductor compile, or the child is gone)
+    data = _read_frame(sys.stdin.buffer)
+    if data is None:  # nothing to help with (not an Inductor compile, or the child is gone)
         return 0
     request = pb.CompileChildRequest.FromString(data)
     from torchfarm.torch_adapter.compile import concurrent_backward, gemm_benchmarks
@@ -488,7 +531,7 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
         compiler = compilers.load(INDUCTOR, compilers.parse(args.compilers))
         context = compilers.CompileContext(on_stage=lambda stage: None, tuning_gpus=())
         try:
-            with concurrent_backward.backward_only():
+            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer)):
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass

@@ -1,7 +1,10 @@
-"""The backward helper's report to its compile child (the GEMM candidates it benchmarked),
-left in the cache dir the two share: whole or not at all, and junk reads as nothing."""
+"""A compile child and its backward helper: the child's pipe to the helper (the request, then
+the forward's output strides), and the helper's report to its child (the GEMM candidates it
+benchmarked), left in the cache dir the two share: whole or not at all, and junk reads as
+nothing."""
 
 import os
+import types
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.workers import compile_child
@@ -14,3 +17,26 @@ def test_the_helpers_report_reaches_its_child_whole_and_junk_reads_as_none(tmp_p
     assert os.listdir(tmp_path) == [compile_child.HELPER_REPORT]  # no temporary file left
     (tmp_path / compile_child.HELPER_REPORT).write_bytes(b"\xff\xff\xff")
     assert compile_child._helper_report(str(tmp_path)) == pb.KernelFiles()
+
+
+def _helper_pipe():
+    """A helper as the child sees it (its stdin), and the other end of that pipe."""
+    read_end, write_end = os.pipe()
+    return types.SimpleNamespace(stdin=os.fdopen(write_end, "wb")), os.fdopen(read_end, "rb")
+
+
+def test_the_helper_reads_the_request_then_the_forwards_strides_then_the_end():
+    helper, stdin = _helper_pipe()
+    send = compile_child._hand_over(helper, b"request", compiles=True)
+    send([(8, 1, 4, 2), None, (3,)])
+    send(None)
+    assert compile_child._read_frame(stdin) == b"request"
+    assert compile_child._strides(stdin) == [(8, 1, 4, 2), None, (3,)]
+    assert compile_child._strides(stdin) is None  # the child closed the pipe
+
+
+def test_a_helper_with_nothing_to_do_reads_the_end_at_once():
+    helper, stdin = _helper_pipe()
+    send = compile_child._hand_over(helper, b"request", compiles=False)
+    send([(1,)])  # never written: the pipe is closed already
+    assert compile_child._read_frame(stdin) is None

@@ -11,9 +11,20 @@ in the cache dir the two processes share; then it stops. The child itself, under
 FX graph cache on: the same graph, inputs and config give the same key, so the backward is
 a cache hit (Triton bundle and guards included) and costs a load, not a compile.
 
+The backward's key holds its inputs' strides, and AOTAutograd gives the saved activations
+the strides the forward's compile chose for them (`_aot_stage2b_bw_compile` restrides the
+backward's placeholders to the forward's output strides), which may not be the traced ones:
+Inductor's layout optimization (a graph with fewer than 300 nodes per convolution, or any on
+a CPU with oneDNN) stores the 4-D activations around a convolution channels-last, and
+comprehensive padding (GPU) pads a saved activation's strides. So the child sends the helper
+the forward's output strides as soon as its lowering has decided them (`GraphLowering.run`
+ended; Inductor reads them there too), and the helper's forward stub returns them: its
+backward gets the child's placeholders. The helper waits for them after its own partition,
+so its backward starts when the child's forward has been lowered, while the child's forward
+is scheduled, generated and its kernels compiled.
+
 Nothing depends on the helper for correctness: where it failed, or where the child's key
-differs (the forward's compile chose other strides for the saved activations, which the
-helper cannot know), the lookup misses and the child compiles its backward itself.
+differs all the same, the lookup misses and the child compiles its backward itself.
 
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
@@ -24,11 +35,14 @@ no longer be pickled, and the bundled entry pickles that bundle. The lookup here
 copy, so that the bundle the graph keeps stays as it was stored.
 
 Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forward_or_inference`
-(its `is_inference` keyword) and `_aot_stage2b_bw_compile`, looked up there at call time,
-functorch's `bundled_autograd_cache` config, and the static `TritonBundler.read_and_emit`.
+(its `is_inference` keyword, its output strides) and `_aot_stage2b_bw_compile`, looked up
+there at call time, `GraphLowering.run` and its `graph_outputs`' layouts, functorch's
+`bundled_autograd_cache` config, and the static `TritonBundler.read_and_emit`.
 Verified: torch 2.11.0, 2.13.0, 2.15.0 on the CPU (a helper process and the child on one
-payload: the child's backward a lookup, `fxgraph_cache_hit` 1) and 2.11.0+cu130 on the H200
-(bench/gpu/run.sh novel: every helped compile's backward the helper's).
+payload: the child's backward a lookup, `fxgraph_cache_hit` 1; with the forward's strides
+sent, also a CNN whose saved activations the forward stores channels-last, and the zoo's ViT
+at its GPU size) and 2.11.0+cu130 on the H200 (bench/gpu/run.sh novel: every helped
+compile's backward the helper's, before the strides were sent).
 """
 
 from __future__ import annotations
@@ -36,13 +50,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from unittest import mock
 
+import sympy
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd import graph_compile
+from torch._inductor.graph import GraphLowering
+from torch._inductor.ir import IRNode
 from torch._inductor.triton_bundler import TritonBundler
+
+# The forward's output strides, as AOTAutograd restrides the backward's inputs with them:
+# None for an output that is not a tensor or whose strides are symbolic (never restrided).
+Strides = list[tuple[int, ...] | None]
 
 
 class Stopped(BaseException):
@@ -54,16 +76,26 @@ def _forward_stub(*args, **kwargs):
     raise RuntimeError("the helper's forward is a stub: it never runs")
 
 
+def _static(strides: Sequence[Any] | None) -> tuple[int, ...] | None:
+    if strides is None or not all(isinstance(s, (int, sympy.Integer)) for s in strides):
+        return None
+    return tuple(int(s) for s in strides)
+
+
 @contextlib.contextmanager
-def backward_only() -> Iterator[None]:
-    """The helper's compile: no forward, the backward into the FX graph cache, then Stopped
-    (an inference graph stops at once)."""
+def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[None]:
+    """The helper's compile: no forward (its output strides are the child's,
+    `forward_strides()`: None where the child sent none), the backward into the FX graph
+    cache, then Stopped (an inference graph stops at once)."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
             raise Stopped("no backward to compile")
-        return None, _forward_stub  # no output strides: the backward's inputs as traced
+        strides = forward_strides()
+        if strides is None:
+            raise Stopped("no forward strides: the child has gone")
+        return strides, _forward_stub
 
     def backward(*args, **kwargs):
         with functorch_config.patch(bundled_autograd_cache=False):
@@ -86,12 +118,62 @@ class Backward:
 
 
 @contextlib.contextmanager
-def backward_from(wait_for_helper: Callable[[], object]) -> Iterator[Backward]:
-    """The child's compile: before the backward, `wait_for_helper()`; then the backward with
-    the FX graph cache on, which finds the helper's entry when the keys agree."""
+def _lowered(send: Callable[[Strides], None]) -> Iterator[None]:
+    """While entered, the first graph lowered (its outermost `GraphLowering.run`: a subgraph's
+    ends inside it) has its output strides `send`, as Inductor reports them to AOTAutograd."""
+    run = GraphLowering.run
+    depth = 0
+
+    def lowered(self: GraphLowering, *args: Any) -> Any:
+        nonlocal depth
+        depth += 1
+        try:
+            result = run(self, *args)
+        finally:
+            depth -= 1
+        if depth == 0:
+            outputs = self.graph_outputs or []
+            send(
+                [
+                    _static(out.get_layout().stride)
+                    if isinstance(out, IRNode) and out.has_tensor_output()
+                    else None
+                    for out in outputs
+                ]
+            )
+        return result
+
+    with mock.patch.object(GraphLowering, "run", lowered):
+        yield
+
+
+@contextlib.contextmanager
+def backward_from(
+    wait_for_helper: Callable[[], object], send_strides: Callable[[Strides], None]
+) -> Iterator[Backward]:
+    """The child's compile: the forward's output strides to `send_strides` once, as soon as its
+    lowering decided them (at its end where no lowering ran); before the backward,
+    `wait_for_helper()`; then the backward with the FX graph cache on, which finds the
+    helper's entry when the keys agree."""
+    compile_forward = graph_compile._aot_stage2b_compile_forward_or_inference
     compile_backward = graph_compile._aot_stage2b_bw_compile
     emit = TritonBundler.read_and_emit
     outcome = Backward()
+    sent = False
+
+    def send_once(strides: Strides) -> None:
+        nonlocal sent
+        if not sent:
+            sent = True
+            send_strides(strides)
+
+    def forward(*args, is_inference: bool, **kwargs):
+        if is_inference:
+            return compile_forward(*args, is_inference=is_inference, **kwargs)
+        with _lowered(send_once):
+            strides, compiled = compile_forward(*args, is_inference=is_inference, **kwargs)
+        send_once([_static(s) for s in strides or []])
+        return strides, compiled
 
     def backward(*args, **kwargs):
         wait_for_helper()
@@ -115,5 +197,8 @@ def backward_from(wait_for_helper: Callable[[], object]) -> Iterator[Backward]:
             graph = getattr(graph, "__wrapped__", None)
         return lazy_info, compiled
 
-    with mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward):
+    with (
+        mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),
+        mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
+    ):
         yield outcome
