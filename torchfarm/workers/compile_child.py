@@ -294,8 +294,8 @@ def _end(helper: _Helper | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _arguments(argv)
-    if args.backward_helper:
-        return _helper_main(args)
+    if args.backward_helper:  # its child waits for its end, not for its teardown
+        warm_fork.run_and_exit(lambda: _helper_main(args))
     if args.fork_server:
         return _fork_server_main(args)
     helper = _start_helper(argv) if args.concurrent_backward else None

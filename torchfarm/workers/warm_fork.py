@@ -23,6 +23,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4  # prctl(2)
 IPC_RMID = 0
@@ -74,14 +75,25 @@ class WarmState:
 
 
 def fork(body: Callable[[], int]) -> int:
-    """Run `body` in a process forked from this one; its pid. Its exit status is what `body`
-    returns (1 where it raised, with the traceback on stderr)."""
-    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is printed twice
-        with contextlib.suppress(Exception):
-            stream.flush()
+    """Run `body` in a process forked from this one (`run_and_exit`); its pid."""
+    _flush()  # nothing buffered here is printed twice
     pid = os.fork()
     if pid:
         return pid
+    run_and_exit(body)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def run_and_exit(body: Callable[[], int]) -> NoReturn:
+    """Run `body`, then end this process at once, its exit status what `body` returns (1
+    where it raised, with the traceback on stderr): not the interpreter's teardown (its
+    modules, Inductor's compile workers, a CUDA context; ~1.4 s after a compile), which a
+    process that waits for this one's end would wait for."""
     status = 1
     try:
         status = body()
@@ -90,9 +102,7 @@ def fork(body: Callable[[], int]) -> int:
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush()
         os._exit(status)
 
 
