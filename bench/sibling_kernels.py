@@ -10,13 +10,17 @@ Inductor cache, side by side in one run:
 - farm miss after A: B for a tenant whose private compile of A filled its kernel cache;
 - farm shared miss B after A, other tenant: on a fresh farm, A compiled shared by tenant 1,
   the pool's builds of A's kernel sources left to finish (workers/kernel_builder.py; not
-  timed), then B compiled shared by tenant 2.
+  timed), then B compiled shared by tenant 2;
+- farm shared miss B right after A, other tenant (issue 53's sibling row): on a fresh farm,
+  A compiled shared by tenant 1, then at once, nothing waited for, B compiled shared by
+  tenant 2.
 
-Farm requests are private (TORCHFARM_PRIVATE=1) except in the last row. Prints a table and
-the ratios; `--json PATH` too. `--novel-only`: local cold B and the farm's miss of B on an
-empty farm (a novel miss).
+Farm requests are private (TORCHFARM_PRIVATE=1) except in the last two rows. Prints a table
+and the ratios; `--json PATH` too. `--novel-only`: local cold B and the farm's miss of B on an
+empty farm (a novel miss). `--right-after-only`: local cold B and the last row.
 
-    .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--novel-only] [--json PATH]
+    .venv/bin/python bench/sibling_kernels.py [--repeats 1] [--novel-only | --right-after-only]
+        [--json PATH]
 """
 
 import argparse
@@ -43,6 +47,8 @@ from tests.integration.helpers import (  # noqa: E402
 )
 
 SIBLINGS = {"A": (2, 512), "B": (3, 384)}  # depth, MLP width; model width 128, 4 heads
+RIGHT_AFTER_A = "farm shared miss A, tenant 1, fresh farm"
+RIGHT_AFTER = "farm shared miss B right after A, tenant 2"
 
 
 class Block(nn.Module):
@@ -117,6 +123,14 @@ def measure(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def farm_miss(farm, scratch: str, name: str, tenant: str, private: bool = True) -> dict:
+    """Model `name` compiled by `farm` for `tenant` in a fresh process with empty caches."""
+    from tests.integration.helpers import TOKENS
+
+    caches = local_caches(scratch)
+    return measure("torchfarm", name, caches, farm.addr, TOKENS[tenant], private)
+
+
 def reuse_lines(farm) -> list[str]:
     """The worker's `kernel cache: N objects reused, M kept` lines, oldest first."""
     lines = []
@@ -134,6 +148,11 @@ def main() -> None:
         "--novel-only",
         action="store_true",
         help="local cold B and the farm's miss of B on an empty farm only (a novel miss)",
+    )
+    parser.add_argument(
+        "--right-after-only",
+        action="store_true",
+        help="local cold B and the shared miss of B right after A's (issue 53's row) only",
     )
     parser.add_argument("--step", default="")
     parser.add_argument("name", nargs="?", default="")
@@ -154,6 +173,7 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
     from torchfarm.local_farm import LocalFarm
 
     runs: dict[str, list[float]] = {}
+    print(f"load average at the start {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
     def add(name: str, result: dict, source: str) -> None:
         assert result["source"] == source and result["error"] < 1e-3, (name, result)
@@ -162,63 +182,66 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
 
     for _ in range(args.repeats):
         add("local cold B", measure("inductor", "B", local_caches(scratch)), "inductor")
-        if args.novel_only:
+        if args.novel_only or args.right_after_only:
             continue
         kept = local_caches(scratch)  # A's cache and header, kept for B's fresh process
         add("local A", measure("inductor", "A", kept), "inductor")
         add("local B after A", measure("inductor", "B", kept), "inductor")
     tenants = ",".join(f"{name}:{hash_token(tok)}" for name, tok in TOKENS.items())
     for _ in range(args.repeats):
+        if not args.novel_only:
+            with LocalFarm(tenants=tenants) as farm:  # the pool's kernels, nothing waited for
+                wait_for_precompiled_headers(farm)
+                add(RIGHT_AFTER_A, farm_miss(farm, scratch, "A", "alice", False), "miss")
+                add(RIGHT_AFTER, farm_miss(farm, scratch, "B", "bob", False), "miss")
+                print("  worker:", *reuse_lines(farm), sep="\n    ")
+        if args.right_after_only:
+            continue
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
             wait_for_precompiled_headers(farm)
-
-            def farm_miss(name: str, tenant: str, private: bool = True) -> dict:
-                caches = local_caches(scratch)
-                token = TOKENS[tenant]
-                return measure("torchfarm", name, caches, farm.addr, token, private)
-
-            add("farm miss B, empty", farm_miss("B", "bob"), "miss")
+            add("farm miss B, empty", farm_miss(farm, scratch, "B", "bob"), "miss")
             if args.novel_only:
                 continue
-            add("farm miss A", farm_miss("A", "alice"), "miss")
-            add("farm miss B after A", farm_miss("B", "alice"), "miss")
+            add("farm miss A", farm_miss(farm, scratch, "A", "alice"), "miss")
+            add("farm miss B after A", farm_miss(farm, scratch, "B", "alice"), "miss")
             print("  worker:", *reuse_lines(farm), sep="\n    ")
         with LocalFarm(tenants=tenants) as farm:  # the pool's kernels, across tenants
             wait_for_precompiled_headers(farm)
             builds = pool_builds(farm)
-            add("farm shared miss A, tenant 1", farm_miss("A", "alice", False), "miss")
+            shared_a = farm_miss(farm, scratch, "A", "alice", False)
+            add("farm shared miss A, tenant 1", shared_a, "miss")
             started = time.perf_counter()
             wait_for_pool_builds(farm, builds)
             print(f"  pool builds of A's sources: {pool_builds(farm)[1]} in", end=" ")
             print(f"{time.perf_counter() - started:.0f} s after A's step", flush=True)
-            add("farm shared miss B after A, tenant 2", farm_miss("B", "bob", False), "miss")
+            shared_b = farm_miss(farm, scratch, "B", "bob", False)
+            add("farm shared miss B after A, tenant 2", shared_b, "miss")
             print("  worker:", *reuse_lines(farm), sep="\n    ")
     medians = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}", end=", ")
+    print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print("| case | seconds |\n|---|---|")
     for name, seconds in medians.items():
         print(f"| {name} | {seconds:.1f} |")
-    if args.novel_only:
-        row = "farm miss B, empty"
-        print(f"\n{row} / local cold B: {medians[row] / medians['local cold B']:.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(medians, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(medians, f, indent=1)
+    cold = medians["local cold B"]
+    for row in ("farm miss B, empty", RIGHT_AFTER, RIGHT_AFTER_A):
+        if row in medians:
+            print(f"{row} / local cold B: {medians[row] / cold:.2f}")
+    if args.novel_only or args.right_after_only:
         return
-    after, cold = medians["farm miss B after A"], medians["local cold B"]
-    print(f"\nfarm miss B after A / local cold B: {after / cold:.2f}")
+    after = medians["farm miss B after A"]
+    print(f"farm miss B after A / local cold B: {after / cold:.2f}")
     print(f"farm miss B after A / local B after A: {after / medians['local B after A']:.2f}")
     print(f"farm miss B after A / farm miss B, empty: {after / medians['farm miss B, empty']:.2f}")
-    print(f"farm miss B, empty / local cold B: {medians['farm miss B, empty'] / cold:.2f}")
     shared = medians["farm shared miss B after A, tenant 2"]
     print(f"farm shared miss B after A (tenant 2) / local cold B: {shared / cold:.2f}")
     print(
         "farm shared miss B after A (tenant 2) / local B after A: "
         f"{shared / medians['local B after A']:.2f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(medians, f, indent=1)
 
 
 if __name__ == "__main__":
