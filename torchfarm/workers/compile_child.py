@@ -23,11 +23,10 @@ With `--concurrent-backward` it starts, first thing, a helper: the same module w
 and compiles the graph's backward while this process compiles the forward
 (torch_adapter/compile/concurrent_backward.py). On its stdin come two frames (FRAME): the
 request, then the forward's output strides (JSON) once this process has lowered its forward.
-What it compiled reaches the artifact only through
-the Inductor cache dir the two share, as a cache entry that this process looks up (and compiles
-itself where that misses); its one report, the GEMM candidates it benchmarked and their
-problems, is a KernelFiles it leaves in that dir (HELPER_REPORT), which this process adds to
-its own.
+What it compiled reaches the artifact only through the Inductor cache dir the two share, as a
+cache entry that this process looks up (and compiles itself where that misses); its one
+report, the GEMM candidates it benchmarked and their problems, is a KernelFiles it leaves in
+that dir (HELPER_REPORT), which this process adds to its own.
 
 On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
 sandbox that warms up once, then for each request forks a process from that untouched state,
