@@ -390,9 +390,13 @@ def main() -> int:
     args = parser.parse_args()
     idle = args.priority == "idle"
     # Background work from the start, its imports included (a GEMM measurement's fork
-    # leaves it: idle_priority.normal_session).
+    # leaves it: idle_priority.normal_session). A CPU pool's builder measures nothing, so its
+    # start-up (torch's imports: 3-5 CPU s, which ran beside the user's next hit at normal
+    # priority) takes only idle CPU too; a GPU pool's must stay able to leave it.
     for skipped in idle_priority.idle_session() if idle else []:
         print(f"kernel builder: no {skipped}", file=sys.stderr)
+    if idle and args.device == "cpu":
+        idle_priority.idle_cpu()
     compile_child.warm_up("cpu", [], args.isa_checks)
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
     # forked from it in a sandbox made as it was before the last one (warm_fork.py).
