@@ -83,14 +83,14 @@ for PART in "$@"; do  # each part starts a farm of its own
         RUNNERS=${ZOO_RUNNERS:-$GPUS}; PER=$(( $(nproc) / RUNNERS ))
         IFS=, read -ra ALL <<< "$ZOO_MODELS"
         IFS=, read -ra MODES <<< "${ZOO_MODES:-${MODE:-default}}"  # runner r: MODES[r % count]
-        IFS=';' read -ra ENVS <<< "${ZOO_ENVS:-ZOO_ENV_NONE=1}"
+        IFS=';' read -ra ENVS <<< "${ZOO_ENVS:-}"; [ ${#ENVS[@]} -gt 0 ] || ENVS=("")
         for ((r = 0; r < RUNNERS; r++)); do
             step=$RUNNERS; first=$r; [ "${ZOO_SPLIT:-1}" = 0 ] && { step=1; first=0; }
             mine=(); for ((i = first; i < ${#ALL[@]}; i += step)); do mine+=("${ALL[i]}"); done
             [ ${#mine[@]} -gt 0 ] || continue
             mkdir -p "$OUT/zoo-runner$r"
             extra=${ENVS[r % ${#ENVS[@]}]}
-            (IFS=,; export $extra; MODE=${MODES[r % ${#MODES[@]}]} CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
+            (IFS=,; [ -z "$extra" ] || export $extra; MODE=${MODES[r % ${#MODES[@]}]} CUDA_VISIBLE_DEVICES=$((r % GPUS)) MODELS="${mine[*]}" BENCH_STEADY=${BENCH_STEADY:-1} PYTHONUNBUFFERED=1 \
                 timeout "${ZOO_TIMEOUT:-480}" taskset -c $((r * PER))-$((r * PER + PER - 1)) \
                 python3 bench/gpu/run.py --part "${ZOO_PART:-hit}" --out "$OUT/zoo-runner$r" \
                 > "$OUT/zoo-runner$r/log.txt" 2>&1 || echo "zoo runner $r failed ($?)") &
