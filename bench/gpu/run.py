@@ -24,6 +24,9 @@ sibling:  issue 28: for each pair A:B of SIBLINGS (default gpt:gpt-l8, GPT and i
           SIBLING_ROWS=local runs the local rows only and keeps them in /tmp; a next call on
           the same warm machine with SIBLING_ROWS=farm runs the farm's and takes those (a
           max-autotune pair with the pool's builds does not fit one call).
+miss_profile: issue 53, for each of MODELS (default zoo:vit), no farm started: a pool-warmed
+          compile child's graphs (child_profile.py --pool-only) and a local cold process's
+          compile-to-first-step, both under cProfile, in OUTDIR/miss-profile-MODEL/.
 parity:   the farm's steady-state step beside a local compile's in one process (parity.py), for
           each model of PARITY (default gpt), one process each.
 smoke:    a farm miss and hit of the SDPA block and a ResNet-50 miss, to check the setup.
@@ -378,23 +381,10 @@ class Runner:
         self._profiled(model, "farm-skip", "whole-skip-hit", {}, window)
 
     def _profiled(self, model: str, backend: str, name: str, extra: dict, whole: str) -> None:
-        import pstats
-
-        cache = tempfile.mkdtemp()
-        prof = os.path.join(self.outdir, f"{model}-{name}.prof".replace(":", "-"))
-        env = {**self.env(cache, self.farm.addr if backend.startswith("farm") else ""), **extra}
+        env = self.env(tempfile.mkdtemp(), self.farm.addr if backend.startswith("farm") else "")
         if backend == "farm-skip":
             env["TORCHFARM_SKIP_TRACING"] = "1"
-        subprocess.run(
-            [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
-            + [model, "default", backend, os.path.join(self.tensors, f"profiled-{name}.pt")],
-            env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": whole},
-            check=False,
-        )
-        with open(prof.replace(".prof", "-profile.txt"), "w") as f:
-            stats = pstats.Stats(prof, stream=f)
-            stats.sort_stats("cumulative").print_stats(250)
-            stats.sort_stats("tottime").print_stats(60)
+        profiled(self.outdir, model, backend, name, {**env, **extra}, whole)
 
     def compare(self, model: str, mode: str, case: str, reference: str) -> None:
         """Outputs and gradients of two runs with the same weights and inputs."""
@@ -551,6 +541,48 @@ class Runner:
         self.rows.append(row)
 
 
+def profiled(outdir: str, model: str, backend: str, name: str, env: dict, whole: str) -> None:
+    """One client process of MODEL under cProfile (bench/gpu/profiled_client.py; `whole`: its
+    PROFILE_WHOLE window), its pstats in OUTDIR/MODEL-NAME.prof and its top functions by
+    cumulative and by own time in OUTDIR/MODEL-NAME-profile.txt."""
+    import pstats
+
+    prof = os.path.join(outdir, f"{model}-{name}.prof".replace(":", "-"))
+    subprocess.run(
+        [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
+        + [model, "default", backend, os.path.join(tempfile.mkdtemp(), f"profiled-{name}.pt")],
+        env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": whole},
+        check=False,
+    )
+    with open(prof.replace(".prof", "-profile.txt"), "w") as f:
+        stats = pstats.Stats(prof, stream=f)
+        stats.sort_stats("cumulative").print_stats(250)
+        stats.sort_stats("tottime").print_stats(60)
+
+
+def miss_profile(outdir: str, models: list[str]) -> None:
+    """Issue 53: where a miss's compile child spends time a local cold compile does not. Per
+    model, no farm running: child_profile.py's rows (a pool-warmed child, empty caches) in
+    OUTDIR/miss-profile-MODEL/child.jsonl, then a local cold process's compile-to-first-step
+    under cProfile (`profiled`, window "first")."""
+    for model in models:
+        out = os.path.join(outdir, f"miss-profile-{model.removeprefix('zoo:')}")
+        os.makedirs(out, exist_ok=True)
+        with open(f"{out}/child.jsonl", "w") as rows, open(f"{out}/child.err", "w") as err:
+            child = [sys.executable, os.path.join(HERE, "child_profile.py"), model, out]
+            done = subprocess.run(child + ["--pool-only"], stdout=rows, stderr=err, timeout=300)
+        if done.returncode:
+            print(f"child profile {model} failed ({done.returncode})", flush=True)
+        cache = tempfile.mkdtemp()
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
+            TRITON_CACHE_DIR=f"{cache}/triton",
+            TORCHFARM_ADDR="",
+        )
+        profiled(out, model, "local", "local-cold", env, "first")
+
+
 def spread_check(gpus: int) -> dict:
     """A max-autotune GEMM compiled in this process inside tuning_devices.spread_over, as a
     compile child does: which GPUs Inductor's tuning pool benchmarked on, and the result
@@ -640,12 +672,16 @@ def main() -> None:
             "prepare",
             "spread",
             "parity",
+            "miss_profile",
         ),
         required=True,
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.part == "miss_profile":  # MODELS; no farm: a child and a local process alone
+        miss_profile(args.out, os.environ.get("MODELS", "zoo:vit").split(","))
+        return
     sandbox = os.environ.get("TORCHFARM_SANDBOX", "bwrap")
     # each part's farm starts with an empty kernel cache, as a new farm does; its clients see
     # where (parity.py reads the GEMM timings the worker keeps there)

@@ -111,21 +111,6 @@ for PART in "$@"; do  # each part starts a farm of its own
                 > "$OUT/zoo-cpu-$g.txt" 2>&1 || echo "zoo_cpu group $g failed ($?)") &
         done
         wait
-    elif [ "$PART" = miss_profile ]; then  # issue 53: where a miss's compile child spends time
-        # a local cold compile does not: per MODELS, child_profile.py's rows (a pool-warmed child,
-        # empty caches) and a local cold process's compile-to-first-step under cProfile
-        IFS=, read -ra ALL <<< "${MODELS:-zoo:vit}"
-        for m in "${ALL[@]}"; do
-            d="$OUT/miss-profile-${m#zoo:}"; c=$(mktemp -d); mkdir -p "$d"
-            PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/child_profile.py "$m" "$d" --pool-only \
-                > "$d/child.jsonl" 2> "$d/child.err" || echo "child profile $m failed ($?)"
-            TORCHINDUCTOR_CACHE_DIR=$c/inductor TRITON_CACHE_DIR=$c/triton BENCH_STEADY=0 \
-                PROFILE_WHOLE=first timeout 200 python3 bench/gpu/profiled_client.py \
-                "$d/local-cold.prof" "$m" default local "$c/out.pt" > "$d/local.txt" 2>&1 \
-                || echo "local profile $m failed ($?)"
-            python3 -c 'import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats("cumulative").print_stats(200); s.sort_stats("tottime").print_stats(50)' \
-                "$d/local-cold.prof" > "$d/local-cold-profile.txt" 2>&1 || true
-        done
     elif [ "$PART" = device ]; then  # one compile for every rank (issue 18): cuda:N loads
         PYTHONUNBUFFERED=1 timeout "${DEVICE_TIMEOUT:-300}" python3 bench/gpu/device_index.py --out "$OUT" || echo "device check failed ($?)"
     else
