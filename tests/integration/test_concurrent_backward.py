@@ -106,3 +106,22 @@ def test_the_gemm_candidates_the_helper_benchmarked_are_counted(helped_farm):
     # two counts were equal.
     assert _benchmarked(helped_farm, training=True) > forward
     assert log_of(helped_farm, "worker0").count("backward compiled by the") == before + 1
+
+
+def test_where_the_childs_lookup_missed_the_log_says_which_key_details_differed(helped_farm):
+    """Under reduce-overhead (and max-autotune) Inductor's `cudagraphs` flag is on, in the
+    backward's key too, and the child's forward turns it off (a CPU graph): the helper, which
+    compiled no forward, keyed its backward with it on. The worker's log says so."""
+    before = log_of(helped_farm, "worker0").count("backward compiled by the child")
+    model, x = build("mlp", seed=6)
+    compiled = torchfarm.compile(model, mode="reduce-overhead", addr=helped_farm.addr)
+    backend.history.clear()
+    compiled(x).sum().backward()
+    assert [r.source for r in backend.history] == ["miss"]
+    log = log_of(helped_farm, "worker0")
+    assert log.count("backward compiled by the child") == before + 1
+    said = log.split("backward compiled by the child")[-1].split(" [request")[0]
+    assert said == (
+        " (its lookup missed: 1 of the key's details differ: fx_kwargs[cudagraphs]; "
+        "fx_kwargs[cudagraphs]: helper 'BoxedBool(value=True)', child 'BoxedBool(value=False)')"
+    )

@@ -1639,6 +1639,7 @@ class Artifact(_message.Message):
     BACKWARD_FIELD_NUMBER: _builtins.int
     PACKAGE_WEIGHTS_FIELD_NUMBER: _builtins.int
     TORCH_KEY_FIELD_NUMBER: _builtins.int
+    BACKWARD_MISS_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1662,6 +1663,11 @@ class Artifact(_message.Message):
     """Inductor's torch_key of the worker's torch build (a hash of torch's sources): the
     client's first load takes it instead of hashing torch's sources (0.3-0.4 s of a fresh
     process, on its critical path or contending with Dynamo's trace for the GIL).
+    """
+    backward_miss: _builtins.str
+    """Where `backward` is "child" although a helper ran: why the child's lookup of the
+    helper's entry missed, in a line (which of the key's details differed), for the
+    worker's log (torch_adapter/compile/concurrent_backward.py).
     """
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
@@ -1708,10 +1714,11 @@ class Artifact(_message.Message):
         backward: _builtins.str = ...,
         package_weights: Global___PackageWeights | None = ...,
         torch_key: _builtins.bytes = ...,
+        backward_miss: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards", "package_weights", b"package_weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "torch_key", b"torch_key", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "backward_miss", b"backward_miss", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "torch_key", b"torch_key", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,9 @@ request, then the forward's output strides (JSON) once this process has lowered 
 What it compiled reaches the artifact only through the Inductor cache dir the two share, as a
 cache entry that this process looks up (and compiles itself where that misses); its one
 report, the GEMM candidates it benchmarked and their problems, is a KernelFiles it leaves in
-that dir (HELPER_REPORT), which this process adds to its own.
+that dir (HELPER_REPORT), which this process adds to its own. Beside it, the key of the
+backward it compiled (HELPER_KEY): where this process's lookup missed, the artifact says
+which of the key's details differed (Artifact.backward_miss, for the worker's log).
 
 On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
 sandbox that warms up once, then for each request forks a process from that untouched state,
@@ -68,12 +70,13 @@ from torchfarm.settings import env
 from torchfarm.workers import kernel_cache, warm_fork
 
 if TYPE_CHECKING:  # it imports torch, which the worker importing this module never needs
-    from torchfarm.torch_adapter.compile.concurrent_backward import Strides
+    from torchfarm.torch_adapter.compile.concurrent_backward import Key, Strides
 
 # Each report on the child's stdout, and each frame on its helper's stdin, is preceded by
 # its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
 HELPER_REPORT = "torchfarm-helper.pb"  # the backward helper's KernelFiles, in the shared cache dir
+HELPER_KEY = "torchfarm-helper-key.json"  # its backward's Key, beside it
 # A fork server's protocol. On its stdin (a Unix socket): FORK with the request's stdin,
 # stdout and stderr (SCM_RIGHTS), or KILL (end the request now). On its stdout: a `ready`
 # report once warm, then END (the exit status) after each request, once its sandbox is clean.
@@ -486,7 +489,12 @@ def _compile(
 
     with concurrent_backward.backward_from(helper.wait, send_strides) as backward:
         artifact = compiler.compile(request, context)
-        artifact.backward = backward.compiled_by
+    artifact.backward = backward.compiled_by
+    if backward.compiled_by == "child":  # the lookup of the helper's backward missed
+        helper_key = _helper_key(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        artifact.backward_miss = concurrent_backward.difference(helper_key, backward.key)
+        if helper_key is None:
+            artifact.backward_miss += f" (its exit status {helper.poll()})"
     return artifact
 
 
@@ -499,11 +507,23 @@ def _helper_report(cache_dir: str) -> pb.KernelFiles:
         return pb.KernelFiles()
 
 
-def _leave_report(cache_dir: str, files: pb.KernelFiles) -> None:
-    """The helper's report for its child, whole or not at all (a rename), before it exits."""
-    path = os.path.join(cache_dir, HELPER_REPORT)
+def _helper_key(cache_dir: str) -> Key | None:
+    """The key of the backward the helper compiled (None where it left none)."""
+    from torchfarm.torch_adapter.compile.concurrent_backward import Key
+
+    try:
+        with open(os.path.join(cache_dir, HELPER_KEY), "rb") as f:
+            left = json.loads(f.read())
+        return Key(key=str(left["key"]), lines=[str(line) for line in left["lines"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _leave(cache_dir: str, name: str, data: bytes) -> None:
+    """A file of the helper's for its child, whole or not at all (a rename), before it exits."""
+    path = os.path.join(cache_dir, name)
     with open(path + ".tmp", "wb") as f:
-        f.write(files.SerializeToString())
+        f.write(data)
     os.replace(path + ".tmp", path)
 
 
@@ -530,13 +550,15 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
         compiler = compilers.load(INDUCTOR, compilers.parse(args.compilers))
         context = compilers.CompileContext(on_stage=lambda stage: None, tuning_gpus=())
         try:
-            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer)):
+            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer)) as helped:
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass
+    if helped.key is not None:
+        _leave(cache_dir, HELPER_KEY, json.dumps(dataclasses.asdict(helped.key)).encode())
     files = pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates)
     files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
-    _leave_report(cache_dir, files)
+    _leave(cache_dir, HELPER_REPORT, files.SerializeToString())
     return 0
 
 

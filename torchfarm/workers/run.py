@@ -64,6 +64,7 @@ class _Compiled:
     timings: pb.MissTimings
     read_back: float  # time.perf_counter() once the child's bytes were in hand
     backward: str  # who compiled the backward, where a helper did (Artifact.backward)
+    backward_miss: str  # why the child's lookup of the helper's backward missed, if it did
 
 
 @dataclasses.dataclass
@@ -183,7 +184,9 @@ class CompileRun:
             child_s=read_back - handed - child.handoff_s,
             compile_s=artifact.compile_seconds,
         )
-        return _Compiled(child.data, meta, timings, read_back, artifact.backward)
+        return _Compiled(
+            child.data, meta, timings, read_back, artifact.backward, artifact.backward_miss
+        )
 
     def keep(
         self, compiled: _Compiled, staged: run_kernels.Staged | None, kernels: pb.KernelFiles
@@ -216,12 +219,13 @@ class CompileRun:
             run_kernels.keep(staged, self.store, kernels, self.extra)
         # Logged before the job ends: its waiters wake at once (a log read then finds the line).
         log.info(
-            "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s",
+            "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s%s",
             job.key[:16],
             len(compiled.data),
             timings.compile_s,
             timings.handoff_s,
             f", backward compiled by the {compiled.backward}" if compiled.backward else "",
+            f" (its lookup missed: {compiled.backward_miss})" if compiled.backward_miss else "",
             extra=dict(self.extra, pool=self.pool),
         )
         self._finish(

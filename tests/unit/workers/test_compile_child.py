@@ -1,8 +1,10 @@
 """A compile child and its backward helper: the child's pipe to the helper (the request, then
 the forward's output strides), and the helper's report to its child (the GEMM candidates it
-benchmarked), left in the cache dir the two share: whole or not at all, and junk reads as
-nothing."""
+benchmarked) and its backward's key, left in the cache dir the two share: whole or not at
+all, and junk reads as nothing."""
 
+import dataclasses
+import json
 import os
 import types
 
@@ -12,11 +14,26 @@ from torchfarm.workers import compile_child
 
 def test_the_helpers_report_reaches_its_child_whole_and_junk_reads_as_none(tmp_path):
     assert compile_child._helper_report(str(tmp_path)) == pb.KernelFiles()  # none left
-    compile_child._leave_report(str(tmp_path), pb.KernelFiles(gemm_candidates_benchmarked=4))
+    files = pb.KernelFiles(gemm_candidates_benchmarked=4)
+    compile_child._leave(str(tmp_path), compile_child.HELPER_REPORT, files.SerializeToString())
     assert compile_child._helper_report(str(tmp_path)).gemm_candidates_benchmarked == 4
     assert os.listdir(tmp_path) == [compile_child.HELPER_REPORT]  # no temporary file left
     (tmp_path / compile_child.HELPER_REPORT).write_bytes(b"\xff\xff\xff")
     assert compile_child._helper_report(str(tmp_path)) == pb.KernelFiles()
+
+
+def test_the_helpers_key_reaches_its_child_and_junk_reads_as_none(tmp_path):
+    from torchfarm.torch_adapter.compile.concurrent_backward import Key
+
+    assert compile_child._helper_key(str(tmp_path)) is None  # none left
+    key = Key("fabc", ["[abc] gm: GraphModule()\n\ndef forward(self):", "[def] default_dtype: x"])
+    compile_child._leave(
+        str(tmp_path), compile_child.HELPER_KEY, json.dumps(dataclasses.asdict(key)).encode()
+    )
+    assert compile_child._helper_key(str(tmp_path)) == key
+    for junk in (b"\xff", b"[]", b'{"key": "k"}'):
+        (tmp_path / compile_child.HELPER_KEY).write_bytes(junk)
+        assert compile_child._helper_key(str(tmp_path)) is None
 
 
 def _helper_pipe():

@@ -24,7 +24,9 @@ so its backward starts when the child's forward has been lowered, while the chil
 is scheduled, generated and its kernels compiled.
 
 Nothing depends on the helper for correctness: where it failed, or where the child's key
-differs all the same, the lookup misses and the child compiles its backward itself.
+differs all the same, the lookup misses and the child compiles its backward itself. The
+two processes then each hold their backward's key and the details Inductor hashed into it
+(`Key`), and `difference` says in a line which of those details differ.
 
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
@@ -50,6 +52,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
@@ -82,12 +86,96 @@ def _static(strides: Sequence[Any] | None) -> tuple[int, ...] | None:
     return tuple(int(s) for s in strides)
 
 
+@dataclasses.dataclass
+class Key:
+    """A backward's FX graph cache key and the details Inductor hashed into it: its debug
+    lines, each `[hash] name: value` (tens of KB)."""
+
+    key: str
+    lines: list[str]
+
+
+@dataclasses.dataclass
+class Backward:
+    """What became of the graph's backward: compiled by the "helper" (looked up), by the
+    "child" itself (the lookup missed), or "" (the graph has none); and its key where the
+    helper compiled it or the child's lookup missed (None: none computed, a bypass)."""
+
+    compiled_by: str = ""
+    key: Key | None = None
+
+
+def _graphs(compiled: Any) -> Iterator[Any]:
+    """The compiled backward and what it wraps, down to Inductor's compiled graph."""
+    while compiled is not None:
+        yield compiled
+        compiled = getattr(compiled, "__wrapped__", None)
+
+
+def _key_of(compiled: Any) -> Key | None:
+    for graph in _graphs(compiled):
+        key = getattr(graph, "_fx_graph_cache_key", None)
+        if key is not None:
+            return Key(key, list(getattr(graph, "_fx_graph_cache_debug_lines", None) or []))
+    return None
+
+
+_DETAIL = re.compile(r"\[(\w+)\] (.*?): (.*)", re.DOTALL)
+
+
+def _details(lines: list[str]) -> dict[str, tuple[str, str]]:
+    """name -> (hash, value) of each debug line."""
+    details = {}
+    for line in lines:
+        match = _DETAIL.fullmatch(line)
+        name, digest, value = (match[2], match[1], match[3]) if match else (line, line, line)
+        details[name] = (digest, value)
+    return details
+
+
+def _where(helper: str, child: str, width: int = 80) -> str:
+    """The two values around their first difference (of a multi-line value, its first
+    differing line)."""
+    pairs = itertools.zip_longest(helper.splitlines(), child.splitlines(), fillvalue="")
+    a, b = next(((x, y) for x, y in pairs if x != y), (helper, child))
+    start = max(0, len(_common_prefix(a, b)) - width // 2)
+    return f"helper {a[start : start + width]!r}, child {b[start : start + width]!r}"
+
+
+def _common_prefix(a: str, b: str) -> str:
+    return a[: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+
+
+def difference(helper: Key | None, child: Key | None, names: int = 6) -> str:
+    """Why the child's lookup of the helper's backward missed, in one line: the names of the
+    key's details that differ (the first `names`) and the first one's two values."""
+    if helper is None:
+        return "the helper left no key: its backward failed or bypassed the FX graph cache"
+    if child is None:
+        return "the child's backward bypassed the FX graph cache"
+    if helper.key == child.key:
+        return "the keys are equal: the helper's entry was not stored, or did not load"
+    theirs, ours = _details(helper.lines), _details(child.lines)
+    differ = [n for n in {**theirs, **ours} if theirs.get(n, ("",))[0] != ours.get(n, ("",))[0]]
+    if not differ:
+        return f"the keys differ ({helper.key[:12]}, {child.key[:12]}), their details do not"
+    first = differ[0]
+    shown = ", ".join(differ[:names])
+    if len(differ) > names:
+        shown += f" and {len(differ) - names} more"
+    return f"{len(differ)} of the key's details differ: {shown}; {first}: " + _where(
+        theirs.get(first, ("", "(none)"))[1], ours.get(first, ("", "(none)"))[1]
+    )
+
+
 @contextlib.contextmanager
-def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[None]:
+def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[Backward]:
     """The helper's compile: no forward (its output strides are the child's,
     `forward_strides()`: None where the child sent none), the backward into the FX graph
-    cache, then Stopped (an inference graph stops at once)."""
+    cache (its key then in what is yielded), then Stopped (an inference graph stops at
+    once)."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
+    outcome = Backward()
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
@@ -99,22 +187,15 @@ def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[Non
 
     def backward(*args, **kwargs):
         with functorch_config.patch(bundled_autograd_cache=False):
-            compile_backward(*args, **kwargs)
+            _, compiled = compile_backward(*args, **kwargs)
+        outcome.compiled_by, outcome.key = "helper", _key_of(compiled)
         raise Stopped("backward compiled")
 
     with (
         mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
     ):
-        yield
-
-
-@dataclasses.dataclass
-class Backward:
-    """What became of the graph's backward: compiled by the "helper" (looked up), by the
-    "child" itself (the lookup missed), or "" (the graph has none)."""
-
-    compiled_by: str = ""
+        yield outcome
 
 
 @contextlib.contextmanager
@@ -154,7 +235,7 @@ def backward_from(
     """The child's compile: the forward's output strides to `send_strides` once, as soon as its
     lowering decided them (at its end where no lowering ran); before the backward,
     `wait_for_helper()`; then the backward with the FX graph cache on, which finds the
-    helper's entry when the keys agree."""
+    helper's entry when the keys agree (where it did not, its key is in what is yielded)."""
     compile_forward = graph_compile._aot_stage2b_compile_forward_or_inference
     compile_backward = graph_compile._aot_stage2b_bw_compile
     emit = TritonBundler.read_and_emit
@@ -187,14 +268,14 @@ def backward_from(
             lazy_info, compiled = compile_backward(*args, **kwargs)
         helped = counters["inductor"]["fxgraph_cache_hit"] > hits
         outcome.compiled_by = "helper" if helped else "child"
-        # A looked-up graph remembers its key and the key's inputs (tens of KB of text):
+        if not helped:  # kept to compare with the helper's
+            outcome.key = _key_of(compiled)
+        # A compiled graph remembers its key and the key's details (tens of KB of text):
         # dropped, so that the bundled entry holds what a compile here would have made.
-        graph = compiled
-        while graph is not None:
+        for graph in _graphs(compiled):
             for name in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines"):
                 if getattr(graph, name, None) is not None:
                     setattr(graph, name, None)
-            graph = getattr(graph, "__wrapped__", None)
         return lazy_info, compiled
 
     with (
