@@ -24,7 +24,6 @@ empty farm (a novel miss). `--right-after-only`: local cold B and the last row.
 """
 
 import argparse
-import glob
 import json
 import os
 import platform
@@ -41,6 +40,7 @@ from torch import nn
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from tests.integration.helpers import (  # noqa: E402
+    kernel_log,
     pool_builds,
     wait_for_pool_builds,
     wait_for_precompiled_headers,
@@ -81,12 +81,16 @@ def step(backend: str, name: str) -> None:
     loss = torch.compile(net, backend=backend)(x).square().mean()
     loss.backward()
     seconds = time.perf_counter() - started
-    source = backend
+    source, phases = backend, {}
     if backend == "torchfarm":
         from torchfarm.client.backend import history
 
         source = ",".join(sorted({r.source for r in history}))
-    print(json.dumps({"seconds": seconds, "source": source, "error": abs(loss.item() - expected)}))
+        for record in history:  # the graphs' phases, added up
+            for phase, value in record.timings.items():
+                phases[phase] = phases.get(phase, 0.0) + value
+    error = abs(loss.item() - expected)
+    print(json.dumps({"seconds": seconds, "source": source, "error": error, "phases": phases}))
 
 
 def local_caches(scratch: str) -> dict[str, str]:
@@ -131,15 +135,6 @@ def farm_miss(farm, scratch: str, name: str, tenant: str, private: bool = True) 
     return measure("torchfarm", name, caches, farm.addr, TOKENS[tenant], private)
 
 
-def reuse_lines(farm) -> list[str]:
-    """The worker's `kernel cache: N objects reused, M kept` lines, oldest first."""
-    lines = []
-    for path in sorted(glob.glob(os.path.join(farm.log_dir, "*.log"))):
-        with open(path, errors="replace") as f:
-            lines += [line.strip()[-60:] for line in f if "kernel cache:" in line]
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=1)
@@ -178,7 +173,8 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
     def add(name: str, result: dict, source: str) -> None:
         assert result["source"] == source and result["error"] < 1e-3, (name, result)
         runs.setdefault(name, []).append(result["seconds"])
-        print(f"  {name}: {result['seconds']:.1f} s ({result['source']})", flush=True)
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in result["phases"].items() if k.endswith("_s"))
+        print(f"  {name}: {result['seconds']:.1f} s ({result['source']}) {phases}", flush=True)
 
     for _ in range(args.repeats):
         add("local cold B", measure("inductor", "B", local_caches(scratch)), "inductor")
@@ -194,7 +190,7 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
                 wait_for_precompiled_headers(farm)
                 add(RIGHT_AFTER_A, farm_miss(farm, scratch, "A", "alice", False), "miss")
                 add(RIGHT_AFTER, farm_miss(farm, scratch, "B", "bob", False), "miss")
-                print("  worker:", *reuse_lines(farm), sep="\n    ")
+                print("  worker:", *kernel_log(farm), sep="\n    ")
         if args.right_after_only:
             continue
         with LocalFarm(tenants=tenants) as farm:  # a fresh farm each time: empty caches
@@ -204,7 +200,7 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
                 continue
             add("farm miss A", farm_miss(farm, scratch, "A", "alice"), "miss")
             add("farm miss B after A", farm_miss(farm, scratch, "B", "alice"), "miss")
-            print("  worker:", *reuse_lines(farm), sep="\n    ")
+            print("  worker:", *kernel_log(farm), sep="\n    ")
         with LocalFarm(tenants=tenants) as farm:  # the pool's kernels, across tenants
             wait_for_precompiled_headers(farm)
             builds = pool_builds(farm)
@@ -216,7 +212,7 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
             print(f"{time.perf_counter() - started:.0f} s after A's step", flush=True)
             shared_b = farm_miss(farm, scratch, "B", "bob", False)
             add("farm shared miss B after A, tenant 2", shared_b, "miss")
-            print("  worker:", *reuse_lines(farm), sep="\n    ")
+            print("  worker:", *kernel_log(farm), sep="\n    ")
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print(f"\n{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}", end=", ")
     print(f"load average at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

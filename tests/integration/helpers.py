@@ -207,21 +207,23 @@ def kernel_log(farm, kind: str = "objects reused") -> list[str]:
     return [line for line in lines if kind in line]
 
 
-def pool_builds(farm) -> tuple[int, int]:
-    """(kernel sources queued for the pool's builds, builds done, failed or skipped) so far."""
-    queued = sum(int(line.split()[2]) for line in kernel_log(farm, "sources queued"))
-    return queued, len(kernel_log(farm, "pool kernel build"))
+def pool_builds(farm) -> tuple[int, int, int]:
+    """(kernel sources queued for the pool's builds, builds done, failed or skipped, jobs that
+    offered sources: all those a compile did not have the pool build during it) so far."""
+    offers = kernel_log(farm, "sources queued")
+    queued = sum(int(line.split()[2]) for line in offers)
+    return queued, len(kernel_log(farm, "pool kernel build")), len(offers)
 
 
-def wait_for_pool_builds(farm, since: tuple[int, int], timeout_s: float = 900) -> None:
-    """Until sources were queued for the pool's builds after `since` (pool_builds), and every
+def wait_for_pool_builds(farm, since: tuple[int, int, int], timeout_s: float = 900) -> None:
+    """Until a job offered sources to the pool's builds after `since` (pool_builds), and every
     source queued so far has been built, failed or skipped."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        queued, done = pool_builds(farm)
-        if queued > since[0] and done >= queued:
+        queued, done, offers = pool_builds(farm)
+        if offers > since[2] and done >= queued:
             return
         time.sleep(2)
     raise TimeoutError(f"pool builds not done in {timeout_s:.0f} s: {pool_builds(farm)}")

@@ -2473,6 +2473,7 @@ class CompileChildRequest(_message.Message):
     KERNEL_SOURCES_FIELD_NUMBER: _builtins.int
     FLOAT_HINTS_FIELD_NUMBER: _builtins.int
     DESCRIPTOR_FIELD_NUMBER: _builtins.int
+    POOL_BUILDS_FIELD_NUMBER: _builtins.int
     graph: _builtins.bytes
     """the CompileRequest's graph (hostile until proven otherwise)"""
     kernel_cache: _builtins.bool
@@ -2486,6 +2487,11 @@ class CompileChildRequest(_message.Message):
     """
     descriptor: _builtins.bytes
     """the Job's: if set, the graph must have it (else refused)"""
+    pool_builds: _builtins.bool
+    """A shared job whose pool builds for its compiles (workers/kernel_builder.py, CompileBuilds):
+    the child asks for each C++ library it would build (CompileChildReport.build) and waits for
+    the answer (PoolBuilt, on its stdin after the request) before it builds what is missing.
+    """
     @_builtins.property
     def target(self) -> Global___Target: ...
     @_builtins.property
@@ -2510,14 +2516,66 @@ class CompileChildRequest(_message.Message):
         kernel_sources: _builtins.bool = ...,
         float_hints: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         descriptor: _builtins.bytes = ...,
+        pool_builds: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "float_hints", b"float_hints", "graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "float_hints", b"float_hints", "graph", b"graph", "kernel_cache", b"kernel_cache", "kernel_sources", b"kernel_sources", "op_libraries", b"op_libraries", "options", b"options", "pool_builds", b"pool_builds", "size_hints", b"size_hints", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompileChildRequest: _TypeAlias = CompileChildRequest  # noqa: Y015
+
+@_typing.final
+class PoolBuild(_message.Message):
+    """A compile child's ask, during its compile, that the pool build one C++ library for it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """the child's, echoed in the answer"""
+    @_builtins.property
+    def source(self) -> Global___KernelSource: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        source: Global___KernelSource | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolBuild: _TypeAlias = PoolBuild  # noqa: Y015
+
+@_typing.final
+class PoolBuilt(_message.Message):
+    """The parent's answer to a PoolBuild, on the child's stdin (length-prefixed, as the request)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    STAGED_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    staged: _builtins.bool
+    """the pool built it: its objects are in the child's staging dir now"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        staged: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "staged", b"staged"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolBuilt: _TypeAlias = PoolBuilt  # noqa: Y015
 
 @_typing.final
 class KernelFiles(_message.Message):
@@ -2791,6 +2849,7 @@ class CompileChildReport(_message.Message):
     ARTIFACT_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     KERNELS_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     stage: Global___Progress.Stage.ValueType
     """COMPILING or AUTOTUNING: the child's stage changed"""
     artifact: _builtins.bytes
@@ -2801,6 +2860,10 @@ class CompileChildReport(_message.Message):
     def kernels(self) -> Global___KernelFiles:
         """with CompileChildRequest.kernel_cache: just before the artifact"""
 
+    @_builtins.property
+    def build(self) -> Global___PoolBuild:
+        """with CompileChildRequest.pool_builds: answered with a PoolBuilt"""
+
     def __init__(
         self,
         *,
@@ -2808,12 +2871,13 @@ class CompileChildReport(_message.Message):
         artifact: _builtins.bytes = ...,
         ready: _builtins.bool = ...,
         kernels: Global___KernelFiles | None = ...,
+        build: Global___PoolBuild | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "build", b"build", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifact", b"artifact", "build", b"build", "kernels", b"kernels", "ready", b"ready", "report", b"report", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact", "ready", "kernels"]  # noqa: Y015
+    _WhichOneofReturnType_report: _TypeAlias = _typing.Literal["stage", "artifact", "ready", "kernels", "build"]  # noqa: Y015
     _WhichOneofArgType_report: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_report) -> _WhichOneofReturnType_report | None: ...
 

@@ -40,6 +40,14 @@ def default_kernel_builds() -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
+def compile_kernel_builds() -> int:
+    """The builders kept warm for the C++ builds compiles ask the pool for
+    (workers/kernel_builder.py, CompileBuilds): as many as one compile builds at once
+    (Inductor's compile threads: the cores), at least 2, at most 8 (each an idle process of
+    ~340 MiB, torch and Inductor imported)."""
+    return max(2, min(8, os.cpu_count() or 1))
+
+
 COMPILE_SHM_MB = 256  # /dev/shm in a compile child's sandbox (a tmpfs: host memory)
 WARM_CHILD_MB = 1024  # an idle warm child (torch and Inductor imported: ~340 MiB resident)
 

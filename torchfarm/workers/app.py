@@ -28,7 +28,7 @@ from torchfarm.contract.pools import describe, pool_name
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.queue import TASK_NAME, job_from_json, make_celery
 from torchfarm.settings import WorkerSettings
-from torchfarm.workers import canary, entry, metrics, sandbox, toolchain
+from torchfarm.workers import canary, entry, metrics, run_kernels, sandbox, toolchain
 from torchfarm.workers.run import CompileRun, Ended, Result, log_fields
 from torchfarm.workers.slots import SLOTS
 
@@ -193,7 +193,7 @@ def run_worker(settings: WorkerSettings) -> None:
         artifacts.record_store()
     except Exception as e:
         raise SystemExit(f"torchfarm worker: blob store {settings.blob_url}: {e}") from e
-    toolchain.start_in_background(settings)
+    toolchain.start_in_background(settings, then=run_kernels.start_compile_builds)
     sandbox.pool(settings)  # compile children warm up while the worker starts
     target = local_target(settings.device)
     pool = pool_name(target) if settings.pool == "auto" else settings.pool

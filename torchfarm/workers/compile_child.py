@@ -1,7 +1,9 @@
 """Entry point of the sandboxed compile child: `python -m torchfarm.workers.compile_child`.
 
 It speaks the contract's child protocol (CompileChildRequest / CompileChildReport in
-torchfarm.proto) over pipes only: one request on stdin, length-prefixed reports on stdout.
+torchfarm.proto) over pipes only: one length-prefixed request on stdin (then, for a shared job
+whose pool builds for its compiles, the answers to its PoolBuild reports), length-prefixed
+reports on stdout.
 So nothing of a tenant's compile is a file the host can see, and a crashed worker leaves
 nothing behind; the one exception is the kernels a private job's child reports (C++ objects;
 on GPU pools Triton entries and tuning results), which its parent checks and keeps for that
@@ -84,14 +86,55 @@ FORK, KILL = b"F", b"K"
 END = struct.Struct(">i")
 
 _reports: BinaryIO | None = None  # the real stdout; fd 1 itself then points at stderr
+_reporting = threading.Lock()  # the compile's threads ask for pool builds beside its stages
 
 
 def report(message: pb.CompileChildReport) -> None:
     """Send one report to the parent."""
     assert _reports is not None, "report() before main() took over stdout"
     data = message.SerializeToString()
-    _reports.write(FRAME.pack(len(data)) + data)
-    _reports.flush()
+    with _reporting:
+        _reports.write(FRAME.pack(len(data)) + data)
+        _reports.flush()
+
+
+class _PoolBuilds:
+    """CompileChildRequest.pool_builds, the child's side: each ask is a PoolBuild report,
+    answered by a PoolBuilt on stdin (after the request); all unanswered asks are answered
+    False once stdin ends."""
+
+    def __init__(self, answers: BinaryIO) -> None:
+        self.lock, self.asked = threading.Lock(), 0
+        self.waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
+        self.ended = False
+        reader = threading.Thread(target=self._read, args=(answers,), daemon=True)
+        reader.start()
+
+    def __call__(self, source: pb.KernelSource) -> bool:
+        """Whether the pool built `source` and staged its objects, once it says."""
+        with self.lock:
+            if self.ended:
+                return False
+            self.asked += 1
+            ident, answer = self.asked, (threading.Event(), [False])
+            self.waiting[ident] = answer
+        report(pb.CompileChildReport(build=pb.PoolBuild(id=ident, source=source)))
+        answer[0].wait()
+        return answer[1][0]
+
+    def _read(self, answers: BinaryIO) -> None:
+        try:
+            while len(head := answers.read(FRAME.size)) == FRAME.size:
+                built = pb.PoolBuilt.FromString(answers.read(FRAME.unpack(head)[0]))
+                with self.lock:
+                    event, staged = self.waiting.pop(built.id, (threading.Event(), [False]))
+                staged[0] = built.staged
+                event.set()
+        finally:
+            with self.lock:
+                self.ended = True
+                for event, _ in self.waiting.values():
+                    event.set()
 
 
 def _on_stage(stage: pb.Progress.Stage.ValueType) -> None:
@@ -393,9 +436,10 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
     if not warmed:
         _warm_up(args)
     report(pb.CompileChildReport(ready=True))
-    data = sys.stdin.buffer.read()
-    if not data:  # the worker closed the pipe without a request: it is going away
+    head = sys.stdin.buffer.read(FRAME.size)
+    if len(head) < FRAME.size:  # the worker closed the pipe without a request: it is going away
         return 0
+    data = sys.stdin.buffer.read(FRAME.unpack(head)[0])
     request = pb.CompileChildRequest.FromString(data)
     helped = helper is not None and compiler_of(request.options) == INDUCTOR
     send = _hand_over(helper, data, helped)
@@ -463,6 +507,9 @@ def _kernel_hooks(
         if request.kernel_sources:
             triton = args.device == "cuda"
             stack.enter_context(kernel_cache.recording(hooks.recorded, triton=triton))
+        if request.pool_builds and args.kernels:
+            ask = _PoolBuilds(sys.stdin.buffer)
+            stack.enter_context(kernel_cache.built_by_pool(ask, args.kernels, hooks.cache_dir))
         yield hooks
 
 

@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import IO, BinaryIO
 
 from torchfarm.errors import BuildRefused
@@ -240,13 +241,80 @@ class PoolBuilds:
         )
 
 
-class _Builder:
-    """A sandboxed builder child, started on first use and fed one
-    source at a time; one whose build fails or times out is ended, and the next source
-    starts another."""
+class CompileBuilds:
+    """The C++ libraries shared compiles ask the pool to build while they run
+    (CompileChildRequest.pool_builds; issue 53: a compile's objects are the pool's when it
+    ends, so a sibling right after reuses them). Each is built once, by one of `size` builder
+    children kept warm from the start, at the compiles' priority (the compile waits for it, as
+    for its own build), and kept in the pool's directory as a background build's would be; a
+    source asked for while it is being built waits for that build. Each builder is driven by a
+    thread of its own that lives as long as the worker: a sandbox dies with the thread that
+    started it (bwrap's --die-with-parent)."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, kernels: kernel_cache.KernelCache, settings: WorkerSettings, size: int):
+        self.kernels = kernels
+        self.lock = threading.Lock()
+        self.building: dict[str, threading.Event] = {}
+        self.waiting: queue.Queue[tuple[str, pb.KernelBuild, Future]] = queue.Queue()
+        for number in range(size):
+            builder = _Builder(settings, priority="normal")
+            name = f"compile-kernel-builds-{number}"
+            threading.Thread(target=self._drain, args=(builder,), name=name, daemon=True).start()
+
+    def build(self, pool_dir: str, source: pb.KernelSource) -> list[str]:
+        """The names of the objects of `source` in `pool_dir`, built now unless they are
+        there; [] where its build failed."""
+        request = pb.KernelBuild(cpp=source)
+        marker = kernel_cache.source_marker(pool_dir, request)
+        while True:
+            with self.lock:
+                if self.kernels.built_before(pool_dir, request):
+                    return self.kernels.built_names(pool_dir, request)
+                running = self.building.get(marker)
+                if running is None:
+                    self.building[marker] = threading.Event()
+                    break
+            running.wait()  # then found built, or built here if that build failed
+        try:
+            built: Future[list[str]] = Future()
+            self.waiting.put((pool_dir, request, built))
+            return built.result()
+        finally:
+            with self.lock:
+                self.building.pop(marker).set()
+
+    def _drain(self, builder: _Builder) -> None:
+        builder.start()  # its imports now, not on a compile's path
+        while True:
+            pool_dir, request, built = self.waiting.get()
+            built.set_result(self._build(builder, pool_dir, request))
+
+    def _build(self, builder: _Builder, pool_dir: str, request: pb.KernelBuild) -> list[str]:
+        started = time.perf_counter()
+        try:
+            files = builder.build(request)
+            self.kernels.keep(pool_dir, files)
+            names = sorted(files.built)
+            self.kernels.mark_built(pool_dir, request, names)
+        except (ValueError, OSError, subprocess.SubprocessError, RuntimeError) as e:
+            log.warning("kernel build for a compile failed: %s", str(e)[-500:])
+            return []
+        log.info(
+            "kernel build for a compile: %d files in %.1f s",
+            len(names),
+            time.perf_counter() - started,
+        )
+        return names
+
+
+class _Builder:
+    """A sandboxed builder child, started on first use (or `start`) and fed one source at a
+    time; one whose build fails or times out is ended, and the next source starts another.
+    At `priority` (idle: TORCHFARM_KERNEL_BUILD_PRIORITY's)."""
+
+    def __init__(self, settings: WorkerSettings, priority: str = "") -> None:
         self.settings = settings
+        self.priority = priority or settings.kernel_build_priority
         self.proc: subprocess.Popen | None = None
         self.private_dir = ""
         self.errors: BinaryIO | None = None  # the child's stderr: the tail of a failure
@@ -261,7 +329,7 @@ class _Builder:
         self.private_dir = tempfile.mkdtemp(prefix="torchfarm-kernel-build-")
         child: tuple[str, ...] = ("-m", "torchfarm.workers.kernel_builder")
         child += ("--device", self.settings.device)
-        child += ("--priority", self.settings.kernel_build_priority)
+        child += ("--priority", self.priority)
         if self.settings.sandbox == "bwrap":  # its own PID namespace and tmpfs to clean
             child += ("--in-sandbox",)
         argv, env, cwd = sandbox.child_command(self.settings, self.private_dir, child)
@@ -276,9 +344,14 @@ class _Builder:
             start_new_session=True,
         )
 
+    def start(self) -> subprocess.Popen:
+        """The child, started now where it has not been (it warms up while nothing waits)."""
+        self.proc = self.proc or self._start()
+        return self.proc
+
     def build(self, source: pb.KernelBuild) -> pb.KernelFiles:
         """Build one source; RuntimeError with the child's error where it failed."""
-        self.proc = self.proc or self._start()
+        self.proc = self.start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         data = source.SerializeToString()
         try:

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import inspect
 import json
@@ -44,8 +45,10 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 from torchfarm.proto import torchfarm_pb2 as pb
 
@@ -119,18 +122,78 @@ def looking_up(staged: str, cache_dir: str) -> Iterator[TuningLookups]:
     sources it has itself (the names hash the sources). Tuning results: `_tuning_found`."""
     from torchfarm.torch_adapter.compile import cpp_libraries
 
-    def link(source_path: str) -> None:
-        stem = source_path[: -len(".cpp")]
-        for suffix in (".so", ".o"):
-            name = os.path.relpath(stem + suffix, cache_dir)
-            staged_path = os.path.join(staged, name)
-            exists = os.path.exists(staged_path) and not os.path.lexists(stem + suffix)
-            if is_kernel_name(name) and exists:
-                os.symlink(staged_path, stem + suffix)
-
     lookups = TuningLookups()
+    link = functools.partial(_link_staged, staged, cache_dir)
     with cpp_libraries.sources_written(link), _tuning_found(staged, cache_dir, lookups):
         yield lookups
+
+
+def _link_staged(staged: str, cache_dir: str, source_path: str) -> None:
+    """The staged objects of the source at `source_path` (in `cache_dir`), linked beside it."""
+    stem = source_path[: -len(".cpp")]
+    for suffix in (".so", ".o"):
+        name = os.path.relpath(stem + suffix, cache_dir)
+        staged_path = os.path.join(staged, name)
+        exists = os.path.exists(staged_path) and not os.path.lexists(stem + suffix)
+        if is_kernel_name(name) and exists:
+            os.symlink(staged_path, stem + suffix)
+
+
+@contextlib.contextmanager
+def built_by_pool(ask: Callable[[pb.KernelSource], bool], staged: str, cache_dir: str):
+    """While entered, each C++ library Inductor is about to build (one that `recording` would
+    record) is first asked of the pool: `ask(source)` returns once the pool's builder has built
+    it and staged its objects (True) or will not (False); staged, they are linked beside the
+    source and Inductor builds nothing of it. So a shared compile's objects are built once, by
+    the pool, and are in the pool's cache when the compile ends (issue 53: a sibling right after
+    finds them). Asked from Inductor's build (its compile threads, or here after load_async
+    where it has none), outside load_async's lock."""
+    from torchfarm.torch_adapter.compile import cpp_libraries
+
+    written = threading.local()  # the sources the load_async call of this thread writes
+
+    def on_written(path: str) -> None:
+        paths = getattr(written, "paths", None)
+        if paths is not None:
+            paths.append(path)
+
+    def load_async(cls, original, main_code, device_type="cpu", *args, **kwargs):
+        source, call = _kernel_source(cls, original, main_code, device_type, args, kwargs)
+        if source is None:
+            return original(cls, main_code, device_type, *args, **kwargs)
+        paths: list[str] = []
+        submit_fn, later = call.arguments.get("submit_fn"), []
+
+        def pool_first(build: Callable[[], object]) -> Callable[[], object]:
+            def run() -> object:
+                if ask(source):
+                    for path in paths:
+                        _link_staged(staged, cache_dir, path)
+                return build()
+
+            return run
+
+        def submit(build: Callable[[], object]) -> Future:
+            if submit_fn is not None:
+                return submit_fn(pool_first(build))
+            later.append((Future(), pool_first(build)))  # run once load_async let its lock go
+            return later[-1][0]
+
+        call.arguments["submit_fn"] = submit
+        written.paths = paths
+        try:
+            loader = original(*call.args, **call.kwargs)
+        finally:
+            written.paths = None
+        for future, run in later:
+            try:
+                future.set_result(run())
+            except Exception as e:
+                future.set_exception(e)
+        return loader
+
+    with cpp_libraries.sources_written(on_written), cpp_libraries.wrapped_load_async(load_async):
+        yield
 
 
 def text_name(kernel_name: str, source: str) -> str:
@@ -185,20 +248,9 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
     sources, kernels = recorded.sources, set()
 
     def load_async(cls, original, main_code, device_type="cpu", *args, **kwargs):
-        call = inspect.signature(original).bind(cls, main_code, device_type, *args, **kwargs)
-        given = call.arguments
-        optimized = given.get("optimized_code")
-        if device_type == "cpu" and not given.get("extra_flags") and cls.__name__ in CODE_CACHES:
-            sources.append(
-                pb.KernelSource(
-                    code_cache=cls.__name__,
-                    main_code=main_code,
-                    has_optimized=optimized is not None,
-                    optimized_code=optimized or "",
-                    needs_vec_isa=_TRISTATE[given.get("needs_vec_isa")],
-                    kernel_needs_vec_isa=_TRISTATE[given.get("kernel_needs_vec_isa")],
-                )
-            )
+        source = _kernel_source(cls, original, main_code, device_type, args, kwargs)[0]
+        if source is not None:
+            sources.append(source)
         return original(cls, main_code, device_type, *args, **kwargs)
 
     def on_kernel(kernel_name: str, module: str) -> None:
@@ -218,6 +270,27 @@ def recording(recorded: pb.KernelFiles, triton: bool = False) -> Iterator[None]:
 
 CODE_CACHES = ("CppCodeCache", "CppPythonBindingsCodeCache")  # what a kernel build builds
 _TRISTATE = {None: 0, False: 1, True: 2}  # KernelSource.needs_vec_isa
+
+
+def _kernel_source(
+    cls, original, main_code: str, device_type: str, args: tuple, kwargs: dict
+) -> tuple[pb.KernelSource | None, inspect.BoundArguments]:
+    """A load_async call as the pool's kernel builder takes it (None where it cannot: extra
+    flags, another device or class), and the call's arguments."""
+    call = inspect.signature(original).bind(cls, main_code, device_type, *args, **kwargs)
+    given = call.arguments
+    optimized = given.get("optimized_code")
+    if device_type != "cpu" or given.get("extra_flags") or cls.__name__ not in CODE_CACHES:
+        return None, call
+    source = pb.KernelSource(
+        code_cache=cls.__name__,
+        main_code=main_code,
+        has_optimized=optimized is not None,
+        optimized_code=optimized or "",
+        needs_vec_isa=_TRISTATE[given.get("needs_vec_isa")],
+        kernel_needs_vec_isa=_TRISTATE[given.get("kernel_needs_vec_isa")],
+    )
+    return source, call
 
 
 def report(
@@ -355,13 +428,17 @@ class KernelCache:
         return True
 
     @staticmethod
-    def built_before(pool_dir: str, source: pb.KernelBuild) -> bool:
-        """Whether a build of `source` stored files that are all still there."""
+    def built_names(pool_dir: str, source: pb.KernelBuild) -> list[str]:
+        """The files a build of `source` stored, as `mark_built` remembered them."""
         try:
-            with open(_source_marker(pool_dir, source)) as f:
-                names = f.read().split()
+            with open(source_marker(pool_dir, source)) as f:
+                return f.read().split()
         except FileNotFoundError:
-            return False
+            return []
+
+    def built_before(self, pool_dir: str, source: pb.KernelBuild) -> bool:
+        """Whether a build of `source` stored files that are all still there."""
+        names = self.built_names(pool_dir, source)
         return bool(names) and all(
             is_kernel_name(n) and os.path.exists(os.path.join(pool_dir, n)) for n in names
         )
@@ -369,7 +446,7 @@ class KernelCache:
     @staticmethod
     def mark_built(pool_dir: str, source: pb.KernelBuild, names: list[str]) -> None:
         """Remember the files a build of `source` made, so that it is not built again."""
-        _write_atomically(_source_marker(pool_dir, source), "\n".join(names).encode())
+        _write_atomically(source_marker(pool_dir, source), "\n".join(names).encode())
 
     def keep(self, tenant_dir: str, files: pb.KernelFiles) -> tuple[int, int]:
         """Store the files a child of this tenant (or a kernel build of the pool's) built
@@ -450,23 +527,46 @@ def stage(tenant_dir: str, staging: str) -> int:
                 _merge_timings(dest, _read(source))
                 staged += 1
             continue
-        try:
-            os.link(source, dest)
-        except OSError as e:
-            if e.errno != errno.EXDEV:  # pruned by a compile beside this one
-                continue
-            shutil.copyfile(source, dest)  # the staging dir is on another filesystem
-        staged += 1
+        staged += _link(source, dest)
     return staged
 
 
+def stage_built(pool_dir: str, names: list[str], staging: str) -> list[str]:
+    """Hard-link (else copy) the objects `names` of the pool's directory into a hidden child's
+    staging directory while its compile runs (a build it asked for); the names staged."""
+    staged = []
+    for name in filter(is_kernel_name, names):
+        dest = os.path.join(staging, name)
+        with contextlib.suppress(FileExistsError):  # hidden as the others
+            os.mkdir(os.path.dirname(dest), _HIDDEN)
+        if os.path.lexists(dest) or _link(os.path.join(pool_dir, name), dest):
+            staged.append(name)
+    return staged
+
+
+def _link(source: str, dest: str) -> bool:
+    """`source` hard-linked (else copied) at `dest`; False where it is gone (pruned)."""
+    try:
+        os.link(source, dest)
+    except OSError as e:
+        if e.errno != errno.EXDEV:  # pruned by a compile beside this one
+            return False
+        shutil.copyfile(source, dest)  # the staging dir is on another filesystem
+    return True
+
+
+# A hidden staging dir's mode: its owner, whom the sandbox maps the child to, may search it and
+# (the parent, for builds a child asks for: `stage_built`) write it, never list it; the child's
+# bind is read-only and it cannot chmod one.
+_HIDDEN = 0o300
+
+
 def hide(staging: str) -> None:
-    """Make a staging dir searchable but not listable (its owner, whom the sandbox maps the
-    child to, gets execute only, and cannot chmod a read-only bind): a child opens an object
-    whose name it computed from a source, and learns no other."""
+    """Make a staging dir searchable but not listable (_HIDDEN): a child opens an object whose
+    name it computed from a source, and learns no other."""
     for sub in os.listdir(staging):
-        os.chmod(os.path.join(staging, sub), 0o100)
-    os.chmod(staging, 0o100)
+        os.chmod(os.path.join(staging, sub), _HIDDEN)
+    os.chmod(staging, _HIDDEN)
 
 
 def unhide(staging: str) -> None:
@@ -479,10 +579,10 @@ def unhide(staging: str) -> None:
         pass
 
 
-def _source_marker(pool_dir: str, source: pb.KernelBuild) -> str:
-    """A Triton kernel's marker leaves its result out: the kernel is built once, with the first
-    result a compile sent (later compiles find that one, and send it back as the pool wrote
-    it, or another they tuned again)."""
+def source_marker(pool_dir: str, source: pb.KernelBuild) -> str:
+    """Where `mark_built` remembers a build of `source`. A Triton kernel's marker leaves its
+    result out: the kernel is built once, with the first result a compile sent (later compiles
+    find that one, and send it back as the pool wrote it, or another they tuned again)."""
     if source.triton.result:
         source = pb.KernelBuild(
             triton=pb.TritonSource(

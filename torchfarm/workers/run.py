@@ -84,7 +84,7 @@ class CompileRun:
             handed = time.perf_counter()
             child = self.child(payload, staged)
             compiled = self.entry(payload, child, handed)
-            self.keep(compiled, staged, child.kernels)
+            self.keep(compiled, staged, child)
         except _Stop as stop:
             return Ended(stop.result)
         self.after(staged, child.kernels)
@@ -146,6 +146,7 @@ class CompileRun:
             kernels_from=staged.dirs if staged else (),
             report_built=bool(staged and staged.tenant_dir),
             report_sources=staged is not None and not job.private,
+            pool_build=run_kernels.pool_build(staged, self.settings, job),
         )
         try:
             return sandbox.run_compile(spec, self.settings)
@@ -189,7 +190,7 @@ class CompileRun:
         )
 
     def keep(
-        self, compiled: _Compiled, staged: run_kernels.Staged | None, kernels: pb.KernelFiles
+        self, compiled: _Compiled, staged: run_kernels.Staged | None, child: sandbox.ChildResult
     ) -> None:
         """Store artifact and entry (or, the cache full, hand the artifact to the waiters
         through the job board) and the kernels the child built; then end the job."""
@@ -216,7 +217,7 @@ class CompileRun:
             self.store.structures.add(job.tenant, meta.key_parts[STRUCTURE], job.key)
         timings.store_s = time.perf_counter() - compiled.read_back
         if staged:
-            run_kernels.keep(staged, self.store, kernels, self.extra)
+            run_kernels.keep(staged, self.store, child.kernels, child.pool_built, self.extra)
         # Logged before the job ends: its waiters wake at once (a log read then finds the line).
         log.info(
             "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s%s",

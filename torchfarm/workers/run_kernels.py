@@ -1,6 +1,7 @@
 """The kernel cache's part in one compile (workers/kernel_cache.py): the directories staged
-for its child, what the child built kept for its tenant, and the sources it recorded queued
-for the pool's builds once the job has ended (workers/kernel_builder.py)."""
+for its child, the C++ libraries a shared job's child asks the pool to build during its compile
+(kernel_builder.CompileBuilds), what the child built kept for its tenant, and the sources it
+recorded queued for the pool's builds once the job has ended (workers/kernel_builder.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import redis
 
 from torchfarm.cache.store import Store
 from torchfarm.proto import torchfarm_pb2 as pb
-from torchfarm.settings import WorkerSettings
+from torchfarm.settings import WorkerSettings, sizing
 from torchfarm.workers import kernel_builder, kernel_cache, toolchain
 
 log = logging.getLogger("torchfarm.worker")
@@ -61,18 +62,51 @@ def stage(
     return Staged(cache, pool, cache.pool_dir(pool), tenant_dir, generation)
 
 
-def keep(staged: Staged, store: Store, files: pb.KernelFiles, extra: dict) -> None:
+# settings -> the builders its compiles hand their C++ builds to, once started
+_compile_builds: dict[WorkerSettings, kernel_builder.CompileBuilds] = {}
+
+
+def start_compile_builds(settings: WorkerSettings) -> None:
+    """Start the builders a CPU pool's shared compiles hand their C++ builds to (with the
+    kernel cache on): once the worker's toolchain is settled, so that they build with the ISA
+    verdict and precompiled headers the compile children have."""
+    kernels = kernel_cache_of(settings)
+    if kernels is None or settings.device != "cpu":
+        return
+    size = sizing.compile_kernel_builds()
+    _compile_builds[settings] = kernel_builder.CompileBuilds(kernels, settings, size)
+    log.info("kernel builders for compiles started: %d", size)
+
+
+def pool_build(staged: Staged | None, settings: WorkerSettings, job: pb.Job):
+    """What a shared job's child asks the pool to build goes to the pool's builders
+    (sandbox.ChildSpec.pool_build); None for a private job, or before they are started (the
+    child then builds its libraries itself, and they are offered after the job)."""
+    builds = _compile_builds.get(settings)
+    if staged is None or job.private or builds is None:
+        return None
+
+    def build(source: pb.KernelSource) -> tuple[str, list[str]]:
+        return staged.pool_dir, builds.build(staged.pool_dir, source)
+
+    return build
+
+
+def keep(
+    staged: Staged, store: Store, files: pb.KernelFiles, pool_built: tuple[str, ...], extra: dict
+) -> None:
     """Before the job ends (its tenant's next compile finds them): keep what the compile built
-    for its tenant, unless the pool's kernels were dropped meanwhile, and count its reuse."""
+    for its tenant, unless the pool's kernels were dropped meanwhile, and count its reuse (of
+    objects it found staged, not those the pool built for it: `pool_built`)."""
     undropped = store.pools.kernel_generation(staged.pool) == staged.generation
     if undropped:
-        _keep_files(staged, files, extra)
+        _keep_files(staged, files, pool_built, extra)
     else:  # what it built may hold what was dropped (timings grown from staged ones)
         log.info("kernel cache: dropped during the compile, nothing kept", extra=extra)
     tuned = [n for n in files.built if n.startswith(kernel_cache.TUNING + "/")]
     store.counters.count(
         staged.pool,
-        kernels_reused=len(files.reused),
+        kernels_reused=len(set(files.reused) - set(pool_built)),
         tuning_stored=len(tuned) if staged.tenant_dir and undropped else 0,
         tuning_reused=files.tuning_reused,
         tuning_seconds_saved=files.tuning_seconds_saved,
@@ -125,7 +159,9 @@ def _pool_tuning(store: Store, pool: str, generation: int) -> list[pb.KernelBuil
     return store.pools.tuning(pool)
 
 
-def _keep_files(staged: Staged, files: pb.KernelFiles, extra: dict) -> None:
+def _keep_files(
+    staged: Staged, files: pb.KernelFiles, pool_built: tuple[str, ...], extra: dict
+) -> None:
     """Keep what a private compile built for its tenant, and mark the objects a compile
     reused as used now; a failure costs later compiles only."""
     try:
@@ -136,11 +172,12 @@ def _keep_files(staged: Staged, files: pb.KernelFiles, extra: dict) -> None:
         return
     log.info(
         "kernel cache: %d objects reused, %d kept, %d tuning results reused (%.1f s of "
-        "tuning), %d GEMM candidates benchmarked",
-        len(files.reused),
+        "tuning), %d GEMM candidates benchmarked, %d objects built by the pool for it",
+        len(set(files.reused) - set(pool_built)),
         stored,
         files.tuning_reused,
         files.tuning_seconds_saved,
         files.gemm_candidates_benchmarked,
+        len(pool_built),
         extra=extra,
     )

@@ -445,12 +445,64 @@ def _how_it_ended(returncode: int, sandbox: str) -> str:
         return f"exit {returncode}"
 
 
-def _feed(stream: IO[bytes], data: bytes) -> None:
-    try:
-        stream.write(data)
-        stream.close()
-    except OSError:  # the child died before reading it all: its exit status says why
-        pass
+class _ChildInput:
+    """What the parent writes to a child's stdin, each length-prefixed: its request, then the
+    answers to the pool builds it asks for (ChildSpec.pool_build), each built in a thread of
+    its own, at most MAX_POOL_BUILDS_ASKED at once (more are answered False at once). The pipe
+    stays open until the child is closed; once `close`d, nothing more is staged or written."""
+
+    def __init__(
+        self,
+        stdin: IO[bytes],
+        pool_build: Callable[[pb.KernelSource], tuple[str, list[str]]] | None,
+        staging: str,
+    ) -> None:
+        self.stdin, self.pool_build, self.staging = stdin, pool_build, staging
+        self.lock = threading.Lock()
+        self.asked = threading.BoundedSemaphore(MAX_POOL_BUILDS_ASKED)
+        self.closed = False
+        self.staged: list[str] = []  # the objects the pool built for the child and staged
+
+    def feed(self, request: bytes) -> None:
+        self._write(request)
+
+    def ask(self, build: pb.PoolBuild) -> None:
+        if self.pool_build is None or not self.staging or not self.asked.acquire(blocking=False):
+            self._write(pb.PoolBuilt(id=build.id).SerializeToString())
+            return
+        threading.Thread(target=self._build, args=(build,), daemon=True).start()
+
+    def _build(self, build: pb.PoolBuild) -> None:
+        names: list[str] = []
+        try:
+            assert self.pool_build is not None
+            built_in, built = self.pool_build(build.source)
+            with self.lock:  # never into a staging dir the child has left
+                if not self.closed:
+                    names = kernel_cache.stage_built(built_in, built, self.staging)
+                    self.staged += names
+        except Exception:
+            log.exception("a pool build a compile asked for failed")
+        finally:
+            self.asked.release()
+        self._write(pb.PoolBuilt(id=build.id, staged=bool(names)).SerializeToString())
+
+    def _write(self, data: bytes) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.stdin.write(FRAME.pack(len(data)) + data)
+                self.stdin.flush()
+            except (OSError, ValueError):  # the child has ended: its exit status says why
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+
+MAX_POOL_BUILDS_ASKED = max(2, os.cpu_count() or 1)  # a compile builds on its host's cores
 
 
 def _read_reports(
@@ -458,9 +510,10 @@ def _read_reports(
     settings: WorkerSettings,
     on_stage: Callable[[pb.Progress.Stage.ValueType], None] | None,
     kernels: pb.KernelFiles | None = None,
+    asks: _ChildInput | None = None,
 ) -> bytes | None:
     """Read the child's reports until its artifact (returned) or the end of the stream; the
-    kernels it reports go into `kernels`."""
+    kernels it reports go into `kernels`, the pool builds it asks for to `asks`."""
     while True:
         head = stream.read(FRAME.size)
         if len(head) < FRAME.size:
@@ -489,6 +542,8 @@ def _read_reports(
             return message.artifact
         if message.WhichOneof("report") == "kernels" and kernels is not None:
             kernels.CopyFrom(message.kernels)
+        elif message.WhichOneof("report") == "build" and asks is not None:
+            asks.ask(message.build)
         elif size <= _MAX_STAGE_FRAME and message.stage in _STAGES and on_stage:
             on_stage(message.stage)
 
@@ -502,7 +557,9 @@ class ChildSpec:
     the call, a child still warming up included. `kernels_from`: kernel cache directories
     (workers/kernel_cache.py) staged for the child, the first one's objects winning; the child
     then reports the objects it built (`report_built`) or the sources of the libraries it
-    built (`report_sources`)."""
+    built (`report_sources`). `pool_build(source)`, for a shared job: the pool builds a C++
+    library the child asks for during its compile; the directory it keeps it in and the
+    objects' names there ([] where it did not), which are then staged for the child."""
 
     payload: bytes
     target: pb.Target
@@ -516,6 +573,7 @@ class ChildSpec:
     kernels_from: tuple[str, ...] = ()
     report_built: bool = False
     report_sources: bool = False
+    pool_build: Callable[[pb.KernelSource], tuple[str, list[str]]] | None = None
 
     def request(self, settings: WorkerSettings) -> pb.CompileChildRequest:
         return pb.CompileChildRequest(
@@ -528,6 +586,7 @@ class ChildSpec:
             op_libraries=_op_libraries(settings),
             kernel_cache=self.report_built,
             kernel_sources=self.report_sources,
+            pool_builds=self.pool_build is not None,
         )
 
 
@@ -535,11 +594,13 @@ class ChildSpec:
 class ChildResult:
     """What a compile child handed back: the Artifact's protobuf bytes, the seconds from
     the request until a ready child had it (the hand-off; ~0 when a warm child waited), and
-    the C++ objects it reported for its tenant's kernel cache (hostile: the caller checks)."""
+    the C++ objects it reported for its tenant's kernel cache (hostile: the caller checks),
+    and the objects the pool built for it during its compile (ChildSpec.pool_build)."""
 
     data: bytes
     handoff_s: float
     kernels: pb.KernelFiles
+    pool_built: tuple[str, ...] = ()
 
 
 _pool_lock = threading.Lock()  # Celery's threads may ask for the pool at once
@@ -635,9 +696,9 @@ def run_compile(spec: ChildSpec, settings: WorkerSettings) -> ChildResult:
     called = time.perf_counter()
     child = pool(settings).take()
     staging = _stage(child, spec.kernels_from, settings)
-    feeder = threading.Thread(
-        target=_feed, args=(child.stdin, spec.request(settings).SerializeToString()), daemon=True
-    )
+    child_input = _ChildInput(child.stdin, spec.pool_build, staging)
+    request = spec.request(settings).SerializeToString()
+    feeder = threading.Thread(target=child_input.feed, args=(request,), daemon=True)
     feeder.start()
     stops = _Stops(child, timeout_s, spec.abandoned)
     stops.start()
@@ -645,7 +706,11 @@ def run_compile(spec: ChildSpec, settings: WorkerSettings) -> ChildResult:
     try:
         ready = child.wait_ready()  # a warm child at once; else its warm-up, or its end
         handoff_s = time.perf_counter() - called
-        data = _read_reports(child.stdout, settings, spec.on_stage, kernels) if ready else None
+        data = (
+            _read_reports(child.stdout, settings, spec.on_stage, kernels, child_input)
+            if ready
+            else None
+        )
         if data is not None:
             # The artifact is whole: the child has nothing left to give, and its own exit
             # (interpreter and torch teardown, ~1.4 s measured) is not worth waiting for.
@@ -657,6 +722,7 @@ def run_compile(spec: ChildSpec, settings: WorkerSettings) -> ChildResult:
         returncode = child.proc.wait()  # the timer still ends a child that lingers
         stops.end()
         feeder.join(timeout=5)
+        child_input.close()
         if staging:
             kernel_cache.unhide(staging)
         child.close()
@@ -669,7 +735,7 @@ def run_compile(spec: ChildSpec, settings: WorkerSettings) -> ChildResult:
     if not (artifact.inductor or artifact.package):
         raise CompileFailed("compile child returned an empty artifact")
     metrics.handoff(handoff_s)
-    return ChildResult(data, handoff_s, kernels)
+    return ChildResult(data, handoff_s, kernels, tuple(child_input.staged))
 
 
 def _stage(child: child_pool.Child, kernels_from: tuple[str, ...], settings: WorkerSettings) -> str:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 from torchfarm.settings import WorkerSettings, env
 from torchfarm.torch_adapter.worker import precompiled_headers
@@ -40,13 +41,23 @@ ISA_VERDICT_SUFFIX = ".vec-isa-ok"  # beside the header store: isa_verdict.py's 
 HEADER_BUILD_TIMEOUT_S = 900  # ~25 s alone on the 2-core machine, more beside compiles
 
 
-def start_in_background(settings: WorkerSettings) -> None:
-    """Worker main process, before its pool forks: probe the ISA, then build the headers."""
+def start_in_background(
+    settings: WorkerSettings, then: Callable[[WorkerSettings], None] | None = None
+) -> None:
+    """Worker main process, before its pool forks: probe the ISA, then build the headers,
+    then (whether they were built or not) call `then(settings)`."""
     marker = isa_verdict.declare()
     headers = store_dir()
     precompiled_headers.set_store(headers)
     kept_verdict = headers + ISA_VERDICT_SUFFIX
     vouched = isa_verdict.recall(marker, kept_verdict)  # before the canary's child starts
+
+    def prepare_then() -> None:
+        try:
+            prepare()
+        finally:
+            if then is not None:
+                then(settings)
 
     def prepare() -> None:
         if not vouched:
@@ -66,7 +77,7 @@ def start_in_background(settings: WorkerSettings) -> None:
         finally:
             shutil.rmtree(building, ignore_errors=True)
 
-    threading.Thread(target=prepare, name="toolchain-prep", daemon=True).start()
+    threading.Thread(target=prepare_then, name="toolchain-prep", daemon=True).start()
 
 
 def store_dir() -> str:

@@ -104,9 +104,26 @@ def test_staging_links_the_objects_and_hides_their_names(tmp_path):
     assert os.stat(staged).st_ino == os.stat(os.path.join(d, f"{OBJ}.so")).st_ino  # a link
     kernel_cache.hide(str(staging))
     for directory in (staging, staging / "ab"):  # searchable, not listable, by the owner
-        assert os.stat(directory).st_mode & 0o777 == 0o100
+        assert os.stat(directory).st_mode & 0o777 == 0o300
     kernel_cache.unhide(str(staging))
     assert os.stat(staging / "ab").st_mode & 0o777 == 0o700
+
+
+def test_objects_built_for_a_running_compile_are_staged_hidden_by_name(tmp_path):
+    cache = _cache(tmp_path)
+    pool = cache.pool_dir("cpu")
+    other = "cd/ccd" + "d" * 49 + ".so"
+    cache.keep(pool, pb.KernelFiles(built={f"{OBJ}.so": b"lib", other: b"other"}))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    kernel_cache.hide(str(staging))  # as it is while its child compiles
+    names = [f"{OBJ}.so", "../escape.so", f"{OBJ}.o"]  # not a kernel name; pruned meanwhile
+    assert kernel_cache.stage_built(pool, names, str(staging)) == [f"{OBJ}.so"]
+    assert os.stat(staging / "ab").st_mode & 0o777 == 0o300  # a new directory, hidden too
+    assert os.stat(staging / f"{OBJ}.so").st_ino == os.stat(os.path.join(pool, f"{OBJ}.so")).st_ino
+    assert kernel_cache.stage_built(pool, [f"{OBJ}.so"], str(staging)) == [f"{OBJ}.so"]  # again
+    kernel_cache.unhide(str(staging))
+    assert not (staging / "cd").exists()  # only what was asked for
 
 
 def _timings(**by_choice: float) -> bytes:
@@ -234,3 +251,66 @@ def test_the_settings_size_it_turn_it_off_and_refuse_a_negative_size(monkeypatch
     monkeypatch.setenv("TORCHFARM_KERNEL_CACHE_MB", "-1")
     with pytest.raises(ValueError, match="TORCHFARM_KERNEL_CACHE_MB"):
         WorkerSettings.from_env()
+
+
+@pytest.mark.parametrize("compile_threads", [True, False])
+def test_a_library_is_asked_of_the_pool_before_inductor_builds_it(
+    tmp_path, monkeypatch, compile_threads
+):
+    """With Inductor's compile threads (a submit_fn) or without: the pool is asked for each
+    library with its source before Inductor's build looks for the objects, and the objects it
+    staged are linked in; a library the pool does not build is built by Inductor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._inductor import codecache
+
+    staging, inductor = tmp_path / "staging", tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    asked, built = [], []
+
+    def load_async(  # Inductor's, less its compile command: write, submit the build, load
+        cls,
+        main_code,
+        device_type="cpu",
+        submit_fn=None,
+        extra_flags=(),
+        optimized_code=None,
+        needs_vec_isa=None,
+        kernel_needs_vec_isa=None,
+    ):
+        binary = codecache.write(main_code, "main.cpp")[1][: -len(".cpp")] + ".so"
+
+        def build():
+            if not os.path.exists(binary):
+                built.append(main_code)
+                open(binary, "w").close()
+
+        future = submit_fn(build) if submit_fn and not os.path.exists(binary) else None
+        return lambda: (future and future.result(), build(), binary)[-1]
+
+    def ask(source: pb.KernelSource) -> bool:  # the pool builds what says "pooled"
+        asked.append(source)
+        for path in inductor.glob("*/*.cpp") if "pooled" in source.main_code else ():
+            stem = os.path.relpath(path, inductor)[: -len(".cpp")]
+            (staging / stem).parent.mkdir(parents=True, exist_ok=True)
+            (staging / f"{stem}.so").write_bytes(b"built by the pool")
+        return "pooled" in source.main_code
+
+    monkeypatch.setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))
+    executor = ThreadPoolExecutor(1)
+    submit = executor.submit if compile_threads else None
+    with kernel_cache.built_by_pool(ask, str(staging), str(inductor)):
+        loaders = [
+            codecache.CppCodeCache.load_async(code, "cpu", submit, needs_vec_isa=False)
+            for code in ("int pooled;", "int mine;")
+        ]
+        for load in loaders:
+            load()
+    executor.shutdown()
+    assert [(s.main_code, s.code_cache, s.needs_vec_isa) for s in asked] == [
+        ("int pooled;", "CppCodeCache", 1),  # 1: False
+        ("int mine;", "CppCodeCache", 1),
+    ]
+    linked = [n for n in kernel_cache._names(str(inductor)) if os.path.islink(inductor / n)]
+    assert len(linked) == 1 and os.readlink(inductor / linked[0]) == str(staging / linked[0])
+    assert built == ["int mine;"]

@@ -61,13 +61,15 @@ def build(
 
 @contextlib.contextmanager
 def wrapped_load_async(replacement: Callable) -> Iterator[None]:
-    """CppCodeCache.load_async(...) calls `replacement(cls, original, ...)` while entered."""
+    """CppCodeCache.load_async(...) calls `replacement(cls, original, ...)` while entered;
+    `inspect.signature(original)` is Inductor's, however many replacements are nested."""
     saved = codecache.CppCodeCache.__dict__["load_async"]
     original = saved.__func__
 
     def load_async(cls, main_code, *args, **kwargs):
         return replacement(cls, original, main_code, *args, **kwargs)
 
+    load_async.__wrapped__ = original  # type: ignore[attr-defined]  # its signature, nested too
     setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))  # noqa: B010
     try:
         yield
