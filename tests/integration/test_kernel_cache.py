@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import pickle
+import time
 
 import grpc
 import pytest
@@ -121,6 +122,36 @@ def test_a_shared_compile_reuses_the_kernels_the_pool_built_from_another_tenants
     assert reused > 0, kernel_log(farm)[before]
 
 
+def test_a_sibling_right_after_a_shared_compile_reuses_every_object_the_pool_built_for_it(
+    farm, monkeypatch
+):
+    """Issue 53: alice's shared compile hands its C++ builds to the pool's builders, so its
+    objects are the pool's when it ends; bob's sibling, compiled at once (no pool build waited
+    for), reuses them and equals eager."""
+    deadline = time.monotonic() + 600
+    while not kernel_log(farm, "kernel builders for compiles started"):
+        assert time.monotonic() < deadline, "the worker started no builders for compiles"
+        time.sleep(1)
+    torch.manual_seed(4)
+    a, b = _block(28, 2), _block(28, 3)  # siblings, compiled shared by two tenants
+    x = torch.randn(4, 28)
+    before = len(kernel_log(farm))
+    sources, error = _run(a, x, "alice", False, monkeypatch, farm)
+    assert sources == ["miss"] and error < 1e-4
+    line = kernel_log(farm)[before]
+    assert int(line.split()[2]) == 0 and _built_by_the_pool(line) > 0, line
+    before = len(kernel_log(farm))
+    sources, error = _run(b, x, "bob", False, monkeypatch, farm)
+    assert sources == ["miss"] and error < 1e-4
+    line = kernel_log(farm)[before]
+    assert int(line.split()[2]) > 0, line  # alice's objects, as the pool built them
+
+
+def _built_by_the_pool(line: str) -> int:
+    """`... N objects built by the pool for it` of a compile's kernel cache line."""
+    return int(line.rsplit(", ", 1)[1].split()[0])
+
+
 class _Exploit:
     def __init__(self, code: str):
         self.code = code
@@ -139,10 +170,9 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.workers import compile_child, kernel_cache
 cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
 artifact = compile_payload({victim_graph!r}, pb.Options(), {local_target().threads}, {{}})
-files = kernel_cache.report(cache, "")
+# every object of it: built here, or (shared) linked from the pool's builds for it
+files = pb.KernelFiles(built={{n: {PLANTED!r} for n in kernel_cache._names(cache)}})
 assert files.built, "no kernel to plant"
-for name in files.built:
-    files.built[name] = {PLANTED!r}
 compile_child.report(pb.CompileChildReport(kernels=files))
 compile_child.report(pb.CompileChildReport(artifact=artifact.SerializeToString()))
 os._exit(0)
@@ -167,10 +197,8 @@ cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
 recorded = pb.KernelFiles()
 with kernel_cache.recording(recorded):
     artifact = compile_payload({victim_graph!r}, pb.Options(), {local_target().threads}, {{}})
-files = kernel_cache.report(cache, "")
+files = pb.KernelFiles(built={{n: {PLANTED!r} for n in kernel_cache._names(cache)}})
 assert files.built and recorded.sources, "no kernel to plant"
-for name in files.built:
-    files.built[name] = {PLANTED!r}
 files.sources.extend(recorded.sources)
 files.sources.append(pb.KernelSource(code_cache="CppCodeCache", main_code={MARKER_SOURCE!r}))
 files.sources.append(pb.KernelSource(code_cache="os.system", main_code="echo planted"))
@@ -220,12 +248,6 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
         graph = direct_request(victim, x).graph
     hostile = _plant(graph)
 
-    # Sent shared, its objects are ignored: a shared job fills no tenant's cache, and the
-    # pool's only from its own builds of sources.
-    assert _send(farm, hostile, "alice", private=False)[-1].WhichOneof("event") == "chunk"
-    assert PLANTED not in _objects(_tenant_dir(farm, "alice")).values()
-    assert PLANTED not in _objects(_pool_dir(farm)).values()
-
     # Sent private, the planted objects land in alice's own cache, under the victim's names.
     assert _send(farm, hostile, "alice", private=True)[-1].WhichOneof("event") == "chunk"
     planted = [n for n, data in _objects(_tenant_dir(farm, "alice")).items() if data == PLANTED]
@@ -235,6 +257,11 @@ def test_kernels_planted_by_a_hostile_payload_reach_no_other_tenant_and_no_share
     # fails, so her client compiles locally): the names are the ones the victim's compile uses.
     sources, error = _run(victim, x, "alice", True, monkeypatch, farm)
     assert sources == ["local"] and error < 1e-4
+
+    # Sent shared, its objects are ignored: a shared job fills no tenant's cache, and the
+    # pool's only from its own builds of sources (which, staged first, now shadow alice's).
+    assert _send(farm, hostile, "alice", private=False)[-1].WhichOneof("event") == "chunk"
+    assert PLANTED not in _objects(_pool_dir(farm)).values()
 
     # bob's compile of the same graph: his own cache, where nothing of alice's is staged.
     sources, error = _run(victim, x, "bob", True, monkeypatch, farm)
@@ -311,7 +338,7 @@ def _tuned(
     header = next(e.header for e in events if e.WhichOneof("event") == "header")
     assert header.source == "miss"
     line = kernel_log(farm)[before]
-    return header.key, [int(w) for w in line.replace("(", " ").split() if w.isdigit()]
+    return header.key, [int(w) for w in line.replace("(", " ").split() if w.isdigit()][:4]
 
 
 def _admin(farm, *args: str):
