@@ -11,9 +11,9 @@ Inductor cache, side by side in one run:
 - farm shared miss B after A, other tenant: on a fresh farm, A compiled shared by tenant 1,
   the pool's builds of A's kernel sources left to finish (workers/kernel_builder.py; not
   timed), then B compiled shared by tenant 2;
-- farm shared miss B right after A, other tenant (issue 53's sibling row): on a fresh farm,
-  A compiled shared by tenant 1, then at once, nothing waited for, B compiled shared by
-  tenant 2.
+- farm shared miss B right after A, other tenant (issue 53's sibling row): on a fresh farm
+  (headers built, the builders its compiles hand their C++ builds to warm), A compiled shared
+  by tenant 1, then at once, nothing waited for, B compiled shared by tenant 2.
 
 Farm requests are private (TORCHFARM_PRIVATE=1) except in the last two rows. Prints a table
 and the ratios; `--json PATH` too. `--novel-only`: local cold B and the farm's miss of B on an
@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 from tests.integration.helpers import (  # noqa: E402
     kernel_log,
     pool_builds,
+    wait_for_compile_builders,
     wait_for_pool_builds,
     wait_for_precompiled_headers,
 )
@@ -188,6 +189,7 @@ def measure_all(args: argparse.Namespace, scratch: str) -> None:
         if not args.novel_only:
             with LocalFarm(tenants=tenants) as farm:  # the pool's kernels, nothing waited for
                 wait_for_precompiled_headers(farm)
+                wait_for_compile_builders(farm)  # a farm up for a few seconds more
                 add(RIGHT_AFTER_A, farm_miss(farm, scratch, "A", "alice", False), "miss")
                 add(RIGHT_AFTER, farm_miss(farm, scratch, "B", "bob", False), "miss")
                 print("  worker:", *kernel_log(farm), sep="\n    ")

@@ -207,6 +207,18 @@ def kernel_log(farm, kind: str = "objects reused") -> list[str]:
     return [line for line in lines if kind in line]
 
 
+def wait_for_compile_builders(farm, timeout_s: float = 600) -> None:
+    """Until every builder `farm`'s CPU worker keeps warm for the C++ builds its shared
+    compiles hand it is ready (workers/kernel_builder.py, CompileBuilds)."""
+    from torchfarm.settings import sizing
+
+    deadline, builders = time.monotonic() + timeout_s, sizing.compile_kernel_builds()
+    while len(kernel_log(farm, "kernel builder for compiles ready")) < builders:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"compile builders not ready in {timeout_s:.0f} s: {farm.log_dir}")
+        time.sleep(1)
+
+
 def pool_builds(farm) -> tuple[int, int, int]:
     """(kernel sources queued for the pool's builds, builds done, failed or skipped, jobs that
     offered sources: all those a compile did not have the pool build during it) so far."""

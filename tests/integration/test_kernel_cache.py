@@ -12,7 +12,6 @@ import glob
 import json
 import os
 import pickle
-import time
 
 import grpc
 import pytest
@@ -29,6 +28,7 @@ from tests.integration.helpers import (
     past_gateway_memory,
     pool_builds,
     session_farm,
+    wait_for_compile_builders,
     wait_for_pool_builds,
 )
 from torchfarm.cli import app
@@ -128,10 +128,7 @@ def test_a_sibling_right_after_a_shared_compile_reuses_every_object_the_pool_bui
     """Issue 53: alice's shared compile hands its C++ builds to the pool's builders, so its
     objects are the pool's when it ends; bob's sibling, compiled at once (no pool build waited
     for), reuses them and equals eager."""
-    deadline = time.monotonic() + 600
-    while not kernel_log(farm, "kernel builders for compiles started"):
-        assert time.monotonic() < deadline, "the worker started no builders for compiles"
-        time.sleep(1)
+    wait_for_compile_builders(farm)
     torch.manual_seed(4)
     a, b = _block(28, 2), _block(28, 3)  # siblings, compiled shared by two tenants
     x = torch.randn(4, 28)

@@ -36,8 +36,8 @@ each as a fresh builder would: in a process forked for it from that untouched st
 writable directories emptied (Inductor's and Triton's cache dirs among them) and every
 process an earlier build left ended. That saves ~3 CPU-seconds of imports per source: a
 pool's builds cost as much CPU as its compiles before. It exits when no source has come for
-IDLE_S. On stdin: length-prefixed `KernelBuild`s; on stdout, one reply each: the build's exit
-status, then its `KernelFiles` (refused: why).
+IDLE_S. On stdin: length-prefixed `KernelBuild`s; on stdout, an empty reply once warm, then
+one reply each: the build's exit status, then its `KernelFiles` (refused: why).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, NoReturn
 
 from torchfarm.errors import BuildRefused
 from torchfarm.proto import torchfarm_pb2 as pb
@@ -284,7 +284,11 @@ class CompileBuilds:
                 self.building.pop(marker).set()
 
     def _drain(self, builder: _Builder) -> None:
-        builder.start()  # its imports now, not on a compile's path
+        try:  # its imports now, not on a compile's path
+            builder.start()
+            log.info("kernel builder for compiles ready")
+        except RuntimeError as e:  # the first build starts another
+            log.warning("kernel builder for compiles failed: %s", str(e)[-500:])
         while True:
             pool_dir, request, built = self.waiting.get()
             built.set_result(self._build(builder, pool_dir, request))
@@ -345,8 +349,15 @@ class _Builder:
         )
 
     def start(self) -> subprocess.Popen:
-        """The child, started now where it has not been (it warms up while nothing waits)."""
-        self.proc = self.proc or self._start()
+        """The child, started now where it has not been, once warm (its empty first reply);
+        RuntimeError where it ended first."""
+        if self.proc is None:
+            self.proc = self._start()
+            assert self.proc.stdout is not None
+            try:
+                _read(self.proc.stdout, REPLY.size, time.monotonic() + BUILD_TIMEOUT_S)
+            except (OSError, TimeoutError, EOFError) as e:
+                self._failed(e)
         return self.proc
 
     def build(self, source: pb.KernelBuild) -> pb.KernelFiles:
@@ -361,9 +372,7 @@ class _Builder:
             status, size = REPLY.unpack(_read(self.proc.stdout, REPLY.size, deadline))
             reply = _read(self.proc.stdout, size, deadline)
         except (OSError, TimeoutError, EOFError) as e:
-            error = f"builder: {type(e).__name__} {e} {self._error_tail()!r}"
-            self.stop()
-            raise RuntimeError(error) from None
+            self._failed(e)
         if status == REFUSED:  # checked and not built: the builder itself is as it was
             raise ValueError(f"refused: {reply.decode(errors='replace')}")
         if status:
@@ -371,6 +380,11 @@ class _Builder:
             self.stop()  # its stderr has served; the next source starts a clean builder
             raise RuntimeError(error)
         return pb.KernelFiles.FromString(reply)  # protobuf parse: no code runs
+
+    def _failed(self, error: Exception) -> NoReturn:
+        text = f"builder: {type(error).__name__} {error} {self._error_tail()!r}"
+        self.stop()
+        raise RuntimeError(text) from None
 
     def _error_tail(self) -> bytes:
         if self.errors is None:
@@ -474,6 +488,8 @@ def main() -> int:
     # Sealed (not dumpable: no g++ run on a crafted source can reach into it), and each build
     # forked from it in a sandbox made as it was before the last one (warm_fork.py).
     warm = warm_fork.WarmState(args.in_sandbox)
+    replies.write(REPLY.pack(0, 0))  # ready: warm, reading sources
+    replies.flush()
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     requests = sys.stdin.buffer
     while head := requests.read(FRAME.size):
