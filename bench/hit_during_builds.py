@@ -4,8 +4,10 @@ the worker's background work slow the user's next process?
 Each repeat, on one LocalFarm (real Redis, Celery, gRPC, Inductor; the builds share the host's
 cores with the client, as with `torchfarm up`): a shared miss of a small transformer's training
 step (a width no earlier repeat used, so its C++ sources are new to the pool and the worker
-queues their builds once the job has ended), then at once a hit in a fresh process (the
-builds queued or running), then, once every build is done, another hit in a fresh process.
+queues their builds once the job has ended; on a CPU pool the compile has the pool build most
+of them while it runs, workers/kernel_builder.py CompileBuilds, and only the rest are queued),
+then at once a hit in a fresh process (the builds queued or running), then, once every build
+is done, another hit in a fresh process.
 Each process has an empty local Inductor cache; its time is the whole process's (start-up,
 imports, eager warm-up, the compiled step), as a user waits for it. A first repeat warms the
 farm up and is not counted: in the first runs the farm's first hit, right after its first
