@@ -124,8 +124,8 @@ class _PoolBuilds:
 
     def _read(self, answers: BinaryIO) -> None:
         try:
-            while len(head := answers.read(FRAME.size)) == FRAME.size:
-                built = pb.PoolBuilt.FromString(answers.read(FRAME.unpack(head)[0]))
+            while (data := _read_frame(answers)) is not None:
+                built = pb.PoolBuilt.FromString(data)
                 with self.lock:
                     event, staged = self.waiting.pop(built.id, (threading.Event(), [False]))
                 staged[0] = built.staged
@@ -313,7 +313,8 @@ def _hand_over(
 
 
 def _read_frame(stream: BinaryIO) -> bytes | None:
-    """The next frame from the child (None at the end of the pipe)."""
+    """The next frame of a pipe (None at its end): the child's from its worker, the helper's
+    from its child."""
     head = stream.read(FRAME.size)
     if len(head) < FRAME.size:
         return None
@@ -436,10 +437,9 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
     if not warmed:
         _warm_up(args)
     report(pb.CompileChildReport(ready=True))
-    head = sys.stdin.buffer.read(FRAME.size)
-    if len(head) < FRAME.size:  # the worker closed the pipe without a request: it is going away
+    data = _read_frame(sys.stdin.buffer)
+    if data is None:  # the worker closed the pipe without a request: it is going away
         return 0
-    data = sys.stdin.buffer.read(FRAME.unpack(head)[0])
     request = pb.CompileChildRequest.FromString(data)
     helped = helper is not None and compiler_of(request.options) == INDUCTOR
     send = _hand_over(helper, data, helped)
