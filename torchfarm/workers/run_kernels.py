@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import redis
 
@@ -78,7 +79,9 @@ def start_compile_builds(settings: WorkerSettings) -> None:
     log.info("kernel builders for compiles started: %d", size)
 
 
-def pool_build(staged: Staged | None, settings: WorkerSettings, job: pb.Job):
+def pool_build(
+    staged: Staged | None, settings: WorkerSettings, job: pb.Job
+) -> Callable[[pb.KernelSource], tuple[str, list[str]]] | None:
     """What a shared job's child asks the pool to build goes to the pool's builders
     (sandbox.ChildSpec.pool_build); None for a private job, or before they are started (the
     child then builds its libraries itself, and they are offered after the job)."""
