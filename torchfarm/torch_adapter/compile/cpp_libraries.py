@@ -4,7 +4,9 @@
 gets `(cls, original, main_code, *args, optimized_code=None, **kwargs)` and returns what
 load_async returns (a callable giving the library). `load_library` is Inductor's own
 dlopen of a built file. `build` runs the builds of one load_async, and loads nothing (a
-pool's kernel builds: workers/kernel_builder.py).
+pool's kernel builds: workers/kernel_builder.py). `remember_headers` computes, in a warm
+process, the precompiled-header keys that every load_async otherwise computes anew in each
+process forked from it.
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
 submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]), the same on
@@ -12,13 +14,18 @@ CppPythonBindingsCodeCache, and CppCodeCache._load_library. `benchmarks_marked` 
 torch._inductor.autotune_process.CppBenchmarkRequest.precompile and make_run_fn (each builds
 the candidate's library with CppCodeCache.load, in the calling thread). Verified: torch
 2.11.0, 2.13.0, 2.15.0. `sources_written` wraps codecache.write(content, extension, ...) ->
-(basename, path): checked on 2.13.0 only.
+(basename, path): checked on 2.13.0 only. `remember_headers` uses
+codecache._precompile_header(header, hashable_cmd_line, **compile_command) (functools.cache'd;
+load_async calls it by its module-level name) and _worker_compile_cpp(lock_path, builders),
+which it calls to build the header: checked on 2.13.0 only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,6 +64,61 @@ def build(
     )
     for build_now in builds:
         build_now()
+
+
+class _NotBuilt(Exception):
+    """A precompiled header that is not built here: its key is not remembered."""
+
+
+def _built_only(lock_path: str, builders: Any) -> None:
+    if not all(os.path.exists(b.get_target_file_path()) for b in builders):
+        raise _NotBuilt(lock_path)
+
+
+def remember_headers(code_caches: tuple[str, ...]) -> int:
+    """In this process, Inductor's key of each precompiled header that a library of
+    `code_caches` can ask for (the header run through g++ -E and hashed: ~0.4 s, and the
+    compiler's version), where that header is built already; how many. Inductor keeps them for
+    the process's life (functools.cache), so a process forked from this one builds with them at
+    once instead of paying that per library. Builds nothing (a header not built is left to the
+    build that asks for it) and loads nothing; what load_async wrote goes to the cache dir."""
+    precompile = codecache._precompile_header
+    missing: set[str] = set()
+    remembered: set[str] = set()
+
+    def known(header: str, cmd_line: str, **command: Any) -> str:
+        variant = repr((header, cmd_line, sorted(command.items())))
+        if variant in missing:  # asked again by another combination: no second g++ -E
+            raise _NotBuilt(header)
+        try:
+            path = precompile(header, cmd_line, **command)
+        except _NotBuilt:
+            missing.add(variant)
+            raise
+        remembered.add(variant)
+        return path
+
+    saved = precompile, codecache._worker_compile_cpp
+    setattr(codecache, "_precompile_header", known)  # noqa: B010
+    setattr(codecache, "_worker_compile_cpp", _built_only)  # noqa: B010
+    try:
+        for name, optimized, needs, kernel_needs in itertools.product(
+            code_caches, (None, "\n"), (True, False), (True, False)
+        ):
+            with contextlib.suppress(_NotBuilt):  # its builds are never run
+                getattr(codecache, name).load_async(
+                    "\n",
+                    "cpu",
+                    submit_fn=lambda build: None,
+                    optimized_code=optimized,
+                    needs_vec_isa=needs,
+                    kernel_needs_vec_isa=kernel_needs,
+                )
+    finally:
+        codecache._precompile_header, codecache._worker_compile_cpp = saved
+        for name in code_caches:  # no loader of these sources left for a real build to find
+            getattr(codecache, name).cache.clear()
+    return len(remembered)
 
 
 @contextlib.contextmanager
