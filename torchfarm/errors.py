@@ -32,6 +32,7 @@ TorchfarmError
   + MissingNativeObject (RuntimeError)  compiler/native.py: a fallback, never caught by name
   + Unsupported (ValueError) ........ compiler/descriptor.py: a graph keyed by its payload
   + Mismatch (ValueError) ........... compiler/descriptor.py: a payload refused, as a failure
+  + _NotBuilt ....................... torch_adapter/compile/cpp_libraries.py: private to it
   contract/settings: none (a bad value is a ValueError, a bad call a gRPC status)
 
 Outside the root: torch_adapter/compile/concurrent_backward.py's Stopped is a BaseException, not an

@@ -20,7 +20,7 @@ from torchfarm.local_farm import LocalFarm
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
 from torchfarm.torch_adapter.worker import precompiled_headers
-from torchfarm.workers import sandbox, toolchain
+from torchfarm.workers import kernel_builder, sandbox, toolchain
 
 pytestmark = pytest.mark.integration
 SETTINGS = WorkerSettings(compile_disk_mb=64)
@@ -92,6 +92,22 @@ def test_a_kernel_heavy_compile_uses_the_prebuilt_header_and_matches_eager(
     assert len(artifact.natives) >= 2  # C++ kernels were built, each with the header
     compiled = load_artifact(artifact)
     torch.testing.assert_close(compiled(*cnn["inputs"]), cnn["eager"])
+
+
+def test_a_kernel_builder_knows_each_prebuilt_header_before_its_first_build(
+    headers, worker_isa_verdict
+):
+    # Computed once in the warm builder (kernel_builder.remember_headers): a build forked from
+    # it then runs g++ on its source only, with the header bound read-only under this cap.
+    with open(os.path.join(headers, precompiled_headers.MANIFEST)) as f:
+        prebuilt = [n for n in json.load(f) if n.endswith(".gch")]
+    code = '// at::vec:: (a kernel: the header with ISA flags)\nextern "C" int f() { return 1; }'
+    source = pb.KernelSource(code_cache="CppPythonBindingsCodeCache", main_code=code)
+    with kernel_builder._Builder(SETTINGS, priority="normal") as builder:
+        files = builder.build(pb.KernelBuild(cpp=source))
+        told = builder._error_tail().decode()
+    assert f"kernel builder: {len(prebuilt)} precompiled headers" in told, told
+    assert [n for n in files.built if n.endswith(".so")], files
 
 
 def test_without_the_prebuilt_header_the_child_cannot_build_one(monkeypatch, worker_isa_verdict):

@@ -32,6 +32,8 @@ from typing import Any
 
 from torch._inductor import codecache
 
+from torchfarm.errors import TorchfarmError
+
 
 def load_library(cls: Any, path: str, key: str) -> object:
     """dlopen a built library as Inductor's cache class `cls` does (a module or a CDLL)."""
@@ -66,7 +68,7 @@ def build(
         build_now()
 
 
-class _NotBuilt(Exception):
+class _NotBuilt(TorchfarmError):
     """A precompiled header that is not built here: its key is not remembered."""
 
 
