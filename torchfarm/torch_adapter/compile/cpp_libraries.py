@@ -9,21 +9,22 @@ process, the precompiled-header keys that every load_async otherwise computes an
 process forked from it.
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
-submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]), the same on
-CppPythonBindingsCodeCache, and CppCodeCache._load_library. `benchmarks_marked` wraps
+submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]: not on 2.11),
+the same on CppPythonBindingsCodeCache, and CppCodeCache._load_library. `benchmarks_marked` wraps
 torch._inductor.autotune_process.CppBenchmarkRequest.precompile and make_run_fn (each builds
 the candidate's library with CppCodeCache.load, in the calling thread). Verified: torch
 2.11.0, 2.13.0, 2.15.0. `sources_written` wraps codecache.write(content, extension, ...) ->
 (basename, path): checked on 2.13.0 only. `remember_headers` uses
 codecache._precompile_header(header, hashable_cmd_line, **compile_command) (functools.cache'd;
 load_async calls it by its module-level name) and _worker_compile_cpp(lock_path, builders),
-which it calls to build the header: checked on 2.13.0 only.
+which it calls to build the header: checked on 2.11.0 (no vector-ISA keywords) and 2.13.0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import os
 import threading
@@ -56,16 +57,23 @@ def build(
     CppPythonBindingsCodeCache) does for a compile: load_async's builds, run now; the loader
     it returns is never called, so nothing built is loaded."""
     builds: list = []  # run after load_async, which holds the lock that a build takes
-    getattr(codecache, code_cache).load_async(
+    cls = getattr(codecache, code_cache)
+    cls.load_async(
         main_code,
         "cpu",
         submit_fn=builds.append,
         optimized_code=optimized_code,
-        needs_vec_isa=needs_vec_isa,
-        kernel_needs_vec_isa=kernel_needs_vec_isa,
+        **_vec_isa_keywords(cls, needs_vec_isa, kernel_needs_vec_isa),
     )
     for build_now in builds:
         build_now()
+
+
+def _vec_isa_keywords(cls: Any, needs: bool | None, kernel_needs: bool | None) -> dict:
+    """load_async's vector-ISA keywords, where this torch has them (not 2.11's)."""
+    if "needs_vec_isa" not in inspect.signature(cls.load_async).parameters:
+        return {}
+    return {"needs_vec_isa": needs, "kernel_needs_vec_isa": kernel_needs}
 
 
 class _NotBuilt(TorchfarmError):
@@ -107,14 +115,13 @@ def remember_headers(code_caches: tuple[str, ...]) -> int:
         for name, optimized, needs, kernel_needs in itertools.product(
             code_caches, (None, "\n"), (True, False), (True, False)
         ):
+            cls = getattr(codecache, name)
+            isa = _vec_isa_keywords(cls, needs, kernel_needs)
+            if not isa and (needs, kernel_needs) != (True, True):
+                continue  # a torch without them: one variant per class and optimized_code
             with contextlib.suppress(_NotBuilt):  # its builds are never run
-                getattr(codecache, name).load_async(
-                    "\n",
-                    "cpu",
-                    submit_fn=lambda build: None,
-                    optimized_code=optimized,
-                    needs_vec_isa=needs,
-                    kernel_needs_vec_isa=kernel_needs,
+                cls.load_async(
+                    "\n", "cpu", submit_fn=lambda build: None, optimized_code=optimized, **isa
                 )
     finally:
         codecache._precompile_header, codecache._worker_compile_cpp = saved
