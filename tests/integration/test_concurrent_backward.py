@@ -151,12 +151,13 @@ class _Helper:
         self.returncode = -9
 
 
-def _compile_beside(helper: _Helper, their_key: Key | None = None) -> pb.Artifact:
-    """The child's compile of a training step of the CNN, beside `helper`, in-process, the
-    helper's key `their_key` in their cache dir."""
+def _compile_beside(helper: _Helper, name: str, their_key: Key | None = None) -> pb.Artifact:
+    """The child's compile of a training step of model `name`, beside `helper`, in-process,
+    the helper's key `their_key` in their cache dir (each test its own model: on torch 2.11 a
+    C++ kernel compiled in-process before, in a fresh cache since gone, is not found again)."""
     from torch._inductor.utils import fresh_cache
 
-    payload, options = _training_payload(*build("cnn", seed=5))
+    payload, options = _training_payload(*build(name, seed=5))
     request = pb.CompileChildRequest(graph=payload, options=options)
     with fresh_cache():
         if their_key is not None:
@@ -176,7 +177,7 @@ def test_where_the_helpers_key_differs_the_child_ends_it_and_compiles_the_backwa
     compile (this helper never ends by itself). The worker's log says why it missed."""
     theirs = Key("f" + "0" * 51, ["[aaaa] fx_kwargs[cudagraphs]: BoxedBool(value=True)"])
     helper = _Helper()
-    artifact = _compile_beside(helper, theirs)
+    artifact = _compile_beside(helper, "cnn", theirs)
     assert helper.ends == ["killed"]
     assert artifact.backward == "child"
     assert "of the key's details differ" in artifact.backward_miss
@@ -185,7 +186,7 @@ def test_where_the_helpers_key_differs_the_child_ends_it_and_compiles_the_backwa
 
 def test_a_helper_that_exited_without_its_key_never_holds_the_child():
     helper = _Helper(exited=1)
-    artifact = _compile_beside(helper)
+    artifact = _compile_beside(helper, "transformer")
     assert helper.ends == []  # neither waited for nor killed: it had gone
     assert (artifact.backward, artifact.backward_miss) == (
         "child",
