@@ -2,16 +2,26 @@
 TORCHFARM_CONCURRENT_BACKWARD=1 each compile child has a helper in its sandbox that compiles
 the backward while the child compiles the forward; the child's own backward is then a lookup
 of the helper's entry (torch_adapter/compile/concurrent_backward.py). The GEMM candidates the helper
-benchmarks are counted with the child's, the kernel cache off (the tier's default) or on."""
+benchmarks are counted with the child's, the kernel cache off (the tier's default) or on.
+Where the two backwards' keys differ, the child ends the helper at its key instead of waiting
+for its compile; under CUDA graphs (keys that never agree) the helper has nothing to do."""
+
+import dataclasses
+import json
+import os
 
 import pytest
 import torch
 
 import torchfarm
 from tests.integration.helpers import log_of
+from tests.integration.torch_adapter.test_forward_strides import _training_payload
 from tests.models import build
 from torchfarm.client import backend
 from torchfarm.local_farm import LocalFarm
+from torchfarm.proto import torchfarm_pb2 as pb
+from torchfarm.torch_adapter.compile.concurrent_backward import Key
+from torchfarm.workers import compile_child
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +41,14 @@ def _helped_step(farm: LocalFarm, name: str, seed: int) -> None:
     and the child's backward the helper's entry, not a compile of its own (a lookup: the
     worker logs it from the child's `fxgraph_cache_hit` count)."""
     before = log_of(farm, "worker0").count(HELPED)
+    _eagers_step(farm, name, seed)
+    assert log_of(farm, "worker0").count(HELPED) == before + 1
+
+
+def _eagers_step(farm: LocalFarm, name: str, seed: int, mode: str = "default") -> None:
+    """One training step of model `name` on the farm (a miss): eager's output and gradients."""
     model, x = build(name, seed=seed)
-    compiled = torchfarm.compile(model, addr=farm.addr)
+    compiled = torchfarm.compile(model, mode=mode, addr=farm.addr)
     backend.history.clear()
     out = compiled(x)
     out.square().mean().backward()
@@ -45,7 +61,6 @@ def _helped_step(farm: LocalFarm, name: str, seed: int) -> None:
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, want)
-    assert log_of(farm, "worker0").count(HELPED) == before + 1
 
 
 def test_the_backward_compiled_by_the_helper_gives_eagers_gradients(helped_farm):
@@ -77,7 +92,8 @@ class _Bmm(torch.nn.Module):
 
 
 def _benchmarked(farm, training: bool) -> int:
-    """The GEMM candidates a max-autotune compile of _Bmm benchmarked, from the farm's counter."""
+    """The GEMM candidates a max-autotune compile of _Bmm benchmarked (without CUDA graphs:
+    with them the helper has nothing to do), from the farm's counter."""
 
     def counted() -> int:
         return int(farm.store().counters.farm().get("gemm_candidates_benchmarked", 0))
@@ -87,7 +103,7 @@ def _benchmarked(farm, training: bool) -> int:
     b = torch.randn(8, 96, 64, requires_grad=training)
     torch._dynamo.reset()
     backend.history.clear()
-    compiled = torchfarm.compile(_Bmm(), mode="max-autotune", addr=farm.addr)
+    compiled = torchfarm.compile(_Bmm(), options={"max_autotune": True}, addr=farm.addr)
     with torch.set_grad_enabled(training):
         out = compiled(a, b)
     if training:
@@ -101,27 +117,79 @@ def test_the_gemm_candidates_the_helper_benchmarked_are_counted(helped_farm):
     assert forward > 0
     before = log_of(helped_farm, "worker0").count("backward compiled by the")
     # The backward's bmm is benchmarked by the helper only: the child's backward is a lookup
-    # of its entry or (as here, max-autotune on the CPU: the lookup misses) a compile that
-    # finds the helper's timings in their shared cache dir. Without the helper's report the
-    # two counts were equal.
+    # of its entry. Without the helper's report the two counts were equal.
     assert _benchmarked(helped_farm, training=True) > forward
     assert log_of(helped_farm, "worker0").count("backward compiled by the") == before + 1
 
 
-def test_where_the_childs_lookup_missed_the_log_says_which_key_details_differed(helped_farm):
-    """Under reduce-overhead (and max-autotune) Inductor's `cudagraphs` flag is on, in the
-    backward's key too, and the child's forward turns it off (a CPU graph): the helper, which
-    compiled no forward, keyed its backward with it on. The worker's log says so."""
-    before = log_of(helped_farm, "worker0").count("backward compiled by the child")
-    model, x = build("mlp", seed=6)
-    compiled = torchfarm.compile(model, mode="reduce-overhead", addr=helped_farm.addr)
-    backend.history.clear()
-    compiled(x).sum().backward()
-    assert [r.source for r in backend.history] == ["miss"]
-    log = log_of(helped_farm, "worker0")
-    assert log.count("backward compiled by the child") == before + 1
-    said = log.split("backward compiled by the child")[-1].split(" [request")[0]
-    assert said == (
-        " (its lookup missed: 1 of the key's details differ: fx_kwargs[cudagraphs]; "
-        "fx_kwargs[cudagraphs]: helper 'BoxedBool(value=True)', child 'BoxedBool(value=False)')"
+def test_under_cuda_graphs_the_helper_has_nothing_to_do(helped_farm):
+    """Under reduce-overhead (and max-autotune) Inductor's `cudagraphs` flag is in the
+    backward's key, and the child's forward turns it off (a CPU graph): the helper, which
+    compiled no forward, would key its backward with it on. The child used to wait for that
+    compile, then compile the backward itself; now the helper compiles nothing (no backward
+    line in the log) and the step is eager's all the same."""
+    before = log_of(helped_farm, "worker0").count("backward compiled by the")
+    _eagers_step(helped_farm, "mlp", seed=6, mode="reduce-overhead")
+    assert log_of(helped_farm, "worker0").count("backward compiled by the") == before
+
+
+class _Helper:
+    """A helper as the child sees it that never ends by itself: it records how it was ended."""
+
+    def __init__(self, exited: int | None = None) -> None:
+        self.returncode, self.ends = exited, []
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self) -> int:
+        assert self.returncode is not None, "waited for a helper that never ends"
+        return self.returncode  # reaped
+
+    def kill(self) -> None:
+        self.ends.append("killed")
+        self.returncode = -9
+
+
+def _compile_beside(helper: _Helper, name: str, their_key: Key | None = None) -> pb.Artifact:
+    """The child's compile of a training step of model `name`, beside `helper`, in-process,
+    the helper's key `their_key` in their cache dir (each test its own model: on torch 2.11 a
+    C++ kernel compiled in-process before, in a fresh cache since gone, is not found again)."""
+    from torch._inductor.utils import fresh_cache
+
+    payload, options = _training_payload(*build(name, seed=5))
+    request = pb.CompileChildRequest(graph=payload, options=options)
+    with fresh_cache():
+        if their_key is not None:
+            compile_child._leave(
+                os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                compile_child.HELPER_KEY,
+                json.dumps(dataclasses.asdict(their_key)).encode(),
+            )
+        return compile_child._compile(
+            compile_child._arguments([]), request, helper, lambda strides: None
+        )
+
+
+def test_where_the_helpers_key_differs_the_child_ends_it_and_compiles_the_backward():
+    """The helper's key is there before its compile: the child compares it with its own at
+    its backward, and a different one ends the helper then, not after the helper's whole
+    compile (this helper never ends by itself). The worker's log says why it missed."""
+    theirs = Key("f" + "0" * 51, ["[aaaa] fx_kwargs[cudagraphs]: BoxedBool(value=True)"])
+    helper = _Helper()
+    artifact = _compile_beside(helper, "cnn", theirs)
+    assert helper.ends == ["killed"]
+    assert artifact.backward == "child"
+    assert "of the key's details differ" in artifact.backward_miss
+    assert artifact.backward_miss.endswith("; the helper was ended at its key, not waited for")
+
+
+def test_a_helper_that_exited_without_its_key_never_holds_the_child():
+    helper = _Helper(exited=1)
+    artifact = _compile_beside(helper, "transformer")
+    assert helper.ends == []  # neither waited for nor killed: it had gone
+    assert (artifact.backward, artifact.backward_miss) == (
+        "child",
+        "the helper left no key: its backward failed or bypassed the FX graph cache "
+        "(its exit status 1); the helper was ended at its key, not waited for",
     )

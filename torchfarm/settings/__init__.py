@@ -182,7 +182,7 @@ class WorkerSettings(_FromEnv):
             object.__setattr__(self, "kernel_builds", sizing.default_kernel_builds())
         if self.warm_children == -1:
             object.__setattr__(self, "warm_children", self.concurrency)
-        processes = 2 if self.concurrent_backward == "1" else 1  # a child, and its helper
+        processes = 2 if self.backward_helper else 1  # a child, and its helper
         share_mb = sizing.compile_share_mb(self.concurrency, self.warm_children * processes)
         if not self.compile_disk_mb:
             object.__setattr__(self, "compile_disk_mb", sizing.default_disk_mb(share_mb))
@@ -194,6 +194,13 @@ class WorkerSettings(_FromEnv):
                 "memory_limit_mb",
                 sizing.compile_memory_mb(share_mb, self.compile_disk_mb, processes),
             )
+
+    @property
+    def backward_helper(self) -> bool:
+        """Whether each compile child has a backward helper (TORCHFARM_CONCURRENT_BACKWARD)."""
+        return self.concurrent_backward == "1" or (
+            self.concurrent_backward == "auto" and self.device == "cuda"
+        )
 
     @property
     def visibility_timeout_s(self) -> float:

@@ -654,15 +654,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "TORCHFARM_CONCURRENT_BACKWARD",
         str,
-        "0",
+        "auto",
         "worker",
         "1: each compile child has a helper in its sandbox that compiles a training graph's "
         "backward while the child compiles the forward; the child's backward is then a lookup of "
-        "the helper's (a failed helper costs nothing but its CPU: the child compiles it itself; "
-        "a CPU compile's memory cap is split between the two). Off by default: side by side on an "
-        "H200 it made the worker's compiles of three of five zoo models 1.3-1.6× longer (vit, "
-        'convnext, gpt2), llama\'s 0.8× (docs/benchmarks.md, "Novel misses")',
-        choices=("1", "0"),
+        "the helper's (where the two backwards' keys differ the child ends the helper and "
+        "compiles it itself; a CPU compile's memory cap is split between the two; none under "
+        "CUDA graphs, whose flag keys the helper's backward apart). auto (the default): on for "
+        "GPU pools, off for CPU pools; 0: off. Side by side on two H200s a miss took 0.70-0.90× "
+        "of a local cold compile with it against 0.93-1.04× without (bert, vit, llama, convnext, "
+        "gpt2), but 1.39× against 1.13× where convnext's keys differed and the child still waited "
+        "for the helper's whole compile, which it no longer does (docs/benchmarks.md, \"Novel "
+        'misses")',
+        choices=("auto", "1", "0"),
     ),
     Setting(
         "TORCHFARM_KERNEL_CACHE_MB",

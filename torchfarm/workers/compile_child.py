@@ -28,9 +28,13 @@ request, then the forward's output strides (JSON) once this process has lowered 
 What it compiled reaches the artifact only through the Inductor cache dir the two share, as a
 cache entry that this process looks up (and compiles itself where that misses); its one
 report, the GEMM candidates it benchmarked and their problems, is a KernelFiles it leaves in
-that dir (HELPER_REPORT), which this process adds to its own. Beside it, the key of the
-backward it compiled (HELPER_KEY): where this process's lookup missed, the artifact says
-which of the key's details differed (Artifact.backward_miss, for the worker's log).
+that dir (HELPER_REPORT), which this process adds to its own. Before it compiles, it leaves
+there its backward's key (HELPER_KEY), which this process compares with its own at its
+backward (`_Meeting`): equal, it waits for the helper's end and looks its backward up;
+different, or no key left by a helper that exited, it ends the helper at once and compiles
+the backward itself, and the artifact says which of the key's details differed
+(Artifact.backward_miss, for the worker's log). A compile under CUDA graphs, whose keys
+never agree, gives its helper nothing to do.
 
 On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
 sandbox that warms up once, then for each request forks a process from that untouched state,
@@ -60,6 +64,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
@@ -441,7 +446,7 @@ def _child_main(args: argparse.Namespace, helper: _Helper | None, warmed: bool =
     if data is None:  # the worker closed the pipe without a request: it is going away
         return 0
     request = pb.CompileChildRequest.FromString(data)
-    helped = helper is not None and compiler_of(request.options) == INDUCTOR
+    helped = helper is not None and _helpable(request.options)
     send = _hand_over(helper, data, helped)
     with _kernel_hooks(args, request) as hooks:
         artifact = _compile(args, request, helper if helped else None, send)
@@ -534,15 +539,58 @@ def _compile(
         return compiler.compile(request, context)
     from torchfarm.torch_adapter.compile import concurrent_backward
 
-    with concurrent_backward.backward_from(helper.wait, send_strides) as backward:
+    cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    meeting = _Meeting(helper, cache_dir)
+    with concurrent_backward.backward_from(meeting, send_strides) as backward:
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
     if backward.compiled_by == "child":  # the lookup of the helper's backward missed
-        helper_key = _helper_key(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        helper_key = _helper_key(cache_dir)
         artifact.backward_miss = concurrent_backward.difference(helper_key, backward.key)
         if helper_key is None:
             artifact.backward_miss += f" (its exit status {helper.poll()})"
+        if not meeting.waited:
+            artifact.backward_miss += "; the helper was ended at its key, not waited for"
     return artifact
+
+
+def _helpable(options: pb.Options) -> bool:
+    """Whether a helper can compile the backward of a compile with these options: Inductor's,
+    not under CUDA graphs (its key never the child's: concurrent_backward.keyed_apart)."""
+    if compiler_of(options) != INDUCTOR:
+        return False
+    from torchfarm.compiler import inductor
+    from torchfarm.torch_adapter.compile import concurrent_backward
+
+    return not concurrent_backward.keyed_apart(inductor.config_patches(options))
+
+
+class _Meeting:
+    """The child, at its backward's key, and its helper's: equal, the helper's end is waited
+    for (its entry then in the cache dir); different, or none left by a helper that exited, the
+    helper is ended at once, its compile not waited for (`waited` False)."""
+
+    POLL_S = 0.01
+
+    def __init__(self, helper: _Helper, cache_dir: str) -> None:
+        self.helper, self.cache_dir = helper, cache_dir
+        self.waited = False
+
+    def __call__(self, ours: Key | None) -> None:
+        theirs = self._their_key()
+        if ours is not None and theirs is not None and theirs.key == ours.key:
+            self.helper.wait()
+            self.waited = True
+        else:
+            _end(self.helper)
+
+    def _their_key(self) -> Key | None:
+        """The helper's key once it left it (None: it exited without)."""
+        while (key := _helper_key(self.cache_dir)) is None:
+            if self.helper.poll() is not None:
+                return _helper_key(self.cache_dir)  # left just before it exited
+            time.sleep(self.POLL_S)
+        return key
 
 
 def _helper_report(cache_dir: str) -> pb.KernelFiles:
@@ -596,13 +644,15 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
             importlib.import_module(module)
         compiler = compilers.load(INDUCTOR, compilers.parse(args.compilers))
         context = compilers.CompileContext(on_stage=lambda stage: None, tuning_gpus=())
+
+        def hand_on(key: Key) -> None:
+            _leave(cache_dir, HELPER_KEY, json.dumps(dataclasses.asdict(key)).encode())
+
         try:
-            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer)) as helped:
+            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer), hand_on):
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass
-    if helped.key is not None:
-        _leave(cache_dir, HELPER_KEY, json.dumps(dataclasses.asdict(helped.key)).encode())
     files = pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates)
     files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
     _leave(cache_dir, HELPER_REPORT, files.SerializeToString())

@@ -320,7 +320,7 @@ def child_command(
         python += ["--device", settings.device, "--op-libraries", ",".join(_op_libraries(settings))]
         python += ["--tuning-gpus", ",".join(tuning_gpus(settings))]
         python += ["--compilers", settings.compilers]
-        if settings.concurrent_backward == "1":
+        if settings.backward_helper:
             python += ["--concurrent-backward"]
         if settings.kernel_names != "unique":
             python += ["--kernel-names", settings.kernel_names]

@@ -54,13 +54,13 @@ def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backward
         mock.patch.object(GraphLowering, "compile_to_module", generating),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
         concurrent_backward.backward_from(
-            lambda: events.append("waited"), lambda s: events.append(("sent", s))
+            lambda key: events.append("met at the key"), lambda s: events.append(("sent", s))
         ),
     ):
         inductor.compile_payload(payload, options, threads=1)
 
-    order = [e if isinstance(e, str) else e[0] for e in events[:4]]
-    assert order == ["sent", "forward code", "waited", "backward given"]
-    (_, sent), (_, given) = events[0], events[3]
+    order = [e if isinstance(e, str) else e[0] for e in events[:5]]
+    assert order == ["sent", "forward code", "backward given", "met at the key", "backward code"]
+    (_, sent), (_, given) = events[0], events[2]
     assert sent == given
     assert any(s is not None and len(s) == 4 and s[1] == 1 for s in sent)  # channels-last

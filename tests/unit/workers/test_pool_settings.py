@@ -62,9 +62,10 @@ def test_cuda_children_take_the_visible_gpus_in_turn_each_with_its_gpus_lock(mon
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
         staging = sandbox.staging_dir(private_dir)  # unconfined: the host paths themselves
         lock = str(tmp_path / "home/.cache/torchfarm/gpu-locks" / f"{gpus[-1]}.lock")
-        assert cmd[-12:] == [
+        assert cmd[-13:] == [
             "--device", "cuda", "--op-libraries", "", "--tuning-gpus", "2,5",
-            "--compilers", "inductor,aoti", "--kernels", staging, "--gpu-lock", lock,
+            "--compilers", "inductor,aoti", "--concurrent-backward", "--kernels", staging,
+            "--gpu-lock", lock,
         ]  # fmt: skip
         assert os.path.isfile(lock)
     assert gpus == ["2", "5", "2"]

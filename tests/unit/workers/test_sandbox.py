@@ -238,18 +238,22 @@ def test_a_backward_helper_halves_a_cpu_compiles_memory_cap_and_is_asked_of_the_
     (tmp_path / "alone").mkdir()
     assert "--concurrent-backward" not in sandbox.child_command(alone, str(tmp_path / "alone"))[0]
     monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "yes")
-    with pytest.raises(ValueError, match="TORCHFARM_CONCURRENT_BACKWARD must be 1 or 0"):
+    with pytest.raises(ValueError, match="TORCHFARM_CONCURRENT_BACKWARD must be auto, 1 or 0"):
         WorkerSettings.from_env()
 
 
 @pytest.mark.parametrize("cores", [2, 16, 32])
-def test_the_backward_helper_is_off_by_default(monkeypatch, cores):
-    """It made the worker's compiles slower on the GPU zoo, side by side: asked for, not given."""
+def test_the_backward_helper_is_on_by_default_for_gpu_pools_only(monkeypatch, cores):
+    """On the GPU zoo it made misses faster, side by side; on CPU pools it is asked for."""
     monkeypatch.delenv("TORCHFARM_CONCURRENT_BACKWARD", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(sizing, "host_memory_mb", lambda: 128 << 10)
-    assert WorkerSettings.from_env().concurrent_backward == "0"
-    assert WorkerSettings.from_env(device="cuda").concurrent_backward == "0"
+    assert not WorkerSettings.from_env().backward_helper
+    assert WorkerSettings.from_env(device="cuda").backward_helper
+    monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "0")
+    assert not WorkerSettings.from_env(device="cuda").backward_helper
+    monkeypatch.setenv("TORCHFARM_CONCURRENT_BACKWARD", "1")
+    assert WorkerSettings.from_env().backward_helper
 
 
 def test_content_kernel_names_are_asked_of_the_child_and_nothing_else_is_accepted(

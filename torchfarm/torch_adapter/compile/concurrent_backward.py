@@ -7,9 +7,20 @@ has a helper: a second process of the same sandbox, given the same request, that
 partitions the same graph and then, under `backward_only`, skips the forward (a stub) and
 compiles the backward with Inductor's FX graph cache on, so that its compiled backward lands
 in the cache dir the two processes share; then it stops. The child itself, under
-`backward_from`, waits for the helper just before its own backward and compiles it with the
-FX graph cache on: the same graph, inputs and config give the same key, so the backward is
-a cache hit (Triton bundle and guards included) and costs a load, not a compile.
+`backward_from`, compiles its own backward with the FX graph cache on: the same graph, inputs
+and config give the same key, so the backward is a cache hit (Triton bundle and guards
+included) and costs a load, not a compile.
+
+The two meet at their backward's key (`FxGraphCache.prepare_key`, which `_compile_fx_inner`
+calls before its lookup and compile): the helper hands its key on as soon as Inductor computed
+it, before it compiles, and the child, at its own key, waits only for the helper's key
+(`meet`). Equal, it then waits for the helper's end and looks its backward up; different,
+it does not wait for a compile it cannot use: it ends the helper (its cores are freed) and
+compiles the backward itself. On a GPU the keys can differ now and then (a joint-graph
+decision Inductor benchmarks, such as pad_mm, taken otherwise in the two processes): waiting
+for the helper's whole compile before a miss made convnext's miss 1.39× a local cold compile
+against 1.13× without the helper (docs/benchmarks.md, "Novel misses"). A helper whose
+backward bypasses the cache stops at its key, which it never hands on.
 
 The backward's key holds its inputs' strides, and AOTAutograd gives the saved activations
 the strides the forward's compile chose for them (`_aot_stage2b_bw_compile` restrides the
@@ -28,6 +39,11 @@ differs all the same, the lookup misses and the child compiles its backward itse
 two processes then each hold their backward's key and the details Inductor hashed into it
 (`Key`), and `difference` says in a line which of those details differ.
 
+Under CUDA graphs (reduce-overhead, max-autotune: `keyed_apart`) the keys never agree: the
+backward's key holds fx_kwargs boxes that the child's forward compile sets and the helper,
+which compiles no forward, cannot: `cudagraphs` (turned off for a CPU graph) and on a GPU the
+forward's device index. A compile with them has no helper (docs/architecture.md).
+
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
 processes, and AOTAutograd bundles the looked-up backward like a compiled one. On a GPU a
@@ -39,7 +55,10 @@ copy, so that the bundle the graph keeps stays as it was stored.
 Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forward_or_inference`
 (its `is_inference` keyword, its output strides) and `_aot_stage2b_bw_compile`, looked up
 there at call time, `GraphLowering.run` and its `graph_outputs`' layouts, functorch's
-`bundled_autograd_cache` config, and the static `TritonBundler.read_and_emit`.
+`bundled_autograd_cache` config, the static `TritonBundler.read_and_emit`, and the static
+`FxGraphCache.prepare_key` (returns `(key, debug_lines)` or None, and cache info), which
+`_compile_fx_inner` looks up on the class at call time, right before `load_with_key` (read in
+torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0).
 Verified: torch 2.11.0, 2.13.0, 2.15.0 on the CPU (a helper process and the child on one
 payload: the child's backward a lookup, `fxgraph_cache_hit` 1; with the forward's strides
 sent, also a CNN whose saved activations the forward stores channels-last, and the zoo's ViT
@@ -62,6 +81,7 @@ import sympy
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd import graph_compile
+from torch._inductor.codecache import FxGraphCache
 from torch._inductor.graph import GraphLowering
 from torch._inductor.ir import IRNode
 from torch._inductor.triton_bundler import TritonBundler
@@ -98,8 +118,8 @@ class Key:
 @dataclasses.dataclass
 class Backward:
     """What became of the graph's backward: compiled by the "helper" (looked up), by the
-    "child" itself (the lookup missed), or "" (the graph has none); and its key where the
-    helper compiled it or the child's lookup missed (None: none computed, a bypass)."""
+    "child" itself (the lookup missed), or "" (the graph has none); and the child's key where
+    its lookup missed (None: none computed, a bypass)."""
 
     compiled_by: str = ""
     key: Key | None = None
@@ -112,12 +132,29 @@ def _graphs(compiled: Any) -> Iterator[Any]:
         compiled = getattr(compiled, "__wrapped__", None)
 
 
-def _key_of(compiled: Any) -> Key | None:
-    for graph in _graphs(compiled):
-        key = getattr(graph, "_fx_graph_cache_key", None)
-        if key is not None:
-            return Key(key, list(getattr(graph, "_fx_graph_cache_debug_lines", None) or []))
-    return None
+@contextlib.contextmanager
+def _keyed(on_key: Callable[[Key | None], None]) -> Iterator[None]:
+    """While entered, the first graph's FX graph cache key (None: the graph bypasses the
+    cache) goes to `on_key` as soon as Inductor computed it, before its lookup and compile."""
+    prepare = FxGraphCache.prepare_key
+    told = False
+
+    def prepare_key(*args: Any, **kwargs: Any) -> Any:
+        nonlocal told
+        key_info, cache_info = prepare(*args, **kwargs)
+        if not told:
+            told = True
+            on_key(None if key_info is None else Key(key_info[0], list(key_info[1])))
+        return key_info, cache_info
+
+    with mock.patch.object(FxGraphCache, "prepare_key", staticmethod(prepare_key)):
+        yield
+
+
+def keyed_apart(config_patches: dict[str, Any]) -> bool:
+    """Whether a compile with these Inductor config patches turns CUDA graphs on, whose flag
+    keys the helper's backward apart from the child's (the module's docstring)."""
+    return bool(config_patches.get("triton.cudagraphs", False))
 
 
 _DETAIL = re.compile(r"\[(\w+)\] (.*?): (.*)", re.DOTALL)
@@ -169,13 +206,19 @@ def difference(helper: Key | None, child: Key | None, names: int = 6) -> str:
 
 
 @contextlib.contextmanager
-def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[Backward]:
+def backward_only(
+    forward_strides: Callable[[], Strides | None], hand_on: Callable[[Key], None]
+) -> Iterator[None]:
     """The helper's compile: no forward (its output strides are the child's,
-    `forward_strides()`: None where the child sent none), the backward into the FX graph
-    cache (its key then in what is yielded), then Stopped (an inference graph stops at
-    once)."""
+    `forward_strides()`: None where the child sent none), the backward's key to `hand_on`
+    before its compile, the backward into the FX graph cache, then Stopped (an inference
+    graph, or a backward that bypasses the cache, stops at once)."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
-    outcome = Backward()
+
+    def keyed(key: Key | None) -> None:
+        if key is None:
+            raise Stopped("the backward bypasses the FX graph cache: no key to hand on")
+        hand_on(key)
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
@@ -186,16 +229,15 @@ def backward_only(forward_strides: Callable[[], Strides | None]) -> Iterator[Bac
         return strides, _forward_stub
 
     def backward(*args, **kwargs):
-        with functorch_config.patch(bundled_autograd_cache=False):
-            _, compiled = compile_backward(*args, **kwargs)
-        outcome.compiled_by, outcome.key = "helper", _key_of(compiled)
+        with functorch_config.patch(bundled_autograd_cache=False), _keyed(keyed):
+            compile_backward(*args, **kwargs)
         raise Stopped("backward compiled")
 
     with (
         mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
     ):
-        yield outcome
+        yield
 
 
 @contextlib.contextmanager
@@ -230,11 +272,12 @@ def _lowered(send: Callable[[Strides], None]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def backward_from(
-    wait_for_helper: Callable[[], object], send_strides: Callable[[Strides], None]
+    meet: Callable[[Key | None], object], send_strides: Callable[[Strides], None]
 ) -> Iterator[Backward]:
     """The child's compile: the forward's output strides to `send_strides` once, as soon as its
-    lowering decided them (at its end where no lowering ran); before the backward,
-    `wait_for_helper()`; then the backward with the FX graph cache on, which finds the
+    lowering decided them (at its end where no lowering ran); then the backward with the FX
+    graph cache on, its key (None: a bypass) to `meet` before its lookup (which waits for the
+    helper where the helper's key is the same, and ends it where not), a lookup that finds the
     helper's entry when the keys agree (where it did not, its key is in what is yielded)."""
     compile_forward = graph_compile._aot_stage2b_compile_forward_or_inference
     compile_backward = graph_compile._aot_stage2b_bw_compile
@@ -256,11 +299,15 @@ def backward_from(
         send_once([_static(s) for s in strides or []])
         return strides, compiled
 
+    def keyed(key: Key | None) -> None:
+        outcome.key = key
+        meet(key)
+
     def backward(*args, **kwargs):
-        wait_for_helper()
         hits = counters["inductor"]["fxgraph_cache_hit"]
         with (
             functorch_config.patch(bundled_autograd_cache=False),
+            _keyed(keyed),
             mock.patch.object(
                 TritonBundler, "read_and_emit", staticmethod(lambda b: emit(copy.deepcopy(b)))
             ),
@@ -268,8 +315,8 @@ def backward_from(
             lazy_info, compiled = compile_backward(*args, **kwargs)
         helped = counters["inductor"]["fxgraph_cache_hit"] > hits
         outcome.compiled_by = "helper" if helped else "child"
-        if not helped:  # kept to compare with the helper's
-            outcome.key = _key_of(compiled)
+        if helped:  # the child's key is kept only to compare with the helper's
+            outcome.key = None
         # A compiled graph remembers its key and the key's details (tens of KB of text):
         # dropped, so that the bundled entry holds what a compile here would have made.
         for graph in _graphs(compiled):
