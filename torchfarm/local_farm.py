@@ -339,7 +339,10 @@ class LocalFarm:
                             # (by any process of the host: farms started side by side, an
                             # outgoing connection's local port): again, on another.
                             rebound[name] = rebound.get(name, 0) + 1
-                            self.start_worker(name, *self.worker_args[name])
+                            if name in self.worker_names:
+                                self.start_worker(name, *self.worker_args[name])
+                            else:  # a gateway: its gRPC port kept, a new metrics port
+                                self.start_gateway(name)
                             continue
                         raise FarmNotReady(
                             f"{name} exited ({proc.returncode}): {self._last_words(name)}"
@@ -378,7 +381,8 @@ class LocalFarm:
         return waiting
 
     def _port_taken(self, name: str) -> bool:
-        return name in self.worker_names and "Errno 98" in self._last_words(name)
+        known = name in self.worker_names or name in self.gateway_ports
+        return known and "Errno 98" in self._last_words(name)
 
     def _last_words(self, name: str) -> str:
         """The last line of a process's log: why it exited, when it said so."""
