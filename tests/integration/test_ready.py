@@ -4,6 +4,7 @@ repository root shadows the package) compiles; a worker whose canary compile fai
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,8 @@ from tests.integration.helpers import direct_request
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import pool_name
 from torchfarm.gateway.server import POOL_HEALTH_PREFIX
-from torchfarm.local_farm import FarmNotReady, LocalFarm
+from torchfarm import local_farm
+from torchfarm.local_farm import FarmNotReady, LocalFarm, free_port
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings.sizing import default_concurrency
 
@@ -135,3 +137,27 @@ def test_gateway_health_and_doctor_report_a_pool_that_cannot_compile():
         assert returncode == 1
         assert f"{pool} cannot compile" in report and MISSING in report, report
         assert "round trip" not in report  # skipped: it depends on the pool
+
+
+def test_a_gateway_whose_metrics_port_is_taken_before_it_binds_starts_again_on_another(
+    monkeypatch,
+):
+    """A port picked free can be taken by any process of the host before the gateway binds
+    it (the fresh-clone CI lost test_faults.py's farm to that): the farm starts it again."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])  # the first metrics port picked: one already bound
+        start_gateway = LocalFarm.start_gateway
+
+        def first_on_a_taken_port(self, name="gateway"):
+            with monkeypatch.context() as m:
+                m.setattr(local_farm, "free_port", lambda: next(picks, None) or free_port())
+                start_gateway(self, name)
+
+        monkeypatch.setattr(LocalFarm, "start_gateway", first_on_a_taken_port)
+        with LocalFarm(grpc_port=free_port(), workers=0, tenants="") as farm:
+            farm.wait_ready(120)
+            assert farm.metrics_port not in (0, taken)
+            assert "Errno 98" in open(os.path.join(farm.log_dir, "gateway.log")).read()
