@@ -15,10 +15,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.helpers import direct_request
+from torchfarm import local_farm
 from torchfarm.compiler.target import local_target
 from torchfarm.contract.pools import pool_name
 from torchfarm.gateway.server import POOL_HEALTH_PREFIX
-from torchfarm import local_farm
 from torchfarm.local_farm import FarmNotReady, LocalFarm, free_port
 from torchfarm.proto import torchfarm_pb2_grpc as pb_grpc
 from torchfarm.settings.sizing import default_concurrency
