@@ -28,7 +28,8 @@ request, then the forward's output strides (JSON) once this process has lowered 
 What it compiled reaches the artifact only through the Inductor cache dir the two share, as a
 cache entry that this process looks up (and compiles itself where that misses); its one
 report, the GEMM candidates it benchmarked and their problems, is a KernelFiles it leaves in
-that dir (HELPER_REPORT), which this process adds to its own. Before it compiles, it leaves
+that dir (HELPER_REPORT), which this process adds to its own. Once its backward's lowering
+holds for those strides, before its code is generated and its kernels compiled, it leaves
 there its backward's key (HELPER_KEY), which this process compares with its own at its
 backward (`_Meeting`): equal, it waits for the helper's end and looks its backward up;
 different, or no key left by a helper that exited, it ends the helper at once and compiles

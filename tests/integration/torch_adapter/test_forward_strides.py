@@ -6,6 +6,7 @@ optimization stores a CNN's saved activations channels-last: strides the trace n
 
 from unittest import mock
 
+import pytest
 import torch
 from torch._functorch._aot_autograd import graph_compile
 from torch._inductor.graph import GraphLowering
@@ -64,3 +65,49 @@ def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backward
     (_, sent), (_, given) = events[0], events[2]
     assert sent == given
     assert any(s is not None and len(s) == 4 and s[1] == 1 for s in sent)  # channels-last
+
+
+def _childs(payload: bytes, options: pb.Options) -> tuple[list, concurrent_backward.Key]:
+    """The strides the child sends and its backward's key."""
+    sent, keys = [], []
+    with fresh_cache(), concurrent_backward.backward_from(keys.append, sent.append):
+        inductor.compile_payload(payload, options, threads=1)
+    return sent[0], keys[0]
+
+
+@pytest.mark.parametrize(
+    "name, order",
+    [("transformer", ["lowered", "key", "code"]), ("cnn", ["lowered", "key", "lowered", "code"])],
+)
+def test_the_helper_lowers_its_backward_at_once_and_again_only_where_the_childs_strides_differ(
+    name, order
+):
+    """The helper lowers the backward for the traced strides before the child's arrive, and
+    hands its key on only once they hold it: the transformer's saved activations keep their
+    traced strides; the CNN's the child stores channels-last (oneDNN), so its backward is
+    lowered again with them (that key handed on at once). Either way it is the child's."""
+    payload, options = _training_payload(*build(name, seed=5))
+    strides, childs_key = _childs(payload, options)
+    events: list = []
+    run, generate = GraphLowering.run, GraphLowering.compile_to_module
+
+    def lowering(self, *args):
+        events.append("lowered")
+        return run(self, *args)
+
+    def generating(self):
+        events.append("code")
+        return generate(self)
+
+    with (
+        fresh_cache(),  # compiled, not found in the child's cache
+        mock.patch.object(GraphLowering, "run", lowering),
+        mock.patch.object(GraphLowering, "compile_to_module", generating),
+        concurrent_backward.backward_only(lambda: strides, events.append),
+        pytest.raises(concurrent_backward.Stopped),
+    ):
+        inductor.compile_payload(payload, options, threads=1)
+
+    keys = [e for e in events if isinstance(e, concurrent_backward.Key)]
+    assert [e if isinstance(e, str) else "key" for e in events] == order
+    assert keys[0].key == childs_key.key

@@ -16,11 +16,10 @@ calls before its lookup and compile): the helper hands its key on as soon as Ind
 it, before it compiles, and the child, at its own key, waits only for the helper's key
 (`meet`). Equal, it then waits for the helper's end and looks its backward up; different,
 it does not wait for a compile it cannot use: it ends the helper (its cores are freed) and
-compiles the backward itself. On a GPU the keys can differ now and then (a joint-graph
-decision Inductor benchmarks, such as pad_mm, taken otherwise in the two processes): waiting
-for the helper's whole compile before a miss made convnext's miss 1.39× a local cold compile
-against 1.13× without the helper (docs/benchmarks.md, "Novel misses"). A helper whose
-backward bypasses the cache stops at its key, which it never hands on.
+compiles the backward itself. Waiting for the helper's whole compile before such a miss made
+convnext's miss 1.39× a local cold compile against 1.13× without the helper
+(docs/benchmarks.md, "Novel misses"). A helper whose backward bypasses the cache stops at its
+key, which it never hands on.
 
 The backward's key holds its inputs' strides, and AOTAutograd gives the saved activations
 the strides the forward's compile chose for them (`_aot_stage2b_bw_compile` restrides the
@@ -29,10 +28,18 @@ Inductor's layout optimization (a graph with fewer than 300 nodes per convolutio
 a CPU with oneDNN) stores the 4-D activations around a convolution channels-last, and
 comprehensive padding (GPU) pads a saved activation's strides. So the child sends the helper
 the forward's output strides as soon as its lowering has decided them (`GraphLowering.run`
-ended; Inductor reads them there too), and the helper's forward stub returns them: its
-backward gets the child's placeholders. The helper waits for them after its own partition,
-so its backward starts when the child's forward has been lowered, while the child's forward
-is scheduled, generated and its kernels compiled.
+ended; Inductor reads them there too). The helper does not wait for them: it lowers its
+backward at once for the traced strides (its forward stub returns none), and at the end of
+that lowering reads the child's; where AOTAutograd would restride a placeholder with them
+(`_restrides`), it lowers the backward again for them (`_Restrided`), and only then hands its
+key on. A transformer's saved activations keep their traced strides, so its backward's
+lowering overlaps the child's forward lowering instead of following it.
+
+Inductor benchmarks one joint-graph decision, pad_mm's (whether padding a matmul's operands
+makes it faster), and two processes benchmarking side by side can decide otherwise: the
+helper's llama backward held a `constant_pad_nd` where the child's held a `bmm`, keys apart
+(bench/gpu/results/2026-11-30-h200x2-ddp-helper-auto). The helper therefore takes the child's
+decisions from the cache dir they share (`_childs_pad_decisions`).
 
 Nothing depends on the helper for correctness: where it failed, or where the child's key
 differs all the same, the lookup misses and the child compiles its backward itself. The
@@ -53,10 +60,12 @@ no longer be pickled, and the bundled entry pickles that bundle. The lookup here
 copy, so that the bundle the graph keeps stays as it was stored.
 
 Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forward_or_inference`
-(its `is_inference` keyword, its output strides) and `_aot_stage2b_bw_compile`, looked up
-there at call time, `GraphLowering.run` and its `graph_outputs`' layouts, functorch's
-`bundled_autograd_cache` config, the static `TritonBundler.read_and_emit`, and the static
-`FxGraphCache.prepare_key` (returns `(key, debug_lines)` or None, and cache info), which
+(its `is_inference` keyword, its output strides) and `_aot_stage2b_bw_compile` (its first six
+arguments positional), looked up there at call time, with `_get_inner_meta` and
+`fx_placeholder_vals` (the restride test), pad_mm's module-level `get_cached_should_pad`
+(a LocalCache file in the cache dir), `GraphLowering.run` and its `graph_outputs`' layouts,
+functorch's `bundled_autograd_cache` config, the static `TritonBundler.read_and_emit`, and
+the static `FxGraphCache.prepare_key` (returns `(key, debug_lines)` or None, and cache info), which
 `_compile_fx_inner` looks up on the class at call time, right before `load_with_key` (read in
 torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0).
 Verified: torch 2.11.0, 2.13.0, 2.15.0 on the CPU (a helper process and the child on one
@@ -73,15 +82,18 @@ import copy
 import dataclasses
 import itertools
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from unittest import mock
 
 import sympy
+import torch
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd import graph_compile
 from torch._inductor.codecache import FxGraphCache
+from torch._inductor.fx_passes import pad_mm
 from torch._inductor.graph import GraphLowering
 from torch._inductor.ir import IRNode
 from torch._inductor.triton_bundler import TritonBundler
@@ -205,37 +217,107 @@ def difference(helper: Key | None, child: Key | None, names: int = 6) -> str:
     )
 
 
+class _Restrided(BaseException):
+    """The child's forward stores a saved activation with other strides than the traced ones
+    that the helper's backward was lowered for: compile it again, with the child's."""
+
+
+def _restrides(args: Sequence[Any], strides: Strides) -> bool:
+    """Whether AOTAutograd, given the forward's output `strides`, restrides a placeholder of
+    the backward whose `_aot_stage2b_bw_compile` arguments are `args` (its own test, where a
+    symbolic stride counts as different)."""
+    bw_module, subclass_meta, fw_metadata, _, symints = args[:5]
+    inner = graph_compile._get_inner_meta(subclass_meta, fw_metadata)
+    saved = strides[inner.tensors_saved_for_backwards_slice]
+    for i, placeholder in enumerate(graph_compile.fx_placeholder_vals(bw_module)):
+        j = i - symints
+        real = saved[j] if 0 <= j < len(saved) else None
+        if isinstance(placeholder, torch.Tensor) and real is not None:
+            if _static(placeholder.stride()) != tuple(real):
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _childs_pad_decisions(wait_s: float) -> Iterator[None]:
+    """The helper's pad_mm decisions are the child's: a decision Inductor benchmarks (whether
+    padding a matmul's operands makes it faster), taken by both processes side by side, could
+    come out otherwise in each and key their backwards apart (seen on llama: `constant_pad_nd`
+    in the helper's graph, `bmm` in the child's). The helper waits for the decision the child
+    leaves in the cache dir they share (`wait_s` at most; then it benchmarks itself)."""
+    lookup = pad_mm.get_cached_should_pad
+
+    def childs(key: str) -> Any:
+        deadline = time.monotonic() + wait_s
+        while (decided := lookup(key)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return decided
+
+    with mock.patch.object(pad_mm, "get_cached_should_pad", childs):
+        yield
+
+
 @contextlib.contextmanager
 def backward_only(
-    forward_strides: Callable[[], Strides | None], hand_on: Callable[[Key], None]
+    forward_strides: Callable[[], Strides | None],
+    hand_on: Callable[[Key], None],
+    pad_wait_s: float = 30.0,
 ) -> Iterator[None]:
-    """The helper's compile: no forward (its output strides are the child's,
-    `forward_strides()`: None where the child sent none), the backward's key to `hand_on`
-    before its compile, the backward into the FX graph cache, then Stopped (an inference
-    graph, or a backward that bypasses the cache, stops at once)."""
+    """The helper's compile: no forward; the backward lowered at once for the traced strides,
+    then checked against the child's (`forward_strides()`: None where the child sent none)
+    and lowered again for those where AOTAutograd restrides with them; its key to `hand_on`
+    once it holds for the child's strides, before its code is generated and its kernels
+    compiled; the backward into the FX graph cache, then Stopped (an inference graph, or a
+    backward that bypasses the cache, stops at once)."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
-
-    def keyed(key: Key | None) -> None:
-        if key is None:
-            raise Stopped("the backward bypasses the FX graph cache: no key to hand on")
-        hand_on(key)
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
             raise Stopped("no backward to compile")
-        strides = forward_strides()
-        if strides is None:
-            raise Stopped("no forward strides: the child has gone")
-        return strides, _forward_stub
+        return None, _forward_stub  # the traced strides: checked at the backward's lowering
 
     def backward(*args, **kwargs):
-        with functorch_config.patch(bundled_autograd_cache=False), _keyed(keyed):
-            compile_backward(*args, **kwargs)
+        held: list[Key] = []
+        checked: list[Strides] = []
+
+        def keyed(key: Key | None) -> None:
+            if key is None:
+                raise Stopped("the backward bypasses the FX graph cache: no key to hand on")
+            if checked:
+                hand_on(key)
+            else:  # handed on once it holds for the child's strides
+                held.append(key)
+
+        def check(_: Strides) -> None:
+            if checked:
+                return
+            strides = forward_strides()
+            if strides is None:
+                raise Stopped("no forward strides: the child has gone")
+            checked.append(strides)
+            if _restrides(args, strides):
+                raise _Restrided
+            if held:
+                hand_on(held[0])
+
+        try:
+            with (
+                functorch_config.patch(bundled_autograd_cache=False),
+                _keyed(keyed),
+                _lowered(check),
+            ):
+                compile_backward(*args, **kwargs)
+            check([])  # no lowering ran: checked now
+        except _Restrided:
+            restrided = (*args[:3], checked[0], *args[4:])
+            with functorch_config.patch(bundled_autograd_cache=False), _keyed(keyed):
+                compile_backward(*restrided, **kwargs)
         raise Stopped("backward compiled")
 
     with (
         mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
+        _childs_pad_decisions(pad_wait_s),
     ):
         yield
 
