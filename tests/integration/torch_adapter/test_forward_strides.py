@@ -18,6 +18,15 @@ from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter.compile import concurrent_backward
 
 
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """Fresh cache dirs, kept to the module's end: Inductor keeps the C++ modules it loaded
+    in sys.modules by their key (torch 2.11), and a later compile of the same source finds
+    its library in an earlier, deleted, dir."""
+    parent = str(tmp_path_factory.mktemp("inductor"))
+    return lambda: fresh_cache(dir=parent, delete=False)
+
+
 def _training_payload(model, x) -> tuple[bytes, pb.Options]:
     """The graph Dynamo gives a backend for a training step, and the state it traced it in."""
     captured = {}
@@ -32,7 +41,7 @@ def _training_payload(model, x) -> tuple[bytes, pb.Options]:
     return captured["payload"], captured["options"]
 
 
-def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backwards():
+def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backwards(caches):
     payload, options = _training_payload(*build("cnn", seed=5))
     events: list = []
     generate = GraphLowering.compile_to_module
@@ -51,7 +60,7 @@ def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backward
         )
 
     with (
-        fresh_cache(),  # the forward compiled here, not found in the run's cache
+        caches(),  # the forward compiled here, not found in the run's cache
         mock.patch.object(GraphLowering, "compile_to_module", generating),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
         concurrent_backward.backward_from(
@@ -67,10 +76,13 @@ def test_the_forwards_strides_reach_the_helper_once_lowered_and_are_the_backward
     assert any(s is not None and len(s) == 4 and s[1] == 1 for s in sent)  # channels-last
 
 
-def _childs(payload: bytes, options: pb.Options) -> tuple[list, concurrent_backward.Key]:
+def _childs(payload: bytes, options: pb.Options, caches) -> tuple[list, concurrent_backward.Key]:
     """The strides the child sends and its backward's key."""
     sent, keys = [], []
-    with fresh_cache(), concurrent_backward.backward_from(keys.append, sent.append):
+    with (
+        caches(),
+        concurrent_backward.backward_from(keys.append, sent.append),
+    ):
         inductor.compile_payload(payload, options, threads=1)
     return sent[0], keys[0]
 
@@ -80,14 +92,14 @@ def _childs(payload: bytes, options: pb.Options) -> tuple[list, concurrent_backw
     [("transformer", ["lowered", "key", "code"]), ("cnn", ["lowered", "key", "lowered", "code"])],
 )
 def test_the_helper_lowers_its_backward_at_once_and_again_only_where_the_childs_strides_differ(
-    name, order
+    name, order, caches
 ):
     """The helper lowers the backward for the traced strides before the child's arrive, and
     hands its key on only once they hold it: the transformer's saved activations keep their
     traced strides; the CNN's the child stores channels-last (oneDNN), so its backward is
     lowered again with them (that key handed on at once). Either way it is the child's."""
     payload, options = _training_payload(*build(name, seed=5))
-    strides, childs_key = _childs(payload, options)
+    strides, childs_key = _childs(payload, options, caches)
     events: list = []
     run, generate = GraphLowering.run, GraphLowering.compile_to_module
 
@@ -100,7 +112,7 @@ def test_the_helper_lowers_its_backward_at_once_and_again_only_where_the_childs_
         return generate(self)
 
     with (
-        fresh_cache(),  # compiled, not found in the child's cache
+        caches(),  # compiled, not found in the child's cache
         mock.patch.object(GraphLowering, "run", lowering),
         mock.patch.object(GraphLowering, "compile_to_module", generating),
         concurrent_backward.backward_only(lambda: strides, events.append),
