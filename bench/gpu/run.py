@@ -548,12 +548,13 @@ def profiled(outdir: str, model: str, backend: str, name: str, env: dict, whole:
     import pstats
 
     prof = os.path.join(outdir, f"{model}-{name}.prof".replace(":", "-"))
-    subprocess.run(
-        [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
-        + [model, "default", backend, os.path.join(tempfile.mkdtemp(), f"profiled-{name}.pt")],
-        env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": whole},
-        check=False,
-    )
+    with tempfile.TemporaryDirectory() as scratch:  # the client's outputs, not kept
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "profiled_client.py"), prof]
+            + [model, "default", backend, os.path.join(scratch, f"profiled-{name}.pt")],
+            env={**env, "BENCH_STEADY": "0", "PROFILE_WHOLE": whole},
+            check=False,
+        )
     with open(prof.replace(".prof", "-profile.txt"), "w") as f:
         stats = pstats.Stats(prof, stream=f)
         stats.sort_stats("cumulative").print_stats(250)
