@@ -244,7 +244,9 @@ def _childs_pad_decisions(wait_s: float) -> Iterator[None]:
     padding a matmul's operands makes it faster), taken by both processes side by side, could
     come out otherwise in each and key their backwards apart (seen on llama: `constant_pad_nd`
     in the helper's graph, `bmm` in the child's). The helper waits for the decision the child
-    leaves in the cache dir they share (`wait_s` at most; then it benchmarks itself)."""
+    leaves in the cache dir they share: the helper gets its request from the child, so it is
+    behind and mostly finds it there; `wait_s` at most (a key that differs: the user's TF32
+    setting is part of it), then it benchmarks itself."""
     lookup = pad_mm.get_cached_should_pad
 
     def childs(key: str) -> Any:
@@ -261,7 +263,7 @@ def _childs_pad_decisions(wait_s: float) -> Iterator[None]:
 def backward_only(
     forward_strides: Callable[[], Strides | None],
     hand_on: Callable[[Key], None],
-    pad_wait_s: float = 30.0,
+    pad_wait_s: float = 10.0,
 ) -> Iterator[None]:
     """The helper's compile: no forward; the backward lowered at once for the traced strides,
     then checked against the child's (`forward_strides()`: None where the child sent none)
