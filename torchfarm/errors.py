@@ -35,8 +35,9 @@ TorchfarmError
   + _NotBuilt ....................... torch_adapter/compile/cpp_libraries.py: private to it
   contract/settings: none (a bad value is a ValueError, a bad call a gRPC status)
 
-Outside the root: torch_adapter/compile/concurrent_backward.py's Stopped is a BaseException, not an
-error: it ends a helper's compile through torch's own `except Exception` handlers.
+Outside the root: torch_adapter/compile/concurrent_backward.py's Stopped and _Restrided are
+BaseExceptions, not errors: they end (Stopped) or restart (_Restrided) a helper's compile
+through torch's own `except Exception` handlers.
 """
 
 

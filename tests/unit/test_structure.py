@@ -21,7 +21,10 @@ ADAPTER_BELOW = {
 }
 ROOT = "TorchfarmError"
 # BaseExceptions that are no errors, outside the root on purpose (errors.py says why)
-NOT_ERRORS = {"torch_adapter/compile/concurrent_backward.py::Stopped"}
+NOT_ERRORS = {
+    "torch_adapter/compile/concurrent_backward.py::Stopped",
+    "torch_adapter/compile/concurrent_backward.py::_Restrided",
+}
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
