@@ -104,6 +104,9 @@ def report(message: pb.CompileChildReport) -> None:
         _reports.flush()
 
 
+POOL_BUILD_WAIT_S = 120  # a C++ kernel's build takes 1-95 s on the CPU box
+
+
 class _PoolBuilds:
     """CompileChildRequest.pool_builds, the child's side: each ask is a PoolBuild report,
     answered by a PoolBuilt on stdin (after the request); all unanswered asks are answered
@@ -125,8 +128,9 @@ class _PoolBuilds:
             ident, answer = self.asked, (threading.Event(), [False])
             self.waiting[ident] = answer
         report(pb.CompileChildReport(build=pb.PoolBuild(id=ident, source=source)))
-        answer[0].wait()
-        return answer[1][0]
+        # Not answered in time (the pool's builders busy, or a fault of the worker's): built
+        # here, as without the pool.
+        return answer[0].wait(POOL_BUILD_WAIT_S) and answer[1][0]
 
     def _read(self, answers: BinaryIO) -> None:
         try:

@@ -7,11 +7,13 @@ name. What a shared job's child reports for the pool is therefore only sources: 
 `TritonSource` per Triton kernel (its module as Inductor wrote it). After the job has ended,
 the worker builds each source it has not built before in a builder child of its own: the
 compile sandbox (no network, no secrets, a private tmpfs, nothing staged), given sources and
-nothing else. Builds are background work: they never compete with the user's processes nor
-with compiles (issue 53). A builder runs at idle CPU and I/O priority (workers/idle_priority.py;
-but for GEMM measurements; TORCHFARM_KERNEL_BUILD_PRIORITY=normal: at the compiles' priority), at
-most TORCHFARM_KERNEL_BUILDS of them at once, and each build waits until no compile runs in this
-worker (workers/slots.py).
+nothing else. Those builds are background work: they never compete with the user's processes
+nor with compiles (issue 53). A builder runs at idle CPU and I/O priority
+(workers/idle_priority.py; but for GEMM measurements; TORCHFARM_KERNEL_BUILD_PRIORITY=normal:
+at the compiles' priority), at most TORCHFARM_KERNEL_BUILDS of them at once, and each build
+waits until no compile runs in this worker (workers/slots.py). The exception, on CPU pools: a
+shared compile hands its C++ builds to the pool's builders for compiles (`CompileBuilds`)
+while it runs, at the compiles' priority, since the compile waits for them.
 - A C++ library: the builder calls Inductor's own load_async, which names the objects after
   the source and the pool's compile command and runs g++ on them; it never loads them.
 - A Triton kernel: the builder first checks that the module is one Inductor writes
@@ -36,9 +38,10 @@ runs Inductor's ISA checks and computes the keys of the worker's precompiled hea
 each as a fresh builder would: in a process forked for it from that untouched state, with the
 writable directories emptied (Inductor's and Triton's cache dirs among them) and every
 process an earlier build left ended. That saves ~3 CPU-seconds of imports per source: a
-pool's builds cost as much CPU as its compiles before. It exits when no source has come for
-IDLE_S. On stdin: length-prefixed `KernelBuild`s; on stdout, an empty reply once warm, then
-one reply each: the build's exit status, then its `KernelFiles` (refused: why).
+pool's builds cost as much CPU as its compiles before. It lives until the worker stops it
+(a background builder after IDLE_S without a source; a compiles' builder with the worker).
+On stdin: length-prefixed `KernelBuild`s; on stdout, an empty reply once warm, then one reply
+each: the build's exit status, then its `KernelFiles` (refused: why).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ log = logging.getLogger("torchfarm.worker")
 
 BUILD_TIMEOUT_S = 600  # one library: seconds of g++ here, minutes on a crowded host
 MAX_QUEUED = 1024  # sources waiting for a build; more are dropped (a later compile offers them)
-IDLE_S = 5.0  # a builder child with nothing to build for this long exits
+IDLE_S = 5.0  # a background builder with nothing to build for this long is stopped
 REPLY = struct.Struct(">iQ")  # a build's exit status, then the length of its KernelFiles
 REFUSED = 3  # a build's exit status: a Triton module that is not one Inductor writes
 _TRISTATE = {0: None, 1: False, 2: True}  # KernelSource.needs_vec_isa
@@ -112,7 +115,11 @@ def remember_headers(cache_dir: str) -> int:
     from torchfarm.torch_adapter.compile import cpp_libraries
 
     with _as_compiles(cache_dir):
-        return cpp_libraries.remember_headers(kernel_cache.CODE_CACHES)
+        try:
+            return cpp_libraries.remember_headers(kernel_cache.CODE_CACHES)
+        except Exception as e:  # an optimization: its builds then hash the headers each
+            print(f"kernel builder: headers not remembered: {e}", file=sys.stderr)
+            return 0
 
 
 def _measure_gemm(
@@ -304,10 +311,12 @@ class CompileBuilds:
                 self.building.pop(marker).set()
 
     def _drain(self, builder: _Builder) -> None:
+        """Its builder's thread: it never ends, whatever a build raises (a waiting compile
+        would wait on it for ever), and answers [] for a build that failed."""
         try:  # its imports now, not on a compile's path
             builder.start()
             log.info("kernel builder for compiles ready")
-        except RuntimeError as e:  # the first build starts another
+        except Exception as e:  # the first build starts another
             log.warning("kernel builder for compiles failed: %s", str(e)[-500:])
         while True:
             pool_dir, request, built = self.waiting.get()
@@ -320,7 +329,7 @@ class CompileBuilds:
             self.kernels.keep(pool_dir, files)
             names = sorted(files.built)
             self.kernels.mark_built(pool_dir, request, names)
-        except (ValueError, OSError, subprocess.SubprocessError, RuntimeError) as e:
+        except Exception as e:  # the compile builds it itself
             log.warning("kernel build for a compile failed: %s", str(e)[-500:])
             return []
         log.info(

@@ -136,7 +136,8 @@ def _link_staged(staged: str, cache_dir: str, source_path: str) -> None:
         staged_path = os.path.join(staged, name)
         exists = os.path.exists(staged_path) and not os.path.lexists(stem + suffix)
         if is_kernel_name(name) and exists:
-            os.symlink(staged_path, stem + suffix)
+            with contextlib.suppress(FileExistsError):  # linked meanwhile (the same source)
+                os.symlink(staged_path, stem + suffix)
 
 
 @contextlib.contextmanager
@@ -545,13 +546,16 @@ def stage_built(pool_dir: str, names: list[str], staging: str) -> list[str]:
 
 
 def _link(source: str, dest: str) -> bool:
-    """`source` hard-linked (else copied) at `dest`; False where it is gone (pruned)."""
+    """`source` hard-linked (else copied) at `dest`, whole or not at all: the child may look
+    for `dest` meanwhile; False where it is gone (pruned)."""
     try:
         os.link(source, dest)
     except OSError as e:
         if e.errno != errno.EXDEV:  # pruned by a compile beside this one
             return False
-        shutil.copyfile(source, dest)  # the staging dir is on another filesystem
+        partial = f"{dest}.{os.getpid()}-{threading.get_ident()}.tmp"
+        shutil.copyfile(source, partial)  # the staging dir is on another filesystem
+        os.replace(partial, dest)
     return True
 
 

@@ -476,6 +476,9 @@ class _ChildInput:
         names: list[str] = []
         try:
             assert self.pool_build is not None
+            # As the worker reads it: fields it does not know would make another marker
+            # for the same source (a rebuild a child could force).
+            build.source.DiscardUnknownFields()
             built_in, built = self.pool_build(build.source)
             with self.lock:  # never into a staging dir the child has left
                 if not self.closed:

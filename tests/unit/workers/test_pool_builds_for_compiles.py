@@ -8,6 +8,7 @@ import os
 import threading
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import WorkerSettings
@@ -48,6 +49,8 @@ class StandInBuilder:
         StandInBuilder.built.append(source.cpp.main_code)
         if "fails" in source.cpp.main_code:
             raise RuntimeError("build exit 1")
+        if "garbled" in source.cpp.main_code:  # a reply that does not parse, and the like
+            raise DecodeError("Error parsing message")
         return pb.KernelFiles(built={OBJ: b"lib"})
 
 
@@ -85,6 +88,19 @@ def test_a_failed_build_answers_nothing_and_is_tried_again(builds):
     assert compile_builds.build(pool_dir, failing) == []
     assert compile_builds.build(pool_dir, failing) == []
     assert StandInBuilder.built == ["fails", "fails"]
+
+
+def test_a_build_that_raises_what_no_build_should_answers_nothing_and_the_builder_serves_on(
+    builds,
+):
+    """Its thread answers [] and takes the next source: a builder thread that died left the
+    asking compile waiting for ever (and its builder slot gone)."""
+    compile_builds, pool_dir = builds
+    StandInBuilder.release.set()
+    for garbled in ("garbled 1", "garbled 2", "garbled 3"):  # more than the 2 builders
+        source = pb.KernelSource(code_cache="CppCodeCache", main_code=garbled)
+        assert compile_builds.build(pool_dir, source) == []
+    assert compile_builds.build(pool_dir, SOURCE) == [OBJ]
 
 
 class _Stdin(io.BytesIO):
@@ -172,3 +188,11 @@ def test_the_child_waits_for_its_answer_and_hears_no_once_stdin_ends(monkeypatch
         parent.close()  # the worker is gone: every ask unanswered is a no
         second.join(timeout=60)
     assert got == [True, False] and ask(SOURCE) is False
+
+
+def test_a_child_whose_ask_is_not_answered_in_time_builds_it_itself(monkeypatch):
+    monkeypatch.setattr(compile_child, "_reports", io.BytesIO())
+    monkeypatch.setattr(compile_child, "POOL_BUILD_WAIT_S", 0.2)
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as answers, os.fdopen(write_end, "wb"):
+        assert compile_child._PoolBuilds(answers)(SOURCE) is False  # the parent says nothing

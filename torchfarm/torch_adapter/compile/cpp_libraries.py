@@ -9,7 +9,7 @@ process, the precompiled-header keys that every load_async otherwise computes an
 process forked from it.
 
 Uses torch._inductor.codecache.CppCodeCache.load_async (signature main_code, device_type,
-submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]: not on 2.11),
+submit_fn, extra_flags, optimized_code[, needs_vec_isa, kernel_needs_vec_isa]: not on 2.11/2.12),
 the same on CppPythonBindingsCodeCache, and CppCodeCache._load_library. `benchmarks_marked` wraps
 torch._inductor.autotune_process.CppBenchmarkRequest.precompile and make_run_fn (each builds
 the candidate's library with CppCodeCache.load, in the calling thread). Verified: torch
@@ -70,7 +70,7 @@ def build(
 
 
 def _vec_isa_keywords(cls: Any, needs: bool | None, kernel_needs: bool | None) -> dict:
-    """load_async's vector-ISA keywords, where this torch has them (not 2.11's)."""
+    """load_async's vector-ISA keywords, where this torch has them (not 2.11's nor 2.12's)."""
     if "needs_vec_isa" not in inspect.signature(cls.load_async).parameters:
         return {}
     return {"needs_vec_isa": needs, "kernel_needs_vec_isa": kernel_needs}
