@@ -381,7 +381,11 @@ class _Builder:
         """The child, started now where it has not been, once warm (its empty first reply);
         RuntimeError where it ended first."""
         if self.proc is None:
-            self.proc = self._start()
+            try:
+                self.proc = self._start()
+            except Exception:  # its directories and stderr file go with it
+                self.stop()
+                raise
             assert self.proc.stdout is not None
             try:
                 _read(self.proc.stdout, REPLY.size, time.monotonic() + BUILD_TIMEOUT_S)
@@ -408,6 +412,9 @@ class _Builder:
             error = f"build exit {status}: {self._error_tail()!r}"
             self.stop()  # its stderr has served; the next source starts a clean builder
             raise RuntimeError(error)
+        if self.errors is not None:  # what a build that succeeded said: a builder lives long
+            self.errors.seek(0)  # the offset the child writes at too (one open file)
+            self.errors.truncate()
         return pb.KernelFiles.FromString(reply)  # protobuf parse: no code runs
 
     def _failed(self, error: Exception) -> NoReturn:
