@@ -39,14 +39,19 @@ def helped_farm():
 def _helped_step(farm: LocalFarm, name: str, seed: int) -> None:
     """One training step of model `name` on the farm (a miss): eager's output and gradients,
     and the child's backward the helper's entry, not a compile of its own (a lookup: the
-    worker logs it from the child's `fxgraph_cache_hit` count)."""
+    worker logs it from the child's `fxgraph_cache_hit` count). The miss's timings say when
+    the child reached its backward, how long it waited for the helper's and loaded it."""
     before = log_of(farm, "worker0").count(HELPED)
-    _eagers_step(farm, name, seed)
+    timings = _eagers_step(farm, name, seed)
     assert log_of(farm, "worker0").count(HELPED) == before + 1
+    parts = [timings[f"backward_{part}_s"] for part in ("at", "wait", "load")]
+    assert parts[0] > 0 and parts[2] > 0
+    assert sum(parts) <= timings["compile_s"]
 
 
-def _eagers_step(farm: LocalFarm, name: str, seed: int, mode: str = "default") -> None:
-    """One training step of model `name` on the farm (a miss): eager's output and gradients."""
+def _eagers_step(farm: LocalFarm, name: str, seed: int, mode: str = "default") -> dict[str, float]:
+    """One training step of model `name` on the farm (a miss): eager's output and gradients;
+    the miss's timings."""
     model, x = build(name, seed=seed)
     compiled = torchfarm.compile(model, mode=mode, addr=farm.addr)
     backend.history.clear()
@@ -61,6 +66,7 @@ def _eagers_step(farm: LocalFarm, name: str, seed: int, mode: str = "default") -
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, want)
+    return backend.history[0].timings
 
 
 def test_the_backward_compiled_by_the_helper_gives_eagers_gradients(helped_farm):

@@ -546,9 +546,14 @@ def _compile(
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     meeting = _Meeting(helper, cache_dir)
+    started = time.perf_counter()
     with concurrent_backward.backward_from(meeting, send_strides) as backward:
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
+    if backward.compiled_by == "helper":
+        artifact.backward_at_s = backward.key_at - started
+        artifact.backward_wait_s = backward.wait_s
+        artifact.backward_load_s = backward.load_s
     if backward.compiled_by == "child":  # the lookup of the helper's backward missed
         helper_key = _helper_key(cache_dir)
         artifact.backward_miss = concurrent_backward.difference(helper_key, backward.key)

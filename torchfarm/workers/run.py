@@ -184,6 +184,9 @@ class CompileRun:
             handoff_s=child.handoff_s,
             child_s=read_back - handed - child.handoff_s,
             compile_s=artifact.compile_seconds,
+            backward_at_s=artifact.backward_at_s,
+            backward_wait_s=artifact.backward_wait_s,
+            backward_load_s=artifact.backward_load_s,
         )
         return _Compiled(
             child.data, meta, timings, read_back, artifact.backward, artifact.backward_miss
@@ -220,12 +223,18 @@ class CompileRun:
             run_kernels.keep(staged, self.store, child.kernels, child.pool_built, self.extra)
         # Logged before the job ends: its waiters wake at once (a log read then finds the line).
         log.info(
-            "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s%s",
+            "stored %s: %d bytes, %.1f s compiling, %.2f s hand-off to a child%s%s%s",
             job.key[:16],
             len(compiled.data),
             timings.compile_s,
             timings.handoff_s,
             f", backward compiled by the {compiled.backward}" if compiled.backward else "",
+            (
+                f" (the child at its key {timings.backward_at_s:.1f} s in, waited "
+                f"{timings.backward_wait_s:.2f} s, loaded it in {timings.backward_load_s:.2f} s)"
+            )
+            if compiled.backward == "helper"
+            else "",
             f" (its lookup missed: {compiled.backward_miss})" if compiled.backward_miss else "",
             extra=dict(self.extra, pool=self.pool),
         )

@@ -135,6 +135,11 @@ class Backward:
 
     compiled_by: str = ""
     key: Key | None = None
+    # time.perf_counter() at the child's backward key; then seconds waited there for the
+    # helper, and seconds to look its backward up and load it
+    key_at: float = 0.0
+    wait_s: float = 0.0
+    load_s: float = 0.0
 
 
 def _graphs(compiled: Any) -> Iterator[Any]:
@@ -385,7 +390,9 @@ def backward_from(
 
     def keyed(key: Key | None) -> None:
         outcome.key = key
+        outcome.key_at = time.perf_counter()
         meet(key)
+        outcome.wait_s = time.perf_counter() - outcome.key_at
 
     def backward(*args, **kwargs):
         hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -397,6 +404,8 @@ def backward_from(
             ),
         ):
             lazy_info, compiled = compile_backward(*args, **kwargs)
+        if outcome.key_at:
+            outcome.load_s = time.perf_counter() - outcome.key_at - outcome.wait_s
         helped = counters["inductor"]["fxgraph_cache_hit"] > hits
         outcome.compiled_by = "helper" if helped else "child"
         if helped:  # the child's key is kept only to compare with the helper's
