@@ -75,7 +75,7 @@ from torchfarm.compiler import compilers
 from torchfarm.contract.options import INDUCTOR, compiler_of
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.settings import env
-from torchfarm.workers import kernel_cache, warm_fork, yield_cpu
+from torchfarm.workers import kernel_cache, warm_fork
 
 if TYPE_CHECKING:  # it imports torch, which the worker importing this module never needs
     from torchfarm.torch_adapter.compile.concurrent_backward import Key, Strides
@@ -247,8 +247,6 @@ def _start_helper(argv: list[str]) -> subprocess.Popen:
 
 class _Helper(Protocol):
     """What the child uses of its helper: a Popen, or the fork server's `_ForkedHelper`."""
-
-    pid: int
 
     @property
     def stdin(self) -> IO[Any] | None: ...
@@ -532,8 +530,7 @@ def _compile(
     send_strides: Callable[[Strides], None],
 ) -> pb.Artifact:
     """Compile the request with its compiler; its backward by `helper`, where given, which
-    `send_strides` tells the forward's output strides; with them sent, the forward lowered,
-    the child yields the CPU to the helper, whose backward is the longer path (yield_cpu.py)."""
+    `send_strides` tells the forward's output strides."""
     for module in request.op_libraries:
         importlib.import_module(module)
     name = compiler_of(request.options)
@@ -549,14 +546,8 @@ def _compile(
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     meeting = _Meeting(helper, cache_dir)
-    spared = helper.pid
-
-    def forward_lowered(strides: Strides) -> None:
-        send_strides(strides)
-        yield_cpu.yield_to(spared)
-
     started = time.perf_counter()
-    with concurrent_backward.backward_from(meeting, forward_lowered) as backward:
+    with concurrent_backward.backward_from(meeting, send_strides) as backward:
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
     if backward.compiled_by == "helper":
