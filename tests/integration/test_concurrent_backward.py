@@ -4,7 +4,7 @@ the backward while the child compiles the forward; the child's own backward is t
 of the helper's entry (torch_adapter/compile/concurrent_backward.py). The GEMM candidates the helper
 benchmarks are counted with the child's, the kernel cache off (the tier's default) or on.
 Where the two backwards' keys differ, the child ends the helper at its key instead of waiting
-for its compile; under CUDA graphs (keys that never agree) the helper has nothing to do."""
+for its compile; under CUDA graphs the helper sets the boxes the child's forward sets."""
 
 import dataclasses
 import json
@@ -128,15 +128,14 @@ def test_the_gemm_candidates_the_helper_benchmarked_are_counted(helped_farm):
     assert log_of(helped_farm, "worker0").count("backward compiled by the") == before + 1
 
 
-def test_under_cuda_graphs_the_helper_has_nothing_to_do(helped_farm):
-    """Under reduce-overhead (and max-autotune) Inductor's `cudagraphs` flag is in the
-    backward's key, and the child's forward turns it off (a CPU graph): the helper, which
-    compiled no forward, would key its backward with it on. The child used to wait for that
-    compile, then compile the backward itself; now the helper compiles nothing (no backward
-    line in the log) and the step is eager's all the same."""
-    before = log_of(helped_farm, "worker0").count("backward compiled by the")
+def test_under_cuda_graphs_the_helpers_backward_is_the_childs(helped_farm):
+    """Under reduce-overhead (and max-autotune) Inductor's `cudagraphs` box is in the backward's
+    key, and the child's forward turns it off (here a CPU graph): the helper, which compiles no
+    forward, sets it as that forward would, so the keys agree and the backward is the helper's
+    (before, the helper had nothing to do under CUDA graphs); the step is eager's."""
+    before = log_of(helped_farm, "worker0").count(HELPED)
     _eagers_step(helped_farm, "mlp", seed=6, mode="reduce-overhead")
-    assert log_of(helped_farm, "worker0").count("backward compiled by the") == before
+    assert log_of(helped_farm, "worker0").count(HELPED) == before + 1
 
 
 class _Helper:

@@ -34,8 +34,9 @@ there its backward's key (HELPER_KEY), which this process compares with its own 
 backward (`_Meeting`): equal, it waits for the helper's end and looks its backward up;
 different, or no key left by a helper that exited, it ends the helper at once and compiles
 the backward itself, and the artifact says which of the key's details differed
-(Artifact.backward_miss, for the worker's log). A compile under CUDA graphs, whose keys
-never agree, gives its helper nothing to do.
+(Artifact.backward_miss, for the worker's log). Under CUDA graphs the helper sets the boxes
+a forward's compile sets (concurrent_backward.py); where the forward set them otherwise, the
+keys differ and this process compiles the backward itself.
 
 On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
 sandbox that warms up once, then for each request forks a process from that untouched state,
@@ -565,14 +566,8 @@ def _compile(
 
 
 def _helpable(options: pb.Options) -> bool:
-    """Whether a helper can compile the backward of a compile with these options: Inductor's,
-    not under CUDA graphs (its key never the child's: concurrent_backward.keyed_apart)."""
-    if compiler_of(options) != INDUCTOR:
-        return False
-    from torchfarm.compiler import inductor
-    from torchfarm.torch_adapter.compile import concurrent_backward
-
-    return not concurrent_backward.keyed_apart(inductor.config_patches(options))
+    """Whether a helper can compile the backward of a compile with these options: Inductor's."""
+    return compiler_of(options) == INDUCTOR
 
 
 class _Meeting:

@@ -46,10 +46,13 @@ differs all the same, the lookup misses and the child compiles its backward itse
 two processes then each hold their backward's key and the details Inductor hashed into it
 (`Key`), and `difference` says in a line which of those details differ.
 
-Under CUDA graphs (reduce-overhead, max-autotune: `keyed_apart`) the keys never agree: the
-backward's key holds fx_kwargs boxes that the child's forward compile sets and the helper,
-which compiles no forward, cannot: `cudagraphs` (turned off for a CPU graph) and on a GPU the
-forward's device index. A compile with them has no helper (docs/architecture.md).
+Under CUDA graphs (reduce-overhead, max-autotune) the backward's key holds fx_kwargs boxes
+that the child's forward compile sets: `cudagraphs` (turned off where the forward cannot be
+recorded, a CPU graph among others) and, where it stays on, the forward's device index. The
+helper compiles no forward, so it sets them as the forward would for a graph on one GPU (on,
+that GPU's index) and turns `cudagraphs` off for a graph on none (`_as_after_forward`); where
+the forward decided otherwise (a graph CUDA graphs cannot record), the keys differ at the
+meeting and the child compiles its backward itself, as without a helper.
 
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
@@ -92,11 +95,13 @@ import torch
 from torch._dynamo.utils import counters
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd import graph_compile
+from torch._inductor import compile_fx
 from torch._inductor.codecache import FxGraphCache
 from torch._inductor.fx_passes import pad_mm
 from torch._inductor.graph import GraphLowering
 from torch._inductor.ir import IRNode
 from torch._inductor.triton_bundler import TritonBundler
+from torch._inductor.utils import BoxedBool
 
 # The forward's output strides, as AOTAutograd restrides the backward's inputs with them:
 # None for an output that is not a tensor or whose strides are symbolic (never restrided).
@@ -168,10 +173,32 @@ def _keyed(on_key: Callable[[Key | None], None]) -> Iterator[None]:
         yield
 
 
-def keyed_apart(config_patches: dict[str, Any]) -> bool:
-    """Whether a compile with these Inductor config patches turns CUDA graphs on, whose flag
-    keys the helper's backward apart from the child's (the module's docstring)."""
-    return bool(config_patches.get("triton.cudagraphs", False))
+@contextlib.contextmanager
+def _as_after_forward() -> Iterator[None]:
+    """While entered, Inductor's backward compile finds the boxes the forward's compile shares
+    with it (`CompilerConfigExtra`) set as a forward on the backward's device sets them under
+    CUDA graphs (`prepare_cudagraph_post_compile`: the forward's device index; a forward on
+    no GPU turns `cudagraphs` off); without CUDA graphs nothing is set."""
+    compile_fx_backward = compile_fx.compile_fx_backward
+
+    def backward(gm: Any, example_inputs: Sequence[Any], compiler_config_extra: Any, **kwargs):
+        extra = compiler_config_extra
+        if extra.cudagraphs:
+            gpus = {
+                t.device.index or 0
+                for t in example_inputs
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+            }
+            if len(gpus) == 1:
+                device = getattr(extra, "forward_device", None)  # torch 2.11-2.14
+                device = device or extra.forward_device_index  # 2.15
+                device.set(gpus.pop())
+            else:
+                BoxedBool.disable(extra.cudagraphs)
+        return compile_fx_backward(gm, example_inputs, compiler_config_extra, **kwargs)
+
+    with mock.patch.object(compile_fx, "compile_fx_backward", backward):
+        yield
 
 
 _DETAIL = re.compile(r"\[(\w+)\] (.*?): (.*)", re.DOTALL)
@@ -325,6 +352,7 @@ def backward_only(
         mock.patch.object(graph_compile, "_aot_stage2b_compile_forward_or_inference", forward),
         mock.patch.object(graph_compile, "_aot_stage2b_bw_compile", backward),
         _childs_pad_decisions(pad_wait_s),
+        _as_after_forward(),
     ):
         yield
 
