@@ -553,9 +553,8 @@ def _link(source: str, dest: str) -> bool:
     except OSError as e:
         if e.errno != errno.EXDEV:  # pruned by a compile beside this one
             return False
-        partial = f"{dest}.{os.getpid()}-{threading.get_ident()}.tmp"
-        shutil.copyfile(source, partial)  # the staging dir is on another filesystem
-        os.replace(partial, dest)
+        with open(source, "rb") as f:  # the staging dir is on another filesystem
+            _write_atomically(dest, f.read())
     return True
 
 

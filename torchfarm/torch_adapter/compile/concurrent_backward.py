@@ -334,18 +334,20 @@ def backward_only(
             if held:
                 hand_on(held[0])
 
-        try:
+        def compiled(strides: Strides | None) -> None:
+            given = (*args[:3], strides, *args[4:])
             with (
                 functorch_config.patch(bundled_autograd_cache=False),
                 _keyed(keyed),
-                _lowered(check),
+                _lowered(check),  # once checked, a no-op
             ):
-                compile_backward(*args, **kwargs)
+                compile_backward(*given, **kwargs)
+
+        try:
+            compiled(None)  # the traced strides
             check([])  # no lowering ran: checked now
         except _Restrided:
-            restrided = (*args[:3], checked[0], *args[4:])
-            with functorch_config.patch(bundled_autograd_cache=False), _keyed(keyed):
-                compile_backward(*restrided, **kwargs)
+            compiled(checked[0])
         raise Stopped("backward compiled")
 
     with (
