@@ -183,6 +183,17 @@ def builds_of(files: pb.KernelFiles) -> list[pb.KernelBuild]:
     )
 
 
+def _build_and_keep(
+    builder: _Builder, kernels: kernel_cache.KernelCache, pool_dir: str, source: pb.KernelBuild
+) -> pb.KernelFiles:
+    """Build `source` in `builder`, keep what it made in `pool_dir` and mark it built there
+    (a marker last: a source marked built has its files in place)."""
+    files = builder.build(source)
+    kernels.keep(pool_dir, files)
+    kernels.mark_built(pool_dir, source, sorted(files.built))
+    return files
+
+
 # pool dir, source, `kept`
 _Queued = tuple[str, pb.KernelBuild, Callable[[pb.KernelBuild, int], None]]
 
@@ -249,9 +260,7 @@ class PoolBuilds:
             return
         started = time.perf_counter()
         try:
-            files = builder.build(source)
-            self.kernels.keep(pool_dir, files)
-            self.kernels.mark_built(pool_dir, source, sorted(files.built))
+            files = _build_and_keep(builder, self.kernels, pool_dir, source)
             tuned = sum(1 for name in files.built if name.startswith(kernel_cache.TUNING + "/"))
             kept(source, tuned)
         except ValueError as e:  # a Triton module that is not Inductor's: not shared
@@ -325,10 +334,7 @@ class CompileBuilds:
     def _build(self, builder: _Builder, pool_dir: str, request: pb.KernelBuild) -> list[str]:
         started = time.perf_counter()
         try:
-            files = builder.build(request)
-            self.kernels.keep(pool_dir, files)
-            names = sorted(files.built)
-            self.kernels.mark_built(pool_dir, request, names)
+            names = sorted(_build_and_keep(builder, self.kernels, pool_dir, request).built)
         except Exception as e:  # the compile builds it itself
             log.warning("kernel build for a compile failed: %s", str(e)[-500:])
             return []
