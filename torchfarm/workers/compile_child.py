@@ -342,6 +342,29 @@ def _strides(stream: BinaryIO) -> Strides | None:
     return [None if s is None else tuple(int(n) for n in s) for s in json.loads(frame)]
 
 
+class _ForwardStrides:
+    """The helper's side of the child's forward strides: read from `stream` by a thread as
+    soon as they come, so that the helper's lowering sees them arrive (`arrived`)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.arrived = threading.Event()
+        self.strides: Strides | None = None
+        threading.Thread(
+            target=self._read, args=(stream,), name="forward-strides", daemon=True
+        ).start()
+
+    def _read(self, stream: BinaryIO) -> None:
+        try:
+            self.strides = _strides(stream)
+        finally:
+            self.arrived.set()
+
+    def wait(self) -> Strides | None:
+        """The strides (None where the child sent none), once they have come."""
+        self.arrived.wait()
+        return self.strides
+
+
 def _end(helper: _Helper | None) -> None:
     if helper is not None and helper.poll() is None:
         helper.kill()
@@ -653,8 +676,11 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
         def hand_on(key: Key) -> None:
             _leave(cache_dir, HELPER_KEY, json.dumps(dataclasses.asdict(key)).encode())
 
+        strides = _ForwardStrides(sys.stdin.buffer)
         try:
-            with concurrent_backward.backward_only(lambda: _strides(sys.stdin.buffer), hand_on):
+            with concurrent_backward.backward_only(
+                strides.wait, hand_on, strides_arrived=strides.arrived.is_set
+            ):
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass

@@ -123,3 +123,43 @@ def test_the_helper_lowers_its_backward_at_once_and_again_only_where_the_childs_
     keys = [e for e in events if isinstance(e, concurrent_backward.Key)]
     assert [e if isinstance(e, str) else "key" for e in events] == order
     assert keys[0].key == childs_key.key
+
+
+@pytest.mark.parametrize("name, first_lowering", [("transformer", "whole"), ("cnn", "cut")])
+def test_strides_that_arrive_during_the_lowering_cut_it_where_they_restride(
+    name, first_lowering, caches
+):
+    """Strides the child sent while the helper lowers are checked at the lowering's next node:
+    the CNN's restride, so its first lowering stops at its first node instead of running to
+    its end for nothing (its backward is lowered again with them); the transformer's hold,
+    so its lowering goes on. Either way the key handed on is the child's."""
+    payload, options = _training_payload(*build(name, seed=5))
+    strides, childs_key = _childs(payload, options, caches)
+    nodes: list[int] = []  # per lowering: the nodes it ran
+    run, run_node = GraphLowering.run, GraphLowering.run_node
+
+    def lowering(self, *args):
+        nodes.append(0)
+        return run(self, *args)
+
+    def running(self, node):
+        nodes[-1] += 1
+        return run_node(self, node)
+
+    keys: list = []
+    with (
+        caches(),
+        mock.patch.object(GraphLowering, "run", lowering),
+        mock.patch.object(GraphLowering, "run_node", running),
+        concurrent_backward.backward_only(
+            lambda: strides, keys.append, strides_arrived=lambda: True
+        ),
+        pytest.raises(concurrent_backward.Stopped),
+    ):
+        inductor.compile_payload(payload, options, threads=1)
+
+    assert [k.key for k in keys] == [childs_key.key]
+    if first_lowering == "cut":
+        assert len(nodes) == 2 and nodes[0] == 0 and nodes[1] > 0
+    else:
+        assert len(nodes) == 1 and nodes[0] > 0

@@ -29,11 +29,14 @@ a CPU with oneDNN) stores the 4-D activations around a convolution channels-last
 comprehensive padding (GPU) pads a saved activation's strides. So the child sends the helper
 the forward's output strides as soon as its lowering has decided them (`GraphLowering.run`
 ended; Inductor reads them there too). The helper does not wait for them: it lowers its
-backward at once for the traced strides (its forward stub returns none), and at the end of
-that lowering reads the child's; where AOTAutograd would restride a placeholder with them
-(`_restrides`), it lowers the backward again for them (`_Restrided`), and only then hands its
-key on. A transformer's saved activations keep their traced strides, so its backward's
-lowering overlaps the child's forward lowering instead of following it.
+backward at once for the traced strides (its forward stub returns none), and reads the
+child's at the end of that lowering, or at its next node once they have arrived; where
+AOTAutograd would restride a placeholder with them (`_restrides`), it cuts that lowering
+there and lowers the backward again for them (`_Restrided`), and only then hands its key on.
+A transformer's saved activations keep their traced strides, so its backward's lowering
+overlaps the child's forward lowering instead of following it; a CNN's helper wasted its
+whole first lowering before it was cut at the strides' arrival (convnext's child waited
+11-15 s for its helper on 2× H200, a transformer's 0.5-3.8 s).
 
 Inductor benchmarks one joint-graph decision, pad_mm's (whether padding a matmul's operands
 makes it faster), and two processes benchmarking side by side can decide otherwise: the
@@ -67,6 +70,7 @@ Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forwar
 arguments positional), looked up there at call time, with `_get_inner_meta` and
 `fx_placeholder_vals` (the restride test), pad_mm's module-level `get_cached_should_pad`
 (a LocalCache file in the cache dir), `GraphLowering.run` and its `graph_outputs`' layouts,
+`GraphLowering.run_node` (called per node of the graph lowered),
 functorch's `bundled_autograd_cache` config, the static `TritonBundler.read_and_emit`, and
 the static `FxGraphCache.prepare_key` (returns `(key, debug_lines)` or None, and cache info), which
 `_compile_fx_inner` looks up on the class at call time, right before `load_with_key` (read in
@@ -296,14 +300,18 @@ def backward_only(
     forward_strides: Callable[[], Strides | None],
     hand_on: Callable[[Key], None],
     pad_wait_s: float = 10.0,
+    strides_arrived: Callable[[], bool] = lambda: False,
 ) -> Iterator[None]:
     """The helper's compile: no forward; the backward lowered at once for the traced strides,
     then checked against the child's (`forward_strides()`: None where the child sent none)
     and lowered again for those where AOTAutograd restrides with them; its key to `hand_on`
     once it holds for the child's strides, before its code is generated and its kernels
     compiled; the backward into the FX graph cache, then Stopped (an inference graph, or a
-    backward that bypasses the cache, stops at once)."""
+    backward that bypasses the cache, stops at once). The check comes at the end of that
+    first lowering, or at its next node once `strides_arrived()`: a lowering that restrides
+    (a CNN's) is cut there, not run to its end for nothing."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
+    run_node = GraphLowering.run_node
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
@@ -334,12 +342,18 @@ def backward_only(
             if held:
                 hand_on(held[0])
 
+        def early(self: GraphLowering, node: Any) -> Any:
+            if not checked and strides_arrived():
+                check([])
+            return run_node(self, node)
+
         def compiled(strides: Strides | None) -> None:
             given = (*args[:3], strides, *args[4:])
             with (
                 functorch_config.patch(bundled_autograd_cache=False),
                 _keyed(keyed),
                 _lowered(check),  # once checked, a no-op
+                mock.patch.object(GraphLowering, "run_node", early),
             ):
                 compile_backward(*given, **kwargs)
 
