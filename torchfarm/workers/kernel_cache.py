@@ -553,8 +553,11 @@ def _link(source: str, dest: str) -> bool:
     except OSError as e:
         if e.errno != errno.EXDEV:  # pruned by a compile beside this one
             return False
-        with open(source, "rb") as f:  # the staging dir is on another filesystem
-            _write_atomically(dest, f.read())
+        try:  # the staging dir is on another filesystem
+            with open(source, "rb") as f:
+                _write_atomically(dest, f.read())
+        except FileNotFoundError:  # pruned meanwhile
+            return False
     return True
 
 

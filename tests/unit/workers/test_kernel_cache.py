@@ -314,3 +314,19 @@ def test_a_library_is_asked_of_the_pool_before_inductor_builds_it(
     linked = [n for n in kernel_cache._names(str(inductor)) if os.path.islink(inductor / n)]
     assert len(linked) == 1 and os.readlink(inductor / linked[0]) == str(staging / linked[0])
     assert built == ["int mine;"]
+
+
+def test_an_object_staged_across_filesystems_is_copied_whole_or_not_at_all(monkeypatch, tmp_path):
+    """Where the staging dir is on another filesystem (EXDEV) the object is copied, whole; one
+    pruned before its copy stages nothing and says so (False), never raises."""
+    import errno
+
+    def across(source, dest):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", across)
+    (tmp_path / "obj.so").write_bytes(b"lib")
+    assert kernel_cache._link(str(tmp_path / "obj.so"), str(tmp_path / "staged.so"))
+    assert (tmp_path / "staged.so").read_bytes() == b"lib"
+    assert not kernel_cache._link(str(tmp_path / "pruned.so"), str(tmp_path / "none.so"))
+    assert not (tmp_path / "none.so").exists()
