@@ -98,8 +98,8 @@ class _Bmm(torch.nn.Module):
 
 
 def _benchmarked(farm, training: bool) -> int:
-    """The GEMM candidates a max-autotune compile of _Bmm benchmarked (without CUDA graphs:
-    with them the helper has nothing to do), from the farm's counter."""
+    """The GEMM candidates a max-autotune compile of _Bmm benchmarked (Inductor's max_autotune
+    option, without CUDA graphs), from the farm's counter."""
 
     def counted() -> int:
         return int(farm.store().counters.farm().get("gemm_candidates_benchmarked", 0))

@@ -35,8 +35,8 @@ backward (`_Meeting`): equal, it waits for the helper's end and looks its backwa
 different, or no key left by a helper that exited, it ends the helper at once and compiles
 the backward itself, and the artifact says which of the key's details differed
 (Artifact.backward_miss, for the worker's log). Under CUDA graphs the helper sets the boxes
-a forward's compile sets (concurrent_backward.py); where the forward set them otherwise, the
-keys differ and this process compiles the backward itself.
+a forward's compile sets as a forward on one GPU sets them (concurrent_backward.py); where
+this process's forward set them otherwise, the keys differ and it compiles the backward itself.
 
 On CPU pools the pool keeps warm *parents* instead (`--fork-server`): a process in the same
 sandbox that warms up once, then for each request forks a process from that untouched state,

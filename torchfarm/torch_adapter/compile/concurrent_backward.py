@@ -54,8 +54,11 @@ that the child's forward compile sets: `cudagraphs` (turned off where the forwar
 recorded, a CPU graph among others) and, where it stays on, the forward's device index. The
 helper compiles no forward, so it sets them as the forward would for a graph on one GPU (on,
 that GPU's index) and turns `cudagraphs` off for a graph on none (`_as_after_forward`); where
-the forward decided otherwise (a graph CUDA graphs cannot record), the keys differ at the
-meeting and the child compiles its backward itself, as without a helper.
+the forward decided otherwise, the keys differ at the meeting and the child compiles its
+backward itself, as without a helper: a forward CUDA graphs cannot record (it turns them off),
+and from torch 2.12 a forward split into CUDA-graph partitions around ops they cannot record
+(`forward_is_partitioned`, 2.15's `forward_is_cudagraph_partitioned`: the backward's static
+inputs, in its key, are then fewer), which the helper takes as unsplit.
 
 The FX graph cache is off under AOTAutograd's bundled cache (`bundled_autograd_cache`, which
 the worker's compile uses): it is turned off around the backward's compile only, in both
@@ -70,16 +73,20 @@ Uses torch._functorch._aot_autograd.graph_compile's `_aot_stage2b_compile_forwar
 arguments positional), looked up there at call time, with `_get_inner_meta` and
 `fx_placeholder_vals` (the restride test), pad_mm's module-level `get_cached_should_pad`
 (a LocalCache file in the cache dir), `GraphLowering.run` and its `graph_outputs`' layouts,
-`GraphLowering.run_node` (called per node of the graph lowered),
-functorch's `bundled_autograd_cache` config, the static `TritonBundler.read_and_emit`, and
-the static `FxGraphCache.prepare_key` (returns `(key, debug_lines)` or None, and cache info), which
+`GraphLowering.run_node` (called per node of the graph lowered), the module-level
+`compile_fx.compile_fx_backward` (which `compile_fx`'s backward compiler looks up at call
+time) with its `CompilerConfigExtra`'s `cudagraphs` (a `BoxedBool`) and `forward_device`
+(2.15: `forward_device_index`, a `BoxedDeviceIndex`), functorch's `bundled_autograd_cache`
+config, the static `TritonBundler.read_and_emit`, and the static `FxGraphCache.prepare_key`
+(returns `(key, debug_lines)` or None, and cache info), which
 `_compile_fx_inner` looks up on the class at call time, right before `load_with_key` (read in
 torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0).
 Verified: torch 2.11.0, 2.13.0, 2.15.0 on the CPU (a helper process and the child on one
 payload: the child's backward a lookup, `fxgraph_cache_hit` 1; with the forward's strides
 sent, also a CNN whose saved activations the forward stores channels-last, and the zoo's ViT
-at its GPU size) and 2.11.0+cu130 on the H200 (bench/gpu/run.sh novel: every helped
-compile's backward the helper's, before the strides were sent).
+at its GPU size; under reduce-overhead, the `cudagraphs` box turned off) and 2.11.0+cu130 on
+the H200 (bench/gpu/run.sh novel: every helped compile's backward the helper's, in the
+default mode and, the device index set, under max-autotune with CUDA graphs).
 """
 
 from __future__ import annotations
