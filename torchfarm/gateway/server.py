@@ -717,14 +717,15 @@ def serve(settings: GatewaySettings, ready=None) -> None:
     except redis.RedisError:
         log.warning("the cache's Redis is not reachable yet: blob store not checked")
     server, port = build_server(settings, store)
-    server.start()
-    pools = store.pools.live
+    # The metrics port bound before gRPC serves: a gateway whose metrics port is taken exits
+    # before anyone saw it serving (started after, it was seen ready and then died).
     metrics.serve_metrics(
         settings.metrics_host or settings.host,
         settings.metrics_port,
         broker_url(settings.redis_url, settings.broker_url),
-        pools,
+        store.pools.live,
     )
+    server.start()
     log.info(
         "gateway listening on %s:%d (%s)",
         settings.host,
