@@ -481,7 +481,7 @@ class MissTimings(_message.Message):
     """the artifact read back -> signed and stored, the job ended"""
     backward_at_s: _builtins.float
     """A backward compiled by the child's helper (Artifact.backward "helper"), parts of compile_s:
-    the compile's start -> the child at its backward's key
+    the child began its compile -> it reached its backward's key
     """
     backward_wait_s: _builtins.float
     """the child waited there for the helper's backward"""
@@ -1654,9 +1654,7 @@ class Artifact(_message.Message):
     PACKAGE_WEIGHTS_FIELD_NUMBER: _builtins.int
     TORCH_KEY_FIELD_NUMBER: _builtins.int
     BACKWARD_MISS_FIELD_NUMBER: _builtins.int
-    BACKWARD_AT_S_FIELD_NUMBER: _builtins.int
-    BACKWARD_WAIT_S_FIELD_NUMBER: _builtins.int
-    BACKWARD_LOAD_S_FIELD_NUMBER: _builtins.int
+    BACKWARD_TIMINGS_FIELD_NUMBER: _builtins.int
     format: _builtins.int
     inductor: _builtins.bytes
     """torch._inductor.CompiledArtifact, binary format"""
@@ -1686,13 +1684,6 @@ class Artifact(_message.Message):
     helper's entry missed, in a line (which of the key's details differed), for the
     worker's log (torch_adapter/compile/concurrent_backward.py).
     """
-    backward_at_s: _builtins.float
-    """Where `backward` is "helper": the child reached its backward's key this many seconds
-    into its compile (its forward compiled), then waited `backward_wait_s` for the helper's
-    backward and took `backward_load_s` to look it up and load it (MissTimings).
-    """
-    backward_wait_s: _builtins.float
-    backward_load_s: _builtins.float
     @_builtins.property
     def natives(self) -> _containers.RepeatedCompositeFieldContainer[Global___NativeObject]: ...
     @_builtins.property
@@ -1721,6 +1712,12 @@ class Artifact(_message.Message):
         written (weights sent, or built into the .so).
         """
 
+    @_builtins.property
+    def backward_timings(self) -> Global___MissTimings:
+        """Where `backward` is "helper": the child's part of the miss's timings (only MissTimings'
+        backward_* set), which the worker merges into its own.
+        """
+
     def __init__(
         self,
         *,
@@ -1739,13 +1736,11 @@ class Artifact(_message.Message):
         package_weights: Global___PackageWeights | None = ...,
         torch_key: _builtins.bytes = ...,
         backward_miss: _builtins.str = ...,
-        backward_at_s: _builtins.float = ...,
-        backward_wait_s: _builtins.float = ...,
-        backward_load_s: _builtins.float = ...,
+        backward_timings: Global___MissTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["guards", b"guards", "package_weights", b"package_weights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["backward_timings", b"backward_timings", "guards", b"guards", "package_weights", b"package_weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "backward_at_s", b"backward_at_s", "backward_load_s", b"backward_load_s", "backward_miss", b"backward_miss", "backward_wait_s", b"backward_wait_s", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "torch_key", b"torch_key", "tuned_configs", b"tuned_configs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward", b"backward", "backward_miss", b"backward_miss", "backward_timings", b"backward_timings", "compile_seconds", b"compile_seconds", "format", b"format", "graph_code", b"graph_code", "guards", b"guards", "inductor", b"inductor", "kernels", b"kernels", "natives", b"natives", "op_counts", b"op_counts", "package", b"package", "package_weights", b"package_weights", "structure", b"structure", "torch_key", b"torch_key", "tuned_configs", b"tuned_configs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

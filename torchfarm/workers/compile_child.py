@@ -575,9 +575,13 @@ def _compile(
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
     if backward.compiled_by == "helper":
-        artifact.backward_at_s = backward.key_at - started
-        artifact.backward_wait_s = backward.wait_s
-        artifact.backward_load_s = backward.load_s
+        artifact.backward_timings.CopyFrom(
+            pb.MissTimings(
+                backward_at_s=backward.key_at - started,
+                backward_wait_s=backward.wait_s,
+                backward_load_s=backward.load_s,
+            )
+        )
     if backward.compiled_by == "child":  # the lookup of the helper's backward missed
         helper_key = _helper_key(cache_dir)
         artifact.backward_miss = concurrent_backward.difference(helper_key, backward.key)

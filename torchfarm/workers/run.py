@@ -184,10 +184,8 @@ class CompileRun:
             handoff_s=child.handoff_s,
             child_s=read_back - handed - child.handoff_s,
             compile_s=artifact.compile_seconds,
-            backward_at_s=artifact.backward_at_s,
-            backward_wait_s=artifact.backward_wait_s,
-            backward_load_s=artifact.backward_load_s,
         )
+        timings.MergeFrom(artifact.backward_timings)
         return _Compiled(
             child.data, meta, timings, read_back, artifact.backward, artifact.backward_miss
         )
