@@ -1714,8 +1714,9 @@ class Artifact(_message.Message):
 
     @_builtins.property
     def backward_timings(self) -> Global___MissTimings:
-        """Where `backward` is "helper": the child's part of the miss's timings (only MissTimings'
-        backward_* set), which the worker merges into its own.
+        """Where `backward` is "helper": the child's part of the miss's timings (MissTimings'
+        backward_*); the worker sets its own fields over it (a child's other values count for
+        nothing).
         """
 
     def __init__(

@@ -47,6 +47,20 @@ class Ended:
     stored_bytes: int = 0
 
 
+def miss_timings(
+    artifact: pb.Artifact, queued_s: float, handoff_s: float, child_s: float
+) -> pb.MissTimings:
+    """A miss's timings as the worker answers them (store_s set once stored): the child's part
+    (`backward_timings`, its helper's backward) under the worker's own fields, so that a child
+    cannot speak for the worker's clock."""
+    timings = pb.MissTimings()
+    timings.CopyFrom(artifact.backward_timings)
+    timings.queued_s, timings.handoff_s, timings.child_s = queued_s, handoff_s, child_s
+    timings.compile_s = artifact.compile_seconds
+    timings.store_s = 0.0
+    return timings
+
+
 class _Stop(TorchfarmError):
     """A step ended the job (its outcome written): the run stops with `result`."""
 
@@ -179,13 +193,12 @@ class CompileRun:
         meta = entry.entry_meta(self.job, payload, child.data, artifact, self.pool)
         if self.settings.signing_key:  # else TORCHFARM_INSECURE_UNSIGNED (run_worker warned)
             entry.sign(meta, self.settings.signing_key)
-        timings = pb.MissTimings(
+        timings = miss_timings(
+            artifact,
             queued_s=max(0.0, self.taken - self.job.queued_at) if self.job.queued_at else 0.0,
             handoff_s=child.handoff_s,
             child_s=read_back - handed - child.handoff_s,
-            compile_s=artifact.compile_seconds,
         )
-        timings.MergeFrom(artifact.backward_timings)
         return _Compiled(
             child.data, meta, timings, read_back, artifact.backward, artifact.backward_miss
         )
