@@ -40,13 +40,17 @@ def _helped_step(farm: LocalFarm, name: str, seed: int) -> None:
     """One training step of model `name` on the farm (a miss): eager's output and gradients,
     and the child's backward the helper's entry, not a compile of its own (a lookup: the
     worker logs it from the child's `fxgraph_cache_hit` count). The miss's timings say when
-    the child reached its backward, how long it waited for the helper's and loaded it."""
+    the child reached its backward, how long it waited for the helper's and loaded it, and,
+    on the child's clock, when the helper began, lowered and compiled that backward: in that
+    order, and done by the time the child stopped waiting."""
     before = log_of(farm, "worker0").count(HELPED)
     timings = _eagers_step(farm, name, seed)
     assert log_of(farm, "worker0").count(HELPED) == before + 1
     parts = [timings[f"backward_{part}_s"] for part in ("at", "wait", "load")]
     assert parts[0] > 0 and parts[2] > 0
     assert sum(parts) <= timings["compile_s"]
+    helper = [timings[f"helper_{part}_s"] for part in ("began", "lowered", "compiled")]
+    assert 0 < helper[0] <= helper[1] <= helper[2] <= parts[0] + parts[1]
 
 
 def _eagers_step(farm: LocalFarm, name: str, seed: int, mode: str = "default") -> dict[str, float]:

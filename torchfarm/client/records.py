@@ -41,7 +41,8 @@ class GraphRecord:
     switched: float = 0.0
     # farm graphs: where the time went (seconds, and wire_bytes): the worker's MissTimings on a
     # miss (queued_s, handoff_s, child_s, compile_s, store_s; backward_at_s, backward_wait_s,
-    # backward_load_s where the backward was the helper's); here payload_s (the graph
+    # backward_load_s and helper_began_s, helper_lowered_s, helper_compiled_s where the
+    # backward was the helper's); here payload_s (the graph
     # serialized, target and options included), key_s, rpc_s (Get sent -> header; a miss's
     # compile included), transfer_s (header -> last chunk, decompress_s included),
     # wire_bytes (chunk bytes received), verify_s (the signature), load_s

@@ -469,6 +469,9 @@ class MissTimings(_message.Message):
     BACKWARD_AT_S_FIELD_NUMBER: _builtins.int
     BACKWARD_WAIT_S_FIELD_NUMBER: _builtins.int
     BACKWARD_LOAD_S_FIELD_NUMBER: _builtins.int
+    HELPER_BEGAN_S_FIELD_NUMBER: _builtins.int
+    HELPER_LOWERED_S_FIELD_NUMBER: _builtins.int
+    HELPER_COMPILED_S_FIELD_NUMBER: _builtins.int
     queued_s: _builtins.float
     """the gateway queued the job -> a worker took it (worker's clock)"""
     handoff_s: _builtins.float
@@ -487,6 +490,14 @@ class MissTimings(_message.Message):
     """the child waited there for the helper's backward"""
     backward_load_s: _builtins.float
     """then looked it up and loaded it"""
+    helper_began_s: _builtins.float
+    """and, on the same clock (the child began its compile -> ...), the helper's own parts:
+    it began the backward's compile (trace, partition done)
+    """
+    helper_lowered_s: _builtins.float
+    """its last lowering of the backward ended"""
+    helper_compiled_s: _builtins.float
+    """its backward compiled, in the cache dir they share"""
     def __init__(
         self,
         *,
@@ -498,10 +509,13 @@ class MissTimings(_message.Message):
         backward_at_s: _builtins.float = ...,
         backward_wait_s: _builtins.float = ...,
         backward_load_s: _builtins.float = ...,
+        helper_began_s: _builtins.float = ...,
+        helper_lowered_s: _builtins.float = ...,
+        helper_compiled_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_at_s", b"backward_at_s", "backward_load_s", b"backward_load_s", "backward_wait_s", b"backward_wait_s", "child_s", b"child_s", "compile_s", b"compile_s", "handoff_s", b"handoff_s", "queued_s", b"queued_s", "store_s", b"store_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_at_s", b"backward_at_s", "backward_load_s", b"backward_load_s", "backward_wait_s", b"backward_wait_s", "child_s", b"child_s", "compile_s", b"compile_s", "handoff_s", b"handoff_s", "helper_began_s", b"helper_began_s", "helper_compiled_s", b"helper_compiled_s", "helper_lowered_s", b"helper_lowered_s", "queued_s", b"queued_s", "store_s", b"store_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

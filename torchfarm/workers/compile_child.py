@@ -28,7 +28,8 @@ request, then the forward's output strides (JSON) once this process has lowered 
 What it compiled reaches the artifact only through the Inductor cache dir the two share, as a
 cache entry that this process looks up (and compiles itself where that misses); its one
 report, the GEMM candidates it benchmarked and their problems, is a KernelFiles it leaves in
-that dir (HELPER_REPORT), which this process adds to its own. Once its backward's lowering
+that dir (HELPER_REPORT), which this process adds to its own, with when its backward went
+where (HELPER_TIMES, for the miss's timings). Once its backward's lowering
 holds for those strides, before its code is generated and its kernels compiled, it leaves
 there its backward's key (HELPER_KEY), which this process compares with its own at its
 backward (`_Meeting`): equal, it waits for the helper's end and looks its backward up;
@@ -79,13 +80,14 @@ from torchfarm.settings import env
 from torchfarm.workers import kernel_cache, warm_fork
 
 if TYPE_CHECKING:  # it imports torch, which the worker importing this module never needs
-    from torchfarm.torch_adapter.compile.concurrent_backward import Key, Strides
+    from torchfarm.torch_adapter.compile.concurrent_backward import HelperTimes, Key, Strides
 
 # Each report on the child's stdout, and each frame on its helper's stdin, is preceded by
 # its length, 8 bytes big-endian.
 FRAME = struct.Struct(">Q")
 HELPER_REPORT = "torchfarm-helper.pb"  # the backward helper's KernelFiles, in the shared cache dir
 HELPER_KEY = "torchfarm-helper-key.json"  # its backward's Key, beside it
+HELPER_TIMES = "torchfarm-helper-times.json"  # when its backward went where (HelperTimes)
 # A fork server's protocol. On its stdin (a Unix socket): FORK with the request's stdin,
 # stdout and stderr (SCM_RIGHTS), or KILL (end the request now). On its stdout: a `ready`
 # report once warm, then END (the exit status) after each request, once its sandbox is clean.
@@ -570,16 +572,20 @@ def _compile(
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     meeting = _Meeting(helper, cache_dir)
-    started = time.perf_counter()
+    started, started_on_host = time.perf_counter(), time.monotonic()
     with concurrent_backward.backward_from(meeting, send_strides) as backward:
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
     if backward.compiled_by == "helper":
+        since = _helper_times(cache_dir, started_on_host)
         artifact.backward_timings.CopyFrom(
             pb.MissTimings(
                 backward_at_s=backward.key_at - started,
                 backward_wait_s=backward.wait_s,
                 backward_load_s=backward.load_s,
+                helper_began_s=since.began,
+                helper_lowered_s=since.lowered,
+                helper_compiled_s=since.compiled,
             )
         )
     if backward.compiled_by == "child":  # the lookup of the helper's backward missed
@@ -646,6 +652,19 @@ def _helper_key(cache_dir: str) -> Key | None:
         return None
 
 
+def _helper_times(cache_dir: str, started: float) -> HelperTimes:
+    """When the helper's backward went where, in seconds since `started` (time.monotonic());
+    all 0 where it left none."""
+    from torchfarm.torch_adapter.compile.concurrent_backward import HelperTimes
+
+    try:
+        with open(os.path.join(cache_dir, HELPER_TIMES), "rb") as f:
+            left = {k: float(v) for k, v in json.loads(f.read()).items()}
+        return HelperTimes(**{k: max(0.0, v - started) if v else 0.0 for k, v in left.items()})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return HelperTimes()
+
+
 def _leave(cache_dir: str, name: str, data: bytes) -> None:
     """A file of the helper's for its child, whole or not at all (a rename), before it exits."""
     path = os.path.join(cache_dir, name)
@@ -684,10 +703,11 @@ def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
         try:
             with concurrent_backward.backward_only(
                 strides.wait, hand_on, strides_arrived=strides.arrived.is_set
-            ):
+            ) as times:
                 compiler.compile(request, context)
         except concurrent_backward.Stopped:
             pass
+    _leave(cache_dir, HELPER_TIMES, json.dumps(dataclasses.asdict(times)).encode())
     files = pb.KernelFiles(gemm_candidates_benchmarked=benchmarked.candidates)
     files.gemm_problems.extend(gemm_problems.problems(benchmarked.problems, args.device))
     _leave(cache_dir, HELPER_REPORT, files.SerializeToString())

@@ -242,7 +242,10 @@ class CompileRun:
             f", backward compiled by the {compiled.backward}" if compiled.backward else "",
             (
                 f" (the child at its key {timings.backward_at_s:.1f} s in, waited "
-                f"{timings.backward_wait_s:.2f} s, loaded it in {timings.backward_load_s:.2f} s)"
+                f"{timings.backward_wait_s:.2f} s, loaded it in {timings.backward_load_s:.2f} s;"
+                f" the helper began it {timings.helper_began_s:.1f} s in, lowered it at "
+                f"{timings.helper_lowered_s:.1f} s, compiled it at "
+                f"{timings.helper_compiled_s:.1f} s)"
             )
             if compiled.backward == "helper"
             else "",

@@ -158,6 +158,17 @@ class Backward:
     load_s: float = 0.0
 
 
+@dataclasses.dataclass
+class HelperTimes:
+    """When the helper's backward went where (time.monotonic(), which the child's process on
+    the same host shares; 0: not reached): its compile began (its trace and partition done),
+    its last lowering ended, its compile ended (the backward stored in the cache dir)."""
+
+    began: float = 0.0
+    lowered: float = 0.0
+    compiled: float = 0.0
+
+
 def _graphs(compiled: Any) -> Iterator[Any]:
     """The compiled backward and what it wraps, down to Inductor's compiled graph."""
     while compiled is not None:
@@ -308,7 +319,7 @@ def backward_only(
     hand_on: Callable[[Key], None],
     pad_wait_s: float = 10.0,
     strides_arrived: Callable[[], bool] = lambda: False,
-) -> Iterator[None]:
+) -> Iterator[HelperTimes]:
     """The helper's compile: no forward; the backward lowered at once for the traced strides,
     then checked against the child's (`forward_strides()`: None where the child sent none)
     and lowered again for those where AOTAutograd restrides with them; its key to `hand_on`
@@ -316,9 +327,11 @@ def backward_only(
     compiled; the backward into the FX graph cache, then Stopped (an inference graph, or a
     backward that bypasses the cache, stops at once). The check comes at the end of that
     first lowering, or at its next node once `strides_arrived()`: a lowering that restrides
-    (a CNN's) is cut there, not run to its end for nothing."""
+    (a CNN's) is cut there, not run to its end for nothing. What is yielded says when each
+    part ended."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
     run_node = GraphLowering.run_node
+    times = HelperTimes()
 
     def forward(*args, is_inference: bool, **kwargs):
         if is_inference:
@@ -326,6 +339,7 @@ def backward_only(
         return None, _forward_stub  # the traced strides: checked at the backward's lowering
 
     def backward(*args, **kwargs):
+        times.began = time.monotonic()
         held: list[Key] = []
         checked: list[Strides] = []
 
@@ -354,15 +368,20 @@ def backward_only(
                 check([])
             return run_node(self, node)
 
+        def lowered(strides: Strides) -> None:
+            times.lowered = time.monotonic()
+            check(strides)  # once checked, a no-op
+
         def compiled(strides: Strides | None) -> None:
             given = (*args[:3], strides, *args[4:])
             with (
                 functorch_config.patch(bundled_autograd_cache=False),
                 _keyed(keyed),
-                _lowered(check),  # once checked, a no-op
+                _lowered(lowered),
                 mock.patch.object(GraphLowering, "run_node", early),
             ):
                 compile_backward(*given, **kwargs)
+            times.compiled = time.monotonic()
 
         try:
             compiled(None)  # the traced strides
@@ -377,7 +396,7 @@ def backward_only(
         _childs_pad_decisions(pad_wait_s),
         _as_after_forward(),
     ):
-        yield
+        yield times
 
 
 @contextlib.contextmanager
