@@ -483,7 +483,8 @@ class MissTimings(_message.Message):
     store_s: _builtins.float
     """the artifact read back -> signed and stored, the job ended"""
     backward_at_s: _builtins.float
-    """A backward compiled by the child's helper (Artifact.backward "helper"), parts of compile_s:
+    """A backward compiled by the child's helper (Artifact.backward "helper"), parts of compile_s,
+    from the child (backward_* and helper_*: the fields the worker takes of its artifact's):
     the child began its compile -> it reached its backward's key
     """
     backward_wait_s: _builtins.float
@@ -1729,8 +1730,7 @@ class Artifact(_message.Message):
     @_builtins.property
     def backward_timings(self) -> Global___MissTimings:
         """Where `backward` is "helper": the child's part of the miss's timings (MissTimings'
-        backward_*); the worker sets its own fields over it (a child's other values count for
-        nothing).
+        backward_* and helper_*), of which the worker takes only those fields.
         """
 
     def __init__(

@@ -80,7 +80,7 @@ from torchfarm.settings import env
 from torchfarm.workers import kernel_cache, warm_fork
 
 if TYPE_CHECKING:  # it imports torch, which the worker importing this module never needs
-    from torchfarm.torch_adapter.compile.concurrent_backward import HelperTimes, Key, Strides
+    from torchfarm.torch_adapter.compile.concurrent_backward import Key, Strides
 
 # Each report on the child's stdout, and each frame on its helper's stdin, is preceded by
 # its length, 8 bytes big-endian.
@@ -572,22 +572,15 @@ def _compile(
 
     cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     meeting = _Meeting(helper, cache_dir)
-    started, started_on_host = time.perf_counter(), time.monotonic()
+    started = time.monotonic()  # the helper's clock too: one host
     with concurrent_backward.backward_from(meeting, send_strides) as backward:
         artifact = compiler.compile(request, context)
     artifact.backward = backward.compiled_by
     if backward.compiled_by == "helper":
-        since = _helper_times(cache_dir, started_on_host)
-        artifact.backward_timings.CopyFrom(
-            pb.MissTimings(
-                backward_at_s=backward.key_at - started,
-                backward_wait_s=backward.wait_s,
-                backward_load_s=backward.load_s,
-                helper_began_s=since.began,
-                helper_lowered_s=since.lowered,
-                helper_compiled_s=since.compiled,
-            )
-        )
+        artifact.backward_timings.CopyFrom(_helper_times(cache_dir, started))
+        artifact.backward_timings.backward_at_s = backward.key_at - started
+        artifact.backward_timings.backward_wait_s = backward.wait_s
+        artifact.backward_timings.backward_load_s = backward.load_s
     if backward.compiled_by == "child":  # the lookup of the helper's backward missed
         helper_key = _helper_key(cache_dir)
         artifact.backward_miss = concurrent_backward.difference(helper_key, backward.key)
@@ -652,17 +645,19 @@ def _helper_key(cache_dir: str) -> Key | None:
         return None
 
 
-def _helper_times(cache_dir: str, started: float) -> HelperTimes:
-    """When the helper's backward went where, in seconds since `started` (time.monotonic());
-    all 0 where it left none."""
-    from torchfarm.torch_adapter.compile.concurrent_backward import HelperTimes
-
+def _helper_times(cache_dir: str, started: float) -> pb.MissTimings:
+    """The helper's part of a miss's timings (helper_*_s): when its backward went where
+    (HELPER_TIMES, on time.monotonic()), in seconds since `started` on that clock; unset where
+    it left none, or for a part it did not reach."""
     try:
         with open(os.path.join(cache_dir, HELPER_TIMES), "rb") as f:
-            left = {k: float(v) for k, v in json.loads(f.read()).items()}
-        return HelperTimes(**{k: max(0.0, v - started) if v else 0.0 for k, v in left.items()})
+            left = json.loads(f.read())
+        parts = ("began", "lowered", "compiled")
+        return pb.MissTimings(
+            **{f"helper_{p}_s": float(left[p]) - started for p in parts if left.get(p)}
+        )
     except (OSError, ValueError, TypeError, AttributeError):
-        return HelperTimes()
+        return pb.MissTimings()
 
 
 def _leave(cache_dir: str, name: str, data: bytes) -> None:

@@ -47,18 +47,42 @@ class Ended:
     stored_bytes: int = 0
 
 
+# A miss's timings the child gives (Artifact.backward_timings, its helper's backward): the
+# MissTimings fields named so; every other field is the worker's.
+CHILDS_TIMINGS = tuple(
+    f.name for f in pb.MissTimings.DESCRIPTOR.fields if f.name.startswith(("backward_", "helper_"))
+)
+
+
 def miss_timings(
     artifact: pb.Artifact, queued_s: float, handoff_s: float, child_s: float
 ) -> pb.MissTimings:
-    """A miss's timings as the worker answers them (store_s set once stored): the child's part
-    (`backward_timings`, its helper's backward) under the worker's own fields, so that a child
-    cannot speak for the worker's clock."""
-    timings = pb.MissTimings()
-    timings.CopyFrom(artifact.backward_timings)
-    timings.queued_s, timings.handoff_s, timings.child_s = queued_s, handoff_s, child_s
-    timings.compile_s = artifact.compile_seconds
-    timings.store_s = 0.0
+    """A miss's timings as the worker answers them (store_s set once stored): its own, and of
+    the child's only CHILDS_TIMINGS, where the helper compiled its backward, so that a child
+    neither speaks for the worker's clock nor sends anything else through (unknown fields)."""
+    timings = pb.MissTimings(
+        queued_s=queued_s, handoff_s=handoff_s, child_s=child_s, compile_s=artifact.compile_seconds
+    )
+    if artifact.backward == "helper":
+        for name in CHILDS_TIMINGS:
+            setattr(timings, name, getattr(artifact.backward_timings, name))
     return timings
+
+
+def _helped(timings: pb.MissTimings) -> str:
+    """A helped backward's timings, for the worker's "stored" line ("-": a part the helper
+    did not reach, or left no time for: unset)."""
+
+    def at(field: str) -> str:
+        seconds = getattr(timings, field)
+        return f"{seconds:.1f} s" if seconds else "-"
+
+    return (
+        f" (the child at its key {timings.backward_at_s:.1f} s in, waited "
+        f"{timings.backward_wait_s:.2f} s, loaded it in {timings.backward_load_s:.2f} s; "
+        f"the helper began it at {at('helper_began_s')}, lowered it at "
+        f"{at('helper_lowered_s')}, compiled it at {at('helper_compiled_s')})"
+    )
 
 
 class _Stop(TorchfarmError):
@@ -240,15 +264,7 @@ class CompileRun:
             timings.compile_s,
             timings.handoff_s,
             f", backward compiled by the {compiled.backward}" if compiled.backward else "",
-            (
-                f" (the child at its key {timings.backward_at_s:.1f} s in, waited "
-                f"{timings.backward_wait_s:.2f} s, loaded it in {timings.backward_load_s:.2f} s;"
-                f" the helper began it {timings.helper_began_s:.1f} s in, lowered it at "
-                f"{timings.helper_lowered_s:.1f} s, compiled it at "
-                f"{timings.helper_compiled_s:.1f} s)"
-            )
-            if compiled.backward == "helper"
-            else "",
+            _helped(timings) if compiled.backward == "helper" else "",
             f" (its lookup missed: {compiled.backward_miss})" if compiled.backward_miss else "",
             extra=dict(self.extra, pool=self.pool),
         )

@@ -36,6 +36,18 @@ def test_the_helpers_key_reaches_its_child_and_junk_reads_as_none(tmp_path):
         assert compile_child._helper_key(str(tmp_path)) is None
 
 
+def test_the_helpers_times_reach_its_child_on_its_clock_and_junk_reads_as_none(tmp_path):
+    assert compile_child._helper_times(str(tmp_path), 100.0) == pb.MissTimings()  # none left
+    left = {"began": 102.5, "lowered": 0.0, "compiled": 99.0}  # not lowered; before started
+    compile_child._leave(str(tmp_path), compile_child.HELPER_TIMES, json.dumps(left).encode())
+    assert compile_child._helper_times(str(tmp_path), 100.0) == pb.MissTimings(
+        helper_began_s=2.5, helper_compiled_s=-1.0
+    )
+    for junk in (b"\xff", b"[]", b'{"began": "soon"}', b'{"began": [1]}', b"null"):
+        (tmp_path / compile_child.HELPER_TIMES).write_bytes(junk)
+        assert compile_child._helper_times(str(tmp_path), 100.0) == pb.MissTimings()
+
+
 def _helper_pipe():
     """A helper as the child sees it (its stdin), and the other end of that pipe."""
     read_end, write_end = os.pipe()

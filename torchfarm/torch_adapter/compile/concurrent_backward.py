@@ -151,7 +151,7 @@ class Backward:
 
     compiled_by: str = ""
     key: Key | None = None
-    # time.perf_counter() at the child's backward key; then seconds waited there for the
+    # time.monotonic() at the child's backward key; then seconds waited there for the
     # helper, and seconds to look its backward up and load it
     key_at: float = 0.0
     wait_s: float = 0.0
@@ -327,8 +327,8 @@ def backward_only(
     compiled; the backward into the FX graph cache, then Stopped (an inference graph, or a
     backward that bypasses the cache, stops at once). The check comes at the end of that
     first lowering, or at its next node once `strides_arrived()`: a lowering that restrides
-    (a CNN's) is cut there, not run to its end for nothing. What is yielded says when each
-    part ended."""
+    (a CNN's) is cut there, not run to its end for nothing. What is yielded says when the
+    backward's compile began, its last lowering ended and its compile ended."""
     compile_backward = graph_compile._aot_stage2b_bw_compile
     run_node = GraphLowering.run_node
     times = HelperTimes()
@@ -460,9 +460,9 @@ def backward_from(
 
     def keyed(key: Key | None) -> None:
         outcome.key = key
-        outcome.key_at = time.perf_counter()
+        outcome.key_at = time.monotonic()
         meet(key)
-        outcome.wait_s = time.perf_counter() - outcome.key_at
+        outcome.wait_s = time.monotonic() - outcome.key_at
 
     def backward(*args, **kwargs):
         hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -475,7 +475,7 @@ def backward_from(
         ):
             lazy_info, compiled = compile_backward(*args, **kwargs)
         if outcome.key_at:
-            outcome.load_s = time.perf_counter() - outcome.key_at - outcome.wait_s
+            outcome.load_s = time.monotonic() - outcome.key_at - outcome.wait_s
         helped = counters["inductor"]["fxgraph_cache_hit"] > hits
         outcome.compiled_by = "helper" if helped else "child"
         if helped:  # the child's key is kept only to compare with the helper's
