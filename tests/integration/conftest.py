@@ -64,6 +64,18 @@ def worker_isa_verdict(monkeypatch, tmp_path):
         isa_verdict.settle(marker, kept)
 
 
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """Fresh Inductor cache dirs for in-process compiles (`with caches():`), kept, not deleted
+    on leaving: torch 2.11 keeps the C++ modules it loaded by their key, and a later compile of
+    the same source in this process (another test's, another module's) finds its library in
+    an earlier dir, which must still be there."""
+    from torch._inductor.utils import fresh_cache
+
+    parent = str(tmp_path_factory.mktemp("inductor"))
+    return lambda: fresh_cache(dir=parent, delete=False)
+
+
 @pytest.fixture
 def compiler_log(tmp_path):
     """A PATH whose g++/gcc/c++ log every call before running the real compiler."""

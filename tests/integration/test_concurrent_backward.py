@@ -161,17 +161,13 @@ class _Helper:
 
 
 def _compile_beside(
-    helper: _Helper, name: str, cache: str, their_key: Key | None = None
+    helper: _Helper, name: str, caches, their_key: Key | None = None
 ) -> pb.Artifact:
     """The child's compile of a training step of model `name`, beside `helper`, in-process,
-    the helper's key `their_key` in their cache dir, a fresh one under `cache`, kept: torch
-    2.11 keeps the C++ modules it loaded by their key, and a later compile of the same source
-    in this process (another test's) would find its library in a deleted dir."""
-    from torch._inductor.utils import fresh_cache
-
+    the helper's key `their_key` in their cache dir, a fresh one of `caches` (the fixture)."""
     payload, options = _training_payload(*build(name, seed=5))
     request = pb.CompileChildRequest(graph=payload, options=options)
-    with fresh_cache(dir=cache, delete=False):
+    with caches():
         if their_key is not None:
             compile_child._leave(
                 os.environ["TORCHINDUCTOR_CACHE_DIR"],
@@ -183,22 +179,22 @@ def _compile_beside(
         )
 
 
-def test_where_the_helpers_key_differs_the_child_ends_it_and_compiles_the_backward(tmp_path):
+def test_where_the_helpers_key_differs_the_child_ends_it_and_compiles_the_backward(caches):
     """The helper's key is there before its compile: the child compares it with its own at
     its backward, and a different one ends the helper then, not after the helper's whole
     compile (this helper never ends by itself). The worker's log says why it missed."""
     theirs = Key("f" + "0" * 51, ["[aaaa] fx_kwargs[cudagraphs]: BoxedBool(value=True)"])
     helper = _Helper()
-    artifact = _compile_beside(helper, "cnn", str(tmp_path), theirs)
+    artifact = _compile_beside(helper, "cnn", caches, theirs)
     assert helper.ends == ["killed"]
     assert artifact.backward == "child"
     assert "of the key's details differ" in artifact.backward_miss
     assert artifact.backward_miss.endswith("; the helper was ended at its key, not waited for")
 
 
-def test_a_helper_that_exited_without_its_key_never_holds_the_child(tmp_path):
+def test_a_helper_that_exited_without_its_key_never_holds_the_child(caches):
     helper = _Helper(exited=1)
-    artifact = _compile_beside(helper, "transformer", str(tmp_path))
+    artifact = _compile_beside(helper, "transformer", caches)
     assert helper.ends == []  # neither waited for nor killed: it had gone
     assert (artifact.backward, artifact.backward_miss) == (
         "child",

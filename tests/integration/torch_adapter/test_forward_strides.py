@@ -10,21 +10,11 @@ import pytest
 import torch
 from torch._functorch._aot_autograd import graph_compile
 from torch._inductor.graph import GraphLowering
-from torch._inductor.utils import fresh_cache
 
 from tests.models import build
 from torchfarm.compiler import inductor, serialize, trace_state
 from torchfarm.proto import torchfarm_pb2 as pb
 from torchfarm.torch_adapter.compile import concurrent_backward
-
-
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """Fresh cache dirs, kept to the module's end: Inductor keeps the C++ modules it loaded
-    in sys.modules by their key (torch 2.11), and a later compile of the same source finds
-    its library in an earlier, deleted, dir."""
-    parent = str(tmp_path_factory.mktemp("inductor"))
-    return lambda: fresh_cache(dir=parent, delete=False)
 
 
 def _training_payload(model, x) -> tuple[bytes, pb.Options]:
