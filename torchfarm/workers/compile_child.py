@@ -627,8 +627,7 @@ class _Meeting:
 def _helper_report(cache_dir: str) -> pb.KernelFiles:
     """The backward helper's report (empty where it wrote none: no backward, or it failed)."""
     try:
-        with open(os.path.join(cache_dir, HELPER_REPORT), "rb") as f:
-            return pb.KernelFiles.FromString(f.read())
+        return pb.KernelFiles.FromString(_left(cache_dir, HELPER_REPORT))
     except (OSError, DecodeError):
         return pb.KernelFiles()
 
@@ -638,8 +637,7 @@ def _helper_key(cache_dir: str) -> Key | None:
     from torchfarm.torch_adapter.compile.concurrent_backward import Key
 
     try:
-        with open(os.path.join(cache_dir, HELPER_KEY), "rb") as f:
-            left = json.loads(f.read())
+        left = json.loads(_left(cache_dir, HELPER_KEY))
         return Key(key=str(left["key"]), lines=[str(line) for line in left["lines"]])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -650,8 +648,7 @@ def _helper_times(cache_dir: str, started: float) -> pb.MissTimings:
     (HELPER_TIMES, on time.monotonic()), in seconds since `started` on that clock; unset where
     it left none, or for a part it did not reach."""
     try:
-        with open(os.path.join(cache_dir, HELPER_TIMES), "rb") as f:
-            left = json.loads(f.read())
+        left = json.loads(_left(cache_dir, HELPER_TIMES))
         parts = ("began", "lowered", "compiled")
         return pb.MissTimings(
             **{f"helper_{p}_s": float(left[p]) - started for p in parts if left.get(p)}
@@ -666,6 +663,12 @@ def _leave(cache_dir: str, name: str, data: bytes) -> None:
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)
+
+
+def _left(cache_dir: str, name: str) -> bytes:
+    """What the helper left under `name` (`_leave`); OSError where it left nothing."""
+    with open(os.path.join(cache_dir, name), "rb") as f:
+        return f.read()
 
 
 def _helper_main(args: argparse.Namespace, warmed: bool = False) -> int:
